@@ -1,0 +1,144 @@
+"""The `nightshift` command line (typer). Heavy imports (Ray, vLLM, torch) happen inside commands, so
+`nightshift --help` is instant."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from pipeline.config import ConfigError, JobConfig, load_job_config, merge_overrides
+
+app = typer.Typer(
+    name="nightshift",
+    help="Self-hosted batch LLM inference: OpenAI Batch files in, sorted sharded results out.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+
+
+def _mount_node_commands() -> None:
+    try:
+        from cluster.cli import node_app
+    except ImportError:  # cluster/ is part of the distribution; tolerate a partial checkout
+        return
+    app.add_typer(node_app, name="node")
+
+
+_mount_node_commands()
+
+
+def _fail(message: str, code: int = 2) -> None:
+    typer.secho(f"error: {message}", fg=typer.colors.RED, err=True)
+    raise typer.Exit(code)
+
+
+@app.command()
+def run(
+    input: Annotated[Optional[str], typer.Argument(help="OpenAI Batch JSONL file.")] = None,
+    output: Annotated[Optional[str], typer.Argument(help="Output directory (created if missing).")] = None,
+    config: Annotated[Optional[Path], typer.Option("--config", "-c", help="Job config YAML; flags win over it.")] = None,
+    model: Annotated[Optional[str], typer.Option(help="Model directory or id. Default: embedded SmolLM2-135M-Instruct.")] = None,
+    served_model_name: Annotated[Optional[str], typer.Option(help="Name request bodies must use as `model`.")] = None,
+    engine: Annotated[Optional[str], typer.Option(help="Engine backend: vllm or fake.")] = None,
+    format: Annotated[Optional[str], typer.Option("--format", help="Output format: jsonl.")] = None,
+    rows_per_shard: Annotated[Optional[int], typer.Option(help="Result rows per output shard.")] = None,
+    address: Annotated[Optional[str], typer.Option(help="Ray cluster address; default: start a local Ray.")] = None,
+    num_engines: Annotated[Optional[int], typer.Option(help="Engine actors (replicas).")] = None,
+    cpus_per_engine: Annotated[Optional[float], typer.Option(help="Ray CPUs reserved per engine actor.")] = None,
+    gpus_per_engine: Annotated[Optional[float], typer.Option(help="Ray GPUs reserved per engine actor.")] = None,
+    max_model_len: Annotated[Optional[int], typer.Option(help="vLLM: context length.")] = None,
+    max_num_seqs: Annotated[Optional[int], typer.Option(help="vLLM: most sequences run at once.")] = None,
+    gpu_memory_utilization: Annotated[Optional[float], typer.Option(help="vLLM: share of GPU memory to use.")] = None,
+    dtype: Annotated[Optional[str], typer.Option(help="vLLM: dtype (auto, bfloat16, float16, float32).")] = None,
+    enable_prefix_caching: Annotated[
+        Optional[bool], typer.Option("--enable-prefix-caching/--no-enable-prefix-caching", help="vLLM: prefix cache.")
+    ] = None,
+    enforce_eager: Annotated[Optional[bool], typer.Option("--enforce-eager/--no-enforce-eager", help="vLLM: no graphs.")] = None,
+    seed: Annotated[Optional[int], typer.Option(help="vLLM: engine seed.")] = None,
+    cpu_kvcache_space: Annotated[Optional[int], typer.Option(help="CPU engines: KV cache GiB.")] = None,
+    max_in_flight: Annotated[Optional[int], typer.Option(help="Requests kept in flight per engine.")] = None,
+    overwrite: Annotated[Optional[bool], typer.Option("--overwrite", help="Replace a completed job in OUTPUT.")] = None,
+    log_format: Annotated[str, typer.Option(help="Logs: console or json.")] = "console",
+    progress: Annotated[bool, typer.Option("--progress/--no-progress", help="Live progress display.")] = True,
+) -> None:
+    """Run a batch: INPUT (OpenAI Batch JSONL) → OUTPUT/ (sorted result shards, error shards, manifest.json)."""
+    from pipeline.observe.logs import configure_logging
+
+    if log_format not in ("console", "json"):
+        _fail(f"--log-format must be console or json, got {log_format!r}")
+    configure_logging(log_format)
+    try:
+        job = merge_overrides(
+            load_job_config(config),
+            {
+                "input": input,
+                "output": output,
+                "model": model,
+                "served_model_name": served_model_name,
+                "engine.backend": engine,
+                "output_options.format": format,
+                "output_options.rows_per_shard": rows_per_shard,
+                "resources.address": address,
+                "resources.num_engines": num_engines,
+                "resources.cpus_per_engine": cpus_per_engine,
+                "resources.gpus_per_engine": gpus_per_engine,
+                "engine.vllm.max_model_len": max_model_len,
+                "engine.vllm.max_num_seqs": max_num_seqs,
+                "engine.vllm.gpu_memory_utilization": gpu_memory_utilization,
+                "engine.vllm.dtype": dtype,
+                "engine.vllm.enable_prefix_caching": enable_prefix_caching,
+                "engine.vllm.enforce_eager": enforce_eager,
+                "engine.vllm.seed": seed,
+                "engine.vllm.cpu_kvcache_space_gib": cpu_kvcache_space,
+                "engine.max_in_flight": max_in_flight,
+                "overwrite": overwrite,
+            },
+        )
+    except ConfigError as exc:
+        _fail(str(exc))
+    _run(job, progress)
+
+
+def _run(job: JobConfig, progress: bool) -> None:
+    from pipeline.models import ModelNotFoundError
+    from pipeline.observe.summary import print_summary
+    from pipeline.runtime.job import run_job
+    from pipeline.runtime.preflight import PreflightError
+
+    try:
+        outcome = run_job(job, show_progress=progress)
+    except (PreflightError, ModelNotFoundError, ConfigError) as exc:
+        _fail(str(exc))
+    print_summary(outcome.manifest, outcome.output)
+
+
+@app.command()
+def validate(
+    input: Annotated[str, typer.Argument(help="OpenAI Batch JSONL file.")],
+    model: Annotated[Optional[str], typer.Option(help="Model the job would serve (its name is checked).")] = None,
+    served_model_name: Annotated[Optional[str], typer.Option(help="Name request bodies must use as `model`.")] = None,
+    tokens: Annotated[bool, typer.Option("--tokens/--no-tokens", help="Token statistics with the model's tokenizer.")] = True,
+) -> None:
+    """Dry run: counts, every error record (JSON lines on stdout), token statistics. No engine is started."""
+    from pipeline.models import EMBEDDED_MODEL_NAME, ModelNotFoundError
+    from pipeline.observe.dry_run import dry_run
+    from pipeline.runtime.preflight import PreflightError, check_input
+
+    try:
+        path = check_input(input)
+        name = served_model_name or model or EMBEDDED_MODEL_NAME
+        report = dry_run(path, name, model if tokens else None, tokenize=tokens)
+    except (PreflightError, ModelNotFoundError) as exc:
+        _fail(str(exc))
+    for record in report.error_records:
+        sys.stdout.write(json.dumps(record, ensure_ascii=False) + "\n")
+    typer.echo(report.summary(), err=False)
+
+
+def main() -> None:  # pragma: no cover - console entry point
+    app()

@@ -1,0 +1,172 @@
+"""Job configuration: one pydantic model per concern, a description on every field.
+
+The same models back the YAML job file (`--config job.yaml`) and the CLI flags (a flag wins over the file).
+Engine-arg names are vLLM's own, so what users know from `vllm serve` carries over.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+
+class ConfigError(ValueError):
+    """A configuration that cannot run; the message says what to change."""
+
+
+class _Strict(BaseModel):
+    # A typo in a YAML key must fail loudly, not be ignored.
+    model_config = ConfigDict(extra="forbid", protected_namespaces=())
+
+
+class VllmEngineArgs(_Strict):
+    """Engine arguments passed to vLLM (names as in `vllm serve`)."""
+
+    max_model_len: int | None = Field(
+        default=None, ge=16, description="Context length (prompt + output tokens). Default: the model's own limit."
+    )
+    max_num_seqs: int = Field(default=64, ge=1, description="Most sequences the engine runs at once.")
+    gpu_memory_utilization: float = Field(
+        default=0.9, gt=0, le=1, description="Share of accelerator memory vLLM may use (weights + KV cache)."
+    )
+    dtype: str = Field(default="auto", description="Weight/activation dtype: auto, bfloat16, float16, float32.")
+    enable_prefix_caching: bool = Field(
+        default=True, description="Reuse the KV cache of shared prompt prefixes (system prompts, few-shot blocks)."
+    )
+    enforce_eager: bool | None = Field(
+        default=None,
+        description="Skip graph capture/compilation. Default: on for CPU engines (compilation costs minutes there).",
+    )
+    tensor_parallel_size: int = Field(default=1, ge=1, description="Accelerators one engine is sharded across.")
+    seed: int | None = Field(default=None, description="Engine-level random seed.")
+    cpu_kvcache_space_gib: int = Field(
+        default=2, ge=1, description="CPU engines only: KV cache size in whole GiB (VLLM_CPU_KVCACHE_SPACE)."
+    )
+    extra: dict[str, Any] = Field(
+        default_factory=dict,
+        description="Any further vLLM engine args, by their Python name (e.g. {kv_cache_dtype: fp8}).",
+    )
+
+
+class FakeEngineArgs(_Strict):
+    """The fake engine's token-time model, for data-plane tests and scale simulation."""
+
+    prefill_seconds_per_token: float = Field(default=0.0, ge=0, description="Cost of one prompt token.")
+    decode_seconds_per_token: float = Field(default=0.0, ge=0, description="Cost of one generated token per step.")
+    max_concurrency: int = Field(default=256, ge=1, description="Sequences the fake engine runs at once (its KV limit).")
+    output_tokens: int = Field(default=16, ge=1, description="Tokens generated when the request sets no max_tokens.")
+
+
+class EngineConfig(_Strict):
+    """Which engine backend runs the requests, and how."""
+
+    backend: Literal["vllm", "fake"] = Field(default="vllm", description="Engine backend behind the engine seam.")
+    vllm: VllmEngineArgs = Field(default_factory=VllmEngineArgs, description="Arguments for the vLLM backend.")
+    fake: FakeEngineArgs = Field(default_factory=FakeEngineArgs, description="Arguments for the fake backend.")
+    max_in_flight: int | None = Field(
+        default=None,
+        ge=1,
+        description="Requests each engine keeps in flight. Default: 2 x max_num_seqs, so continuous batching stays full.",
+    )
+
+    def in_flight(self) -> int:
+        if self.max_in_flight:
+            return self.max_in_flight
+        limit = self.vllm.max_num_seqs if self.backend == "vllm" else self.fake.max_concurrency
+        return 2 * limit
+
+
+class ResourcesConfig(_Strict):
+    """Where engine actors run on the Ray cluster."""
+
+    address: str | None = Field(default=None, description="Ray address to join; default: start a local Ray.")
+    num_engines: int = Field(default=1, ge=1, description="Engine actors (replicas) in the pool.")
+    cpus_per_engine: float = Field(default=1.0, ge=0, description="Ray CPUs reserved per engine actor.")
+    gpus_per_engine: float = Field(default=0.0, ge=0, description="Ray GPUs reserved per engine actor.")
+    resources_per_engine: dict[str, float] = Field(
+        default_factory=dict, description="Custom Ray resources per engine actor, e.g. {'accelerator:cuda': 1}."
+    )
+    rows_per_task: int = Field(
+        default=64, ge=1, description="Rows handed to an engine actor at a time (a Ray Data batch)."
+    )
+
+
+class OutputConfig(_Strict):
+    """How results are written."""
+
+    format: Literal["jsonl"] = Field(default="jsonl", description="Output file format.")
+    rows_per_shard: int = Field(default=100_000, ge=1, description="Result rows per shard file (range-partitioned).")
+    staging_rows: int = Field(
+        default=1024, ge=1, description="Finished rows buffered before a staged part is written (the checkpoint step)."
+    )
+
+
+class JobConfig(_Strict):
+    """One batch job: input, output, model, engine, resources."""
+
+    input: str | None = Field(default=None, description="Input file (OpenAI Batch JSONL).")
+    output: str | None = Field(default=None, description="Output directory.")
+    model: str | None = Field(
+        default=None, description="Model directory or id; default: the embedded SmolLM2-135M-Instruct."
+    )
+    served_model_name: str | None = Field(
+        default=None, description="The name every request body's `model` must equal. Default: --model as given."
+    )
+    engine: EngineConfig = Field(default_factory=EngineConfig, description="Engine backend and its arguments.")
+    resources: ResourcesConfig = Field(default_factory=ResourcesConfig, description="Ray placement of engines.")
+    output_options: OutputConfig = Field(default_factory=OutputConfig, description="Output format and sharding.")
+    overwrite: bool = Field(default=False, description="Replace a completed job already in OUTPUT.")
+
+    @field_validator("input", "output")
+    @classmethod
+    def _not_blank(cls, value: str | None) -> str | None:
+        if value is not None and not value.strip():
+            raise ValueError("must not be empty")
+        return value
+
+
+def load_job_config(path: str | Path | None) -> JobConfig:
+    """Read a YAML job file; a missing file or a bad key fails with the path and the key to fix."""
+    if path is None:
+        return JobConfig()
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"config file {path} does not exist")
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"config file {path} is not valid YAML: {exc}") from exc
+    if not isinstance(data, dict):
+        raise ConfigError(f"config file {path} must hold a mapping at the top level")
+    try:
+        return JobConfig.model_validate(data)
+    except ValidationError as exc:
+        raise ConfigError(f"config file {path}: {format_validation_error(exc)}") from exc
+
+
+def format_validation_error(exc: ValidationError) -> str:
+    parts = []
+    for err in exc.errors():
+        where = ".".join(str(p) for p in err["loc"])
+        parts.append(f"{where}: {err['msg']}")
+    return "; ".join(parts)
+
+
+def merge_overrides(config: JobConfig, overrides: dict[str, Any]) -> JobConfig:
+    """Apply CLI flags (dotted keys, None = not given) over a config; re-validates the result."""
+    data = config.model_dump()
+    for dotted, value in overrides.items():
+        if value is None:
+            continue
+        node = data
+        *parents, leaf = dotted.split(".")
+        for key in parents:
+            node = node.setdefault(key, {})
+        node[leaf] = value
+    try:
+        return JobConfig.model_validate(data)
+    except ValidationError as exc:
+        raise ConfigError(format_validation_error(exc)) from exc

@@ -1,0 +1,105 @@
+"""The engine seam: the one interface every backend (vllm, fake, later http) implements.
+
+An engine takes one request at a time through `generate`; callers get continuous batching by keeping many
+`generate` coroutines in flight at once (the runtime keeps about 2 x max_num_seqs per engine). Engines know nothing
+of Ray Data: the runtime drives them, tests drive them directly.
+"""
+
+from __future__ import annotations
+
+import importlib
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import Any
+
+from pipeline.protocol import ErrorCode
+
+
+@dataclass(frozen=True)
+class EngineRequest:
+    custom_id: str
+    url: str  # one of protocol.Route
+    body: dict[str, Any]
+
+
+@dataclass
+class EngineResult:
+    """What came back for one request: a response body (success) or an error body, plus token counts."""
+
+    custom_id: str
+    status_code: int
+    body: dict[str, Any]
+    error_code: ErrorCode | None = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+
+    @property
+    def ok(self) -> bool:
+        return self.status_code < 400
+
+
+@dataclass
+class EngineStats:
+    """The engine's own numbers, as far as a backend can report them."""
+
+    kv_cache_tokens: int | None = None  # KV capacity the engine allocated
+    kv_cache_usage: float | None = None  # 0..1, last reading
+    num_preemptions: int = 0
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class EngineSpec:
+    """Everything needed to build an engine in another process (picklable; sent to Ray actors)."""
+
+    backend: str
+    model_path: str
+    served_model_name: str
+    args: dict[str, Any]
+
+
+class Engine(ABC):
+    """One model engine. Lifecycle: start() once, generate() concurrently, stats() any time, stop() once."""
+
+    def __init__(self, spec: EngineSpec) -> None:
+        self.spec = spec
+
+    @abstractmethod
+    async def start(self) -> None: ...
+
+    @abstractmethod
+    async def generate(self, request: EngineRequest) -> EngineResult:
+        """Run one request to completion. Never raises for a bad request: returns an error result instead."""
+
+    def stats(self) -> EngineStats:
+        return EngineStats()
+
+    def effective_args(self) -> dict[str, Any]:
+        """The engine args actually in force (after defaults and fitting), for the manifest."""
+        return dict(self.spec.args)
+
+    def sampling_defaults(self) -> dict[str, Any]:
+        """Sampling defaults the engine applies when a request leaves a field unset (e.g. generation_config)."""
+        return {}
+
+    async def stop(self) -> None:  # noqa: B027 - optional hook
+        pass
+
+
+# Backend name -> "module:Class"; imported only when used, so `nightshift --help` never imports vLLM.
+BACKENDS: dict[str, str] = {
+    "vllm": "pipeline.engines.vllm_engine:VllmEngine",
+    "fake": "pipeline.engines.fake:FakeEngine",
+}
+
+
+def build_engine(spec: EngineSpec) -> Engine:
+    try:
+        target = BACKENDS[spec.backend]
+    except KeyError:
+        raise ValueError(f"unknown engine backend {spec.backend!r}; choose one of {sorted(BACKENDS)}") from None
+    module_name, class_name = target.split(":")
+    cls = getattr(importlib.import_module(module_name), class_name)
+    return cls(spec)

@@ -1,0 +1,117 @@
+"""The fake engine: deterministic answers in the real OpenAI body shapes, with a token-time model.
+
+For data-plane tests and for simulating scale (a million rows, many engines) — never the evidence that a feature
+works with a real model. Time model: a request holds one of `max_concurrency` slots (its KV budget) for
+prefill_seconds_per_token x prompt tokens + decode_seconds_per_token x output tokens.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import time
+from typing import Any
+
+from pipeline.engines.base import Engine, EngineRequest, EngineResult, EngineSpec, EngineStats
+from pipeline.protocol import ErrorCode
+
+_WORDS = (
+    "alpha bravo charlie delta echo foxtrot golf hotel india juliet kilo lima mike november oscar papa "
+    "quebec romeo sierra tango uniform victor whiskey xray yankee zulu"
+).split()
+
+
+def _prompt_text(url: str, body: dict[str, Any]) -> str:
+    if url == "/v1/chat/completions":
+        parts = []
+        for message in body.get("messages", []):
+            content = message.get("content")
+            if isinstance(content, list):  # content parts
+                content = " ".join(str(p.get("text", "")) for p in content if isinstance(p, dict))
+            parts.append(f"{message.get('role')}: {content}")
+        return "\n".join(parts)
+    prompt = body.get("prompt")
+    return prompt if isinstance(prompt, str) else str(prompt)
+
+
+def _count_tokens(text: str) -> int:
+    return max(1, len(text.split()))
+
+
+def _fake_text(seed_text: str, tokens: int) -> str:
+    digest = hashlib.sha256(seed_text.encode()).digest()
+    return " ".join(_WORDS[digest[i % len(digest)] % len(_WORDS)] for i in range(tokens))
+
+
+class FakeEngine(Engine):
+    def __init__(self, spec: EngineSpec) -> None:
+        super().__init__(spec)
+        self.args = spec.args
+        self.max_model_len = int(self.args.get("max_model_len") or 8192)
+        self._slots = asyncio.Semaphore(int(self.args.get("max_concurrency", 256)))
+        self._created = int(time.time())
+
+    async def start(self) -> None:
+        pass
+
+    async def generate(self, request: EngineRequest) -> EngineResult:
+        body = request.body
+        prompt = _prompt_text(request.url, body)
+        prompt_tokens = _count_tokens(prompt)
+        max_tokens = body.get("max_completion_tokens") or body.get("max_tokens") or self.args.get("output_tokens", 16)
+        if prompt_tokens + int(max_tokens) > self.max_model_len:
+            message = (
+                f"This model's maximum context length is {self.max_model_len} tokens. However, you requested "
+                f"{prompt_tokens + int(max_tokens)} tokens ({prompt_tokens} in the messages, {max_tokens} in the "
+                "completion). Please reduce the length of the messages or completion."
+            )
+            return EngineResult(
+                request.custom_id,
+                400,
+                {"error": {"message": message, "type": "BadRequestError", "code": ErrorCode.CONTEXT_LENGTH_EXCEEDED.value}},
+                ErrorCode.CONTEXT_LENGTH_EXCEEDED,
+            )
+        completion_tokens = int(max_tokens)
+        cost = (
+            self.args.get("prefill_seconds_per_token", 0.0) * prompt_tokens
+            + self.args.get("decode_seconds_per_token", 0.0) * completion_tokens
+        )
+        async with self._slots:
+            if cost > 0:
+                await asyncio.sleep(cost)
+        text = _fake_text(prompt, completion_tokens)
+        usage = {
+            "prompt_tokens": prompt_tokens,
+            "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens,
+        }
+        rid = hashlib.sha256(request.custom_id.encode()).hexdigest()[:24]
+        if request.url == "/v1/chat/completions":
+            response = {
+                "id": f"chatcmpl-{rid}",
+                "object": "chat.completion",
+                "created": self._created,
+                "model": self.spec.served_model_name,
+                "choices": [
+                    {
+                        "index": 0,
+                        "message": {"role": "assistant", "content": text},
+                        "logprobs": None,
+                        "finish_reason": "length",
+                    }
+                ],
+                "usage": usage,
+            }
+        else:
+            response = {
+                "id": f"cmpl-{rid}",
+                "object": "text_completion",
+                "created": self._created,
+                "model": self.spec.served_model_name,
+                "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": "length"}],
+                "usage": usage,
+            }
+        return EngineResult(request.custom_id, 200, response, None, prompt_tokens, completion_tokens)
+
+    def stats(self) -> EngineStats:
+        return EngineStats(kv_cache_tokens=self.max_model_len * int(self.args.get("max_concurrency", 256)))

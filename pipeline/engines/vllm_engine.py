@@ -1,0 +1,186 @@
+"""The vLLM backend: an in-process AsyncLLM behind vLLM's own OpenAI serving layer.
+
+Response bodies are produced by the same serving objects `vllm serve` uses (`OpenAIServingChat`,
+`OpenAIServingCompletion`), built with vLLM's `init_app_state` exactly as its batch runner does — so tools,
+response_format, logprobs, n, stop and seed behave as users know them. That layer is internal vLLM API; all coupling
+to it lives in this one module (the `cpu` and `cuda` extras pin the same vLLM version).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+from typing import Any
+
+import structlog
+
+from pipeline.engines.base import Engine, EngineRequest, EngineResult, EngineSpec, EngineStats
+from pipeline.protocol import ErrorCode
+
+log = structlog.get_logger(__name__)
+
+# vLLM words its context-length rejections several ways (renderer, sampling-param fitting); all mean the same.
+_CONTEXT_LENGTH = re.compile(r"maximum context length|exceeds model's maximum|context length \(", re.IGNORECASE)
+
+# Our engine-arg names that are not vLLM fields and must not be set on its args namespace.
+_NOT_VLLM_ARGS = {"cpu_kvcache_space_gib", "extra"}
+
+
+def error_code_for(status_code: int, message: str) -> ErrorCode:
+    if _CONTEXT_LENGTH.search(message):
+        return ErrorCode.CONTEXT_LENGTH_EXCEEDED
+    return ErrorCode.INVALID_REQUEST if status_code < 500 else ErrorCode.ENGINE_ERROR
+
+
+def _error_result(custom_id: str, status_code: int, message: str, error_type: str, param: Any = None) -> EngineResult:
+    code = error_code_for(status_code, message)
+    body = {"error": {"message": message, "type": error_type, "param": param, "code": code.value}}
+    return EngineResult(custom_id, status_code, body, code)
+
+
+def build_vllm_namespace(spec: EngineSpec) -> Any:
+    """vLLM's own CLI namespace for this engine (what `vllm run-batch --model ...` would parse), then our args."""
+    from vllm.entrypoints.launchers.run_batch import make_arg_parser
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    parser = make_arg_parser(FlexibleArgumentParser())
+    ns = parser.parse_args(["--model", spec.model_path, "--served-model-name", spec.served_model_name])
+    args = {k: v for k, v in spec.args.items() if k not in _NOT_VLLM_ARGS and v is not None}
+    args.update(spec.args.get("extra") or {})
+    for name, value in args.items():
+        if not hasattr(ns, name):
+            raise ValueError(f"unknown vLLM engine arg {name!r}")
+        setattr(ns, name, value)
+    # Stats on: the engine's own numbers (KV usage, preemptions, prefix hits) are part of the product.
+    ns.disable_log_stats = False
+    return ns
+
+
+class VllmEngine(Engine):
+    def __init__(self, spec: EngineSpec) -> None:
+        super().__init__(spec)
+        self._stack = contextlib.AsyncExitStack()
+        self._client: Any = None
+        self._chat: Any = None
+        self._completion: Any = None
+        self._request_types: dict[str, Any] = {}
+
+    async def start(self) -> None:
+        from vllm.platforms import current_platform
+
+        if current_platform.is_cpu():
+            # Read by the engine-core subprocess at start; whole GiB only.
+            os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(int(self.spec.args.get("cpu_kvcache_space_gib") or 2))
+            if self.spec.args.get("enforce_eager") is None:
+                self.spec.args["enforce_eager"] = True
+
+        from starlette.datastructures import State
+        from vllm.entrypoints.launchers.api_server.app_state import init_app_state
+        from vllm.entrypoints.launchers.api_server.entry import build_async_engine_client
+        from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
+        from vllm.entrypoints.openai.completion.protocol import CompletionRequest
+        from vllm.usage.usage_lib import UsageContext
+
+        ns = build_vllm_namespace(self.spec)
+        self._client = await self._stack.enter_async_context(
+            build_async_engine_client(ns, usage_context=UsageContext.OPENAI_BATCH_RUNNER)
+        )
+        state = State()
+        await init_app_state(self._client, state, ns, await self._client.get_supported_tasks())
+        self._chat = state.openai_serving_chat
+        self._completion = state.openai_serving_completion
+        self._request_types = {"/v1/chat/completions": ChatCompletionRequest, "/v1/completions": CompletionRequest}
+        log.info("vllm engine ready", model=self.spec.served_model_name, **self._kv_summary())
+
+    def _handler(self, url: str) -> Any:
+        return {"/v1/chat/completions": self._chat, "/v1/completions": self._completion}[url]
+
+    async def generate(self, request: EngineRequest) -> EngineResult:
+        from pydantic import ValidationError
+        from vllm.entrypoints.serve.engine.protocol import ErrorResponse
+        from vllm.v1.engine.exceptions import EngineDeadError
+
+        try:
+            parsed = self._request_types[request.url].model_validate(request.body)
+        except ValidationError as exc:
+            first = exc.errors()[0]
+            where = ".".join(str(p) for p in first["loc"])
+            return _error_result(request.custom_id, 400, f"{where}: {first['msg']}", "BadRequestError")
+        handler = self._handler(request.url)
+        try:
+            if request.url == "/v1/chat/completions":
+                response = await handler.create_chat_completion(parsed)
+            else:
+                response = await handler.create_completion(parsed)
+        except EngineDeadError:
+            raise  # the engine is gone: the runtime must replace it, not record an error per request
+        except Exception as exc:  # noqa: BLE001 - one bad request must never take the batch down
+            from vllm.entrypoints.serve.exception_handling.error_response import create_error_response
+
+            err = create_error_response(exc).error
+            return _error_result(request.custom_id, int(err.code), err.message, err.type, err.param)
+
+        if isinstance(response, ErrorResponse):
+            err = response.error
+            return _error_result(request.custom_id, int(err.code), err.message, err.type, err.param)
+        # Same rendering as the API server's JSONResponse(content=response.model_dump()).
+        body = json.loads(response.model_dump_json())
+        usage = body.get("usage") or {}
+        return EngineResult(
+            request.custom_id,
+            200,
+            body,
+            None,
+            int(usage.get("prompt_tokens") or 0),
+            int(usage.get("completion_tokens") or 0),
+        )
+
+    def _kv_summary(self) -> dict[str, Any]:
+        cache = self._client.vllm_config.cache_config
+        blocks = cache.num_gpu_blocks or 0
+        return {"kv_blocks": blocks, "block_size": cache.block_size, "kv_cache_tokens": blocks * cache.block_size}
+
+    def effective_args(self) -> dict[str, Any]:
+        cfg = self._client.vllm_config
+        return {
+            "max_model_len": cfg.model_config.max_model_len,
+            "max_num_seqs": cfg.scheduler_config.max_num_seqs,
+            "dtype": str(cfg.model_config.dtype).removeprefix("torch."),
+            "enable_prefix_caching": bool(cfg.cache_config.enable_prefix_caching),
+            "gpu_memory_utilization": cfg.cache_config.gpu_memory_utilization,
+            "enforce_eager": cfg.model_config.enforce_eager,
+            "tensor_parallel_size": cfg.parallel_config.tensor_parallel_size,
+            "seed": cfg.model_config.seed,
+            **({"cpu_kvcache_space_gib": self.spec.args.get("cpu_kvcache_space_gib")} if _on_cpu() else {}),
+            **self._kv_summary(),
+            **(self.spec.args.get("extra") or {}),
+        }
+
+    def sampling_defaults(self) -> dict[str, Any]:
+        return dict(self._client.model_config.get_diff_sampling_param())
+
+    def stats(self) -> EngineStats:
+        from vllm.v1.metrics.reader import Counter, Gauge, get_metrics_snapshot
+
+        values: dict[str, float] = {}
+        for metric in get_metrics_snapshot():
+            if isinstance(metric, Counter | Gauge):
+                values[metric.name] = values.get(metric.name, 0) + metric.value
+        return EngineStats(
+            kv_cache_tokens=self._kv_summary()["kv_cache_tokens"],
+            kv_cache_usage=values.get("vllm:kv_cache_usage_perc"),
+            num_preemptions=int(values.get("vllm:num_preemptions", 0)),
+            prefix_cache_queries=int(values.get("vllm:prefix_cache_queries", 0)),
+            prefix_cache_hits=int(values.get("vllm:prefix_cache_hits", 0)),
+        )
+
+    async def stop(self) -> None:
+        await self._stack.aclose()
+
+
+def _on_cpu() -> bool:
+    from vllm.platforms import current_platform
+
+    return current_platform.is_cpu()

@@ -1,0 +1,77 @@
+"""`nightshift validate`: the job's first stage run alone — counts, every error record, token statistics."""
+
+from __future__ import annotations
+
+import statistics
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from pipeline.runtime.ingest import IngestReport, iter_validated
+from pipeline.stages.validate import InvalidLine, LineValidator, ValidRequest
+
+
+@dataclass
+class DryRunReport:
+    ingest: IngestReport
+    error_records: list[dict[str, Any]] = field(default_factory=list)
+    prompt_tokens: list[int] = field(default_factory=list)
+    routes: Counter = field(default_factory=Counter)
+    tokenizer: str | None = None
+
+    def summary(self) -> str:
+        r = self.ingest
+        lines = [f"lines      {r.lines} ({r.valid} valid, {r.invalid} invalid)"]
+        if r.invalid_by_code:
+            lines.append("errors     " + ", ".join(f"{c} {n}" for c, n in sorted(r.invalid_by_code.items())))
+        if self.routes:
+            lines.append("routes     " + ", ".join(f"{u} {n}" for u, n in sorted(self.routes.items())))
+        if self.prompt_tokens:
+            toks = sorted(self.prompt_tokens)
+            p95 = toks[min(len(toks) - 1, int(0.95 * len(toks)))]
+            lines.append(
+                f"prompt     tokens min {toks[0]}, median {int(statistics.median(toks))}, p95 {p95}, max {toks[-1]}, "
+                f"total {sum(toks)} ({self.tokenizer})"
+            )
+        lines.append(f"input      {r.source} ({r.size_bytes} bytes, {r.fingerprint})")
+        return "\n".join(lines)
+
+
+def _prompt_token_counter(model: str | None):
+    """Counts prompt tokens as the engine will (chat template applied); None when no tokenizer is at hand."""
+    from pipeline.models import resolve_model
+
+    resolved = resolve_model(model)
+    try:
+        from transformers import AutoTokenizer
+    except ImportError:
+        return None, None
+    tokenizer = AutoTokenizer.from_pretrained(resolved.path)
+
+    def count(request: ValidRequest) -> int:
+        if request.url == "/v1/chat/completions":
+            ids = tokenizer.apply_chat_template(request.body["messages"], add_generation_prompt=True, tokenize=True)
+            return len(ids["input_ids"] if isinstance(ids, dict) else ids)
+        prompt = request.body.get("prompt")
+        return len(tokenizer.encode(prompt if isinstance(prompt, str) else str(prompt)))
+
+    return count, resolved.name
+
+
+def dry_run(path: Path, model_name: str, model: str | None, tokenize: bool = True) -> DryRunReport:
+    report = DryRunReport(IngestReport(source=str(path)))
+    counter = None
+    if tokenize:
+        counter, report.tokenizer = _prompt_token_counter(model)
+    for outcome in iter_validated(path, LineValidator(model_name), report.ingest):
+        if isinstance(outcome, InvalidLine):
+            report.error_records.append(outcome.record)
+            continue
+        report.routes[outcome.url] += 1
+        if counter is not None:
+            try:
+                report.prompt_tokens.append(counter(outcome))
+            except Exception:  # noqa: BLE001 - a template failure is the engine's to report, not the dry run's
+                pass
+    return report

@@ -1,0 +1,105 @@
+"""Live job progress: rows done/total, output tok/s, ETA — a rich bar on a terminal, periodic log lines otherwise."""
+
+from __future__ import annotations
+
+import sys
+import time
+from dataclasses import dataclass, field
+
+import structlog
+
+log = structlog.get_logger(__name__)
+
+
+@dataclass
+class JobCounters:
+    """Running totals the driver keeps as results stream back."""
+
+    total: int
+    done: int = 0
+    failed: int = 0
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    started: float = field(default_factory=time.monotonic)
+    first_result_at: float | None = None
+
+    def add(self, rows: int, failed: int, prompt_tokens: int, completion_tokens: int) -> None:
+        if self.first_result_at is None and rows:
+            self.first_result_at = time.monotonic()
+        self.done += rows
+        self.failed += failed
+        self.prompt_tokens += prompt_tokens
+        self.completion_tokens += completion_tokens
+
+    @property
+    def elapsed(self) -> float:
+        return time.monotonic() - self.started
+
+    def output_tokens_per_second(self) -> float:
+        # Measured from the first result: engine start-up is not generation speed.
+        if self.first_result_at is None:
+            return 0.0
+        span = time.monotonic() - self.first_result_at
+        return self.completion_tokens / span if span > 0 else 0.0
+
+    def eta_seconds(self) -> float | None:
+        if self.first_result_at is None or self.done == 0:
+            return None
+        rate = self.done / max(time.monotonic() - self.first_result_at, 1e-9)
+        return (self.total - self.done) / rate if rate > 0 else None
+
+
+class ProgressDisplay:
+    """A rich progress bar when stderr is a terminal; otherwise a log line every `log_every` seconds."""
+
+    def __init__(self, counters: JobCounters, enabled: bool = True, log_every: float = 10.0) -> None:
+        self.counters = counters
+        self.interactive = enabled and sys.stderr.isatty()
+        self.log_every = log_every
+        self._last_log = 0.0
+        self._progress = None
+        self._task = None
+
+    def __enter__(self) -> ProgressDisplay:
+        if self.interactive:
+            from rich.console import Console
+            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+            self._progress = Progress(
+                TextColumn("[bold]nightshift"),
+                BarColumn(),
+                MofNCompleteColumn(),
+                TextColumn("rows"),
+                TextColumn("{task.fields[tps]:>8.1f} tok/s"),
+                TextColumn("failed {task.fields[failed]}"),
+                TextColumn("ETA"),
+                TimeRemainingColumn(),
+                console=Console(stderr=True),
+                transient=False,
+            )
+            self._progress.__enter__()
+            self._task = self._progress.add_task("run", total=self.counters.total, tps=0.0, failed=0)
+        return self
+
+    def update(self, force: bool = False) -> None:
+        c = self.counters
+        if self._progress is not None:
+            self._progress.update(self._task, completed=c.done, tps=c.output_tokens_per_second(), failed=c.failed)
+            return
+        now = time.monotonic()
+        if force or now - self._last_log >= self.log_every:
+            self._last_log = now
+            eta = c.eta_seconds()
+            log.info(
+                "progress",
+                rows_done=c.done,
+                rows_total=c.total,
+                failed=c.failed,
+                output_tok_per_s=round(c.output_tokens_per_second(), 1),
+                eta_s=None if eta is None else round(eta, 1),
+            )
+
+    def __exit__(self, *exc: object) -> None:
+        if self._progress is not None:
+            self.update()
+            self._progress.__exit__(*exc)

@@ -1,0 +1,111 @@
+"""The wire formats: OpenAI Batch request lines, result lines, error lines, and the stable error codes.
+
+Pure module: imports neither Ray nor vLLM, so validation and finalization run anywhere (tests, `validate`, the
+Batch API server). The response *bodies* are not built here — they come from vLLM's own OpenAI serving layer
+(see `pipeline/engines/vllm_openai.py`); this module only wraps them in the Batch envelope.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from enum import Enum
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class Route(str, Enum):
+    """The OpenAI routes a batch line may target (the `url` field)."""
+
+    CHAT = "/v1/chat/completions"
+    COMPLETIONS = "/v1/completions"
+
+
+SUPPORTED_ROUTES = {r.value for r in Route}
+
+
+class ErrorCode(str, Enum):
+    """Stable error codes. Documented in the README; never rename one, only add."""
+
+    INVALID_JSON = "invalid_json"  # the line is not a JSON object
+    MISSING_CUSTOM_ID = "missing_custom_id"  # custom_id absent, empty or not a string
+    INVALID_REQUEST = "invalid_request"  # envelope or body fails the schema / sampling params rejected
+    UNSUPPORTED_METHOD = "unsupported_method"  # method other than POST
+    UNSUPPORTED_URL = "unsupported_url"  # url not a route this job serves
+    STREAM_UNSUPPORTED = "stream_unsupported"  # "stream": true has no meaning in a batch
+    MODEL_NOT_FOUND = "model_not_found"  # body.model differs from the job's model
+    DUPLICATE_CUSTOM_ID = "duplicate_custom_id"  # a later line reuses a custom_id
+    CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"  # prompt (+ max_tokens) does not fit the context
+    ENGINE_ERROR = "engine_error"  # the engine failed on a request it accepted
+
+
+class BatchRequestLine(BaseModel):
+    """One line of an OpenAI Batch input file."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    custom_id: str = Field(min_length=1, description="Caller's id; unique within the file; results are sorted by it.")
+    method: str = Field(default="POST", description="HTTP method; only POST is meaningful.")
+    url: str = Field(description="The route, e.g. /v1/chat/completions.")
+    body: dict[str, Any] = Field(description="The request body exactly as the route's API takes it.")
+
+
+def new_request_id() -> str:
+    return f"batch_req_{uuid.uuid4().hex}"
+
+
+def result_record(custom_id: str, body: dict[str, Any], status_code: int = 200) -> dict[str, Any]:
+    """A result line: the engine's response body wrapped in the Batch envelope."""
+    return {
+        "id": new_request_id(),
+        "custom_id": custom_id,
+        "response": {"status_code": status_code, "request_id": f"req_{uuid.uuid4().hex}", "body": body},
+        "error": None,
+    }
+
+
+def failed_request_record(
+    custom_id: str, code: ErrorCode, message: str, status_code: int = 400, error_type: str = "BadRequestError"
+) -> dict[str, Any]:
+    """An error line for a request that was understood but failed (engine rejected it, context too long...)."""
+    return {
+        "id": new_request_id(),
+        "custom_id": custom_id,
+        "response": {
+            "status_code": status_code,
+            "request_id": f"req_{uuid.uuid4().hex}",
+            "body": {"error": {"message": message, "type": error_type, "code": code.value}},
+        },
+        "error": None,
+    }
+
+
+def invalid_line_record(
+    custom_id: str | None, code: ErrorCode, message: str, line: int, source: str
+) -> dict[str, Any]:
+    """An error line for a line that could not be understood (bad JSON, schema, duplicate, unsupported url)."""
+    return {
+        "id": new_request_id(),
+        "custom_id": custom_id,
+        "response": None,
+        "error": {"code": code.value, "message": message, "line": line, "source": source},
+    }
+
+
+def record_error_code(record: dict[str, Any]) -> str | None:
+    """The stable error code of an error record (either kind), None for a success."""
+    if record.get("error"):
+        return record["error"]["code"]
+    response = record.get("response") or {}
+    if response.get("status_code", 200) >= 400:
+        return ((response.get("body") or {}).get("error") or {}).get("code") or ErrorCode.ENGINE_ERROR.value
+    return None
+
+
+def dumps(record: dict[str, Any]) -> str:
+    """One JSON line; non-ASCII kept as is (UTF-8 output), no spaces to keep shards compact."""
+    return json.dumps(record, ensure_ascii=False, separators=(",", ":"))
+
+
+Kind = Literal["result", "error"]
