@@ -41,8 +41,8 @@ def _error_result(custom_id: str, status_code: int, message: str, error_type: st
 
 
 def build_vllm_namespace(spec: EngineSpec) -> Any:
-    """vLLM's own CLI namespace for this engine (what `vllm run-batch --model ...` would parse), then our args."""
-    from vllm.entrypoints.launchers.run_batch import make_arg_parser
+    """vLLM's own CLI namespace for this engine (what `vllm serve --model ...` would parse), then our args."""
+    from vllm.entrypoints.launchers.cli_args import make_arg_parser
     from vllm.utils.argparse_utils import FlexibleArgumentParser
 
     parser = make_arg_parser(FlexibleArgumentParser())

