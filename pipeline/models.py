@@ -40,7 +40,7 @@ _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")
 # Mirrors the `model` extra in pyproject.toml, so the error names the same pins the docs do.
 _CONVERSION_REQUIREMENTS = {
     "torch": "torch",
-    "transformers": "transformers>=4.50",
+    "transformers": "transformers>=4.56",
     "gguf": "gguf>=0.10",
     "accelerate": "accelerate>=1.0",
 }

@@ -87,6 +87,9 @@ class Engine(ABC):
     async def stop(self) -> None:  # noqa: B027 - optional hook
         pass
 
+    def shutdown(self) -> None:  # noqa: B027 - optional hook
+        """Synchronous last-resort cleanup (actor teardown): stop child processes, free memory."""
+
 
 # Backend name -> "module:Class"; imported only when used, so `nightshift --help` never imports vLLM.
 BACKENDS: dict[str, str] = {

@@ -179,6 +179,11 @@ class VllmEngine(Engine):
     async def stop(self) -> None:
         await self._stack.aclose()
 
+    def shutdown(self) -> None:
+        # Without this the engine-core subprocess outlives a retired actor and keeps its memory.
+        if self._client is not None:
+            self._client.shutdown()
+
 
 def _on_cpu() -> bool:
     from vllm.platforms import current_platform

@@ -23,6 +23,11 @@ class JobCounters:
     started: float = field(default_factory=time.monotonic)
     first_result_at: float | None = None
 
+    def add_invalid(self, rows: int) -> None:
+        """Lines rejected before any engine ran: done and failed, but no tokens and no generation time."""
+        self.done += rows
+        self.failed += rows
+
     def add(self, rows: int, failed: int, prompt_tokens: int, completion_tokens: int) -> None:
         if self.first_result_at is None and rows:
             self.first_result_at = time.monotonic()

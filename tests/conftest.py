@@ -1,0 +1,40 @@
+"""Shared fixtures: request-line builders and a private NIGHTSHIFT_HOME-free setup (the model cache is reused)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+MODEL_NAME = "smollm2-135m-instruct"
+
+
+def chat_line(custom_id: str, content: str, **body) -> str:
+    body = {"model": MODEL_NAME, "messages": [{"role": "user", "content": content}], **body}
+    return json.dumps({"custom_id": custom_id, "method": "POST", "url": "/v1/chat/completions", "body": body})
+
+
+def completion_line(custom_id: str, prompt: str, **body) -> str:
+    body = {"model": MODEL_NAME, "prompt": prompt, **body}
+    return json.dumps({"custom_id": custom_id, "method": "POST", "url": "/v1/completions", "body": body})
+
+
+def write_lines(path: Path, lines: list[str]) -> Path:
+    path.write_text("".join(line + "\n" for line in lines))
+    return path
+
+
+def read_jsonl(paths) -> list[dict]:
+    rows = []
+    for path in sorted(paths):
+        rows.extend(json.loads(line) for line in Path(path).read_text().splitlines() if line)
+    return rows
+
+
+@pytest.fixture
+def make_input(tmp_path):
+    def make(lines: list[str], name: str = "input.jsonl") -> Path:
+        return write_lines(tmp_path / name, lines)
+
+    return make

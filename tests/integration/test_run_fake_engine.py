@@ -1,0 +1,142 @@
+"""The whole job on a real local Ray cluster with the fake engine: sorting, sharding, accounting, the manifest."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import random
+
+import pytest
+
+from pipeline.config import JobConfig
+from pipeline.runtime.job import run_job
+from pipeline.runtime.preflight import PreflightError
+from tests.conftest import chat_line, completion_line, read_jsonl
+
+pytestmark = pytest.mark.usefixtures("local_ray")
+
+
+def _job(input_path, output, **overrides) -> JobConfig:
+    config = {
+        "input": str(input_path),
+        "output": str(output),
+        "model": None,
+        "engine": {"backend": "fake", "fake": {"output_tokens": 4}},
+        "resources": {"num_engines": 2, "cpus_per_engine": 0.5, "rows_per_task": 16},
+        "output_options": {"rows_per_shard": 300, "staging_rows": 250},
+    }
+    config.update(overrides)
+    return JobConfig.model_validate(config)
+
+
+@pytest.fixture(scope="module")
+def mixed_input(tmp_path_factory):
+    """2,000 valid requests in shuffled id order, with bad lines sprinkled in."""
+    rng = random.Random(7)
+    ids = [f"id-{i:05d}" for i in range(2000)]
+    rng.shuffle(ids)
+    lines = []
+    for n, custom_id in enumerate(ids):
+        maker = completion_line if n % 5 == 0 else chat_line
+        lines.append(maker(custom_id, f"request {custom_id} " + "x " * (n % 7)))
+        if n % 400 == 0:
+            lines.append("{broken json")
+        if n % 500 == 0:
+            lines.append(chat_line(custom_id, "a duplicate"))
+    path = tmp_path_factory.mktemp("in") / "mixed.jsonl"
+    path.write_text("\n".join(lines) + "\n")
+    return path, len(lines)
+
+
+@pytest.fixture(scope="module")
+def finished(mixed_input, tmp_path_factory):
+    path, n_lines = mixed_input
+    output = tmp_path_factory.mktemp("out") / "job"
+    outcome = run_job(_job(path, output), show_progress=False)
+    return output, outcome, n_lines
+
+
+def test_accounting_holds(finished):
+    output, outcome, n_lines = finished
+    results = read_jsonl(output.glob("results-*.jsonl"))
+    errors = read_jsonl(output.glob("errors-*.jsonl"))
+    assert len(results) + len(errors) == n_lines
+    assert len(results) == 2000
+    assert len({r["custom_id"] for r in results}) == 2000
+    codes = sorted(e["error"]["code"] for e in errors)
+    assert codes == ["duplicate_custom_id"] * 4 + ["invalid_json"] * 5
+
+
+def test_results_sorted_across_shard_boundaries(finished):
+    output, _, _ = finished
+    shards = sorted(output.glob("results-*.jsonl"))
+    assert [s.name for s in shards] == [f"results-{i:05d}-of-00007.jsonl" for i in range(7)]
+    all_ids = []
+    previous_last = None
+    for shard in shards:
+        ids = [json.loads(line)["custom_id"] for line in shard.read_text().splitlines()]
+        assert ids == sorted(ids, key=lambda s: s.encode())
+        if previous_last is not None:
+            assert previous_last.encode() < ids[0].encode()
+        previous_last = ids[-1]
+        all_ids.extend(ids)
+    assert all_ids == sorted(all_ids)
+
+
+def test_errors_sorted_by_source_line_with_positions(finished):
+    output, _, _ = finished
+    errors = read_jsonl(output.glob("errors-*.jsonl"))
+    lines = [e["error"]["line"] for e in errors]
+    assert lines == sorted(lines)
+    assert all(e["response"] is None and e["error"]["source"].endswith("mixed.jsonl") for e in errors)
+
+
+def test_manifest_describes_the_output(finished):
+    output, _, n_lines = finished
+    manifest = json.loads((output / "manifest.json").read_text())
+    assert not (output / "_staging").exists()
+    assert manifest["counts"] == {
+        "total": n_lines,
+        "succeeded": 2000,
+        "failed": n_lines - 2000,
+        "by_error_code": {"duplicate_custom_id": 4, "invalid_json": 5},
+    }
+    assert manifest["input"]["lines"] == n_lines
+    assert manifest["input"]["fingerprint"].startswith("sha256:")
+    assert manifest["engine"]["backend"] == "fake"
+    assert manifest["model"]["name"] == "smollm2-135m-instruct"
+    for kind in ("results", "errors"):
+        for shard in manifest["shards"][kind]:
+            data = (output / shard["name"]).read_bytes()
+            assert hashlib.sha256(data).hexdigest() == shard["sha256"]
+            assert data.count(b"\n") == shard["rows"]
+    firsts = [s["first_custom_id"] for s in manifest["shards"]["results"]]
+    lasts = [s["last_custom_id"] for s in manifest["shards"]["results"]]
+    assert all(last < first for last, first in zip(lasts, firsts[1:]))
+    assert manifest["tokens"]["completion"] == 2000 * 4
+    assert manifest["pools"]["default"]["rows"] == 2000
+
+
+def test_completed_output_is_refused_then_overwritten(finished, mixed_input):
+    output, _, _ = finished
+    path, _ = mixed_input
+    with pytest.raises(PreflightError, match="already holds a completed job"):
+        run_job(_job(path, output), show_progress=False)
+
+
+def test_same_input_gives_identical_shards_apart_from_ids(mixed_input, tmp_path):
+    path, _ = mixed_input
+
+    def normalized(output):
+        rows = read_jsonl(output.glob("results-*.jsonl"))
+        for row in rows:
+            row.pop("id")
+            row["response"].pop("request_id")
+            row["response"]["body"].pop("created")
+        return rows
+
+    first = tmp_path / "a"
+    second = tmp_path / "b"
+    run_job(_job(path, first), show_progress=False)
+    run_job(_job(path, second, resources={"num_engines": 1, "cpus_per_engine": 0.5, "rows_per_task": 7}), show_progress=False)
+    assert normalized(first) == normalized(second)
