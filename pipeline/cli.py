@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated
 
 import typer
 
@@ -39,30 +39,45 @@ def _fail(message: str, code: int = 2) -> None:
 
 @app.command()
 def run(
-    input: Annotated[Optional[str], typer.Argument(help="OpenAI Batch JSONL file.")] = None,
-    output: Annotated[Optional[str], typer.Argument(help="Output directory (created if missing).")] = None,
-    config: Annotated[Optional[Path], typer.Option("--config", "-c", help="Job config YAML; flags win over it.")] = None,
-    model: Annotated[Optional[str], typer.Option(help="Model directory or id. Default: embedded SmolLM2-135M-Instruct.")] = None,
-    served_model_name: Annotated[Optional[str], typer.Option(help="Name request bodies must use as `model`.")] = None,
-    engine: Annotated[Optional[str], typer.Option(help="Engine backend: vllm or fake.")] = None,
-    format: Annotated[Optional[str], typer.Option("--format", help="Output format: jsonl.")] = None,
-    rows_per_shard: Annotated[Optional[int], typer.Option(help="Result rows per output shard.")] = None,
-    address: Annotated[Optional[str], typer.Option(help="Ray cluster address; default: start a local Ray.")] = None,
-    num_engines: Annotated[Optional[int], typer.Option(help="Engine actors (replicas).")] = None,
-    cpus_per_engine: Annotated[Optional[float], typer.Option(help="Ray CPUs reserved per engine actor.")] = None,
-    gpus_per_engine: Annotated[Optional[float], typer.Option(help="Ray GPUs reserved per engine actor.")] = None,
-    max_model_len: Annotated[Optional[int], typer.Option(help="vLLM: context length.")] = None,
-    max_num_seqs: Annotated[Optional[int], typer.Option(help="vLLM: most sequences run at once.")] = None,
-    gpu_memory_utilization: Annotated[Optional[float], typer.Option(help="vLLM: share of GPU memory to use.")] = None,
-    dtype: Annotated[Optional[str], typer.Option(help="vLLM: dtype (auto, bfloat16, float16, float32).")] = None,
-    enable_prefix_caching: Annotated[
-        Optional[bool], typer.Option("--enable-prefix-caching/--no-enable-prefix-caching", help="vLLM: prefix cache.")
+    input: Annotated[str | None, typer.Argument(help="OpenAI Batch JSONL file.")] = None,
+    output: Annotated[str | None, typer.Argument(help="Output directory (created if missing).")] = None,
+    config: Annotated[
+        Path | None, typer.Option("--config", "-c", help="Job config YAML; flags win over it.")
     ] = None,
-    enforce_eager: Annotated[Optional[bool], typer.Option("--enforce-eager/--no-enforce-eager", help="vLLM: no graphs.")] = None,
-    seed: Annotated[Optional[int], typer.Option(help="vLLM: engine seed.")] = None,
-    cpu_kvcache_space: Annotated[Optional[int], typer.Option(help="CPU engines: KV cache GiB.")] = None,
-    max_in_flight: Annotated[Optional[int], typer.Option(help="Requests kept in flight per engine.")] = None,
-    overwrite: Annotated[Optional[bool], typer.Option("--overwrite", help="Replace a completed job in OUTPUT.")] = None,
+    model: Annotated[
+        str | None, typer.Option(help="Model directory or id. Default: embedded SmolLM2-135M-Instruct.")
+    ] = None,
+    served_model_name: Annotated[
+        str | None, typer.Option(help="Name request bodies must use as `model`.")
+    ] = None,
+    engine: Annotated[str | None, typer.Option(help="Engine backend: vllm or fake.")] = None,
+    format: Annotated[str | None, typer.Option("--format", help="Output format: jsonl.")] = None,
+    rows_per_shard: Annotated[int | None, typer.Option(help="Result rows per output shard.")] = None,
+    address: Annotated[
+        str | None, typer.Option(help="Ray cluster address; default: start a local Ray.")
+    ] = None,
+    num_engines: Annotated[int | None, typer.Option(help="Engine actors (replicas).")] = None,
+    cpus_per_engine: Annotated[float | None, typer.Option(help="Ray CPUs reserved per engine actor.")] = None,
+    gpus_per_engine: Annotated[float | None, typer.Option(help="Ray GPUs reserved per engine actor.")] = None,
+    max_model_len: Annotated[int | None, typer.Option(help="vLLM: context length.")] = None,
+    max_num_seqs: Annotated[int | None, typer.Option(help="vLLM: most sequences run at once.")] = None,
+    gpu_memory_utilization: Annotated[
+        float | None, typer.Option(help="vLLM: share of GPU memory to use.")
+    ] = None,
+    dtype: Annotated[str | None, typer.Option(help="vLLM: dtype (auto, bfloat16, float16, float32).")] = None,
+    enable_prefix_caching: Annotated[
+        bool | None,
+        typer.Option("--enable-prefix-caching/--no-enable-prefix-caching", help="vLLM: prefix cache."),
+    ] = None,
+    enforce_eager: Annotated[
+        bool | None, typer.Option("--enforce-eager/--no-enforce-eager", help="vLLM: no graphs.")
+    ] = None,
+    seed: Annotated[int | None, typer.Option(help="vLLM: engine seed.")] = None,
+    cpu_kvcache_space: Annotated[int | None, typer.Option(help="CPU engines: KV cache GiB.")] = None,
+    max_in_flight: Annotated[int | None, typer.Option(help="Requests kept in flight per engine.")] = None,
+    overwrite: Annotated[
+        bool | None, typer.Option("--overwrite", help="Replace a completed job in OUTPUT.")
+    ] = None,
     log_format: Annotated[str, typer.Option(help="Logs: console or json.")] = "console",
     progress: Annotated[bool, typer.Option("--progress/--no-progress", help="Live progress display.")] = True,
 ) -> None:
@@ -120,9 +135,15 @@ def _run(job: JobConfig, progress: bool) -> None:
 @app.command()
 def validate(
     input: Annotated[str, typer.Argument(help="OpenAI Batch JSONL file.")],
-    model: Annotated[Optional[str], typer.Option(help="Model the job would serve (its name is checked).")] = None,
-    served_model_name: Annotated[Optional[str], typer.Option(help="Name request bodies must use as `model`.")] = None,
-    tokens: Annotated[bool, typer.Option("--tokens/--no-tokens", help="Token statistics with the model's tokenizer.")] = True,
+    model: Annotated[
+        str | None, typer.Option(help="Model the job would serve (its name is checked).")
+    ] = None,
+    served_model_name: Annotated[
+        str | None, typer.Option(help="Name request bodies must use as `model`.")
+    ] = None,
+    tokens: Annotated[
+        bool, typer.Option("--tokens/--no-tokens", help="Token statistics with the model's tokenizer.")
+    ] = True,
 ) -> None:
     """Dry run: counts, every error record (JSON lines on stdout), token statistics. No engine is started."""
     from pipeline.models import EMBEDDED_MODEL_NAME, ModelNotFoundError

@@ -26,21 +26,28 @@ class VllmEngineArgs(_Strict):
     """Engine arguments passed to vLLM (names as in `vllm serve`)."""
 
     max_model_len: int | None = Field(
-        default=None, ge=16, description="Context length (prompt + output tokens). Default: the model's own limit."
+        default=None,
+        ge=16,
+        description="Context length (prompt + output tokens). Default: the model's own limit.",
     )
     max_num_seqs: int = Field(default=64, ge=1, description="Most sequences the engine runs at once.")
     gpu_memory_utilization: float = Field(
         default=0.9, gt=0, le=1, description="Share of accelerator memory vLLM may use (weights + KV cache)."
     )
-    dtype: str = Field(default="auto", description="Weight/activation dtype: auto, bfloat16, float16, float32.")
+    dtype: str = Field(
+        default="auto", description="Weight/activation dtype: auto, bfloat16, float16, float32."
+    )
     enable_prefix_caching: bool = Field(
-        default=True, description="Reuse the KV cache of shared prompt prefixes (system prompts, few-shot blocks)."
+        default=True,
+        description="Reuse the KV cache of shared prompt prefixes (system prompts, few-shot blocks).",
     )
     enforce_eager: bool | None = Field(
         default=None,
         description="Skip graph capture/compilation. Default: on for CPU engines (compilation costs minutes there).",
     )
-    tensor_parallel_size: int = Field(default=1, ge=1, description="Accelerators one engine is sharded across.")
+    tensor_parallel_size: int = Field(
+        default=1, ge=1, description="Accelerators one engine is sharded across."
+    )
     seed: int | None = Field(default=None, description="Engine-level random seed.")
     cpu_kvcache_space_gib: int = Field(
         default=2, ge=1, description="CPU engines only: KV cache size in whole GiB (VLLM_CPU_KVCACHE_SPACE)."
@@ -55,17 +62,29 @@ class FakeEngineArgs(_Strict):
     """The fake engine's token-time model, for data-plane tests and scale simulation."""
 
     prefill_seconds_per_token: float = Field(default=0.0, ge=0, description="Cost of one prompt token.")
-    decode_seconds_per_token: float = Field(default=0.0, ge=0, description="Cost of one generated token per step.")
-    max_concurrency: int = Field(default=256, ge=1, description="Sequences the fake engine runs at once (its KV limit).")
-    output_tokens: int = Field(default=16, ge=1, description="Tokens generated when the request sets no max_tokens.")
+    decode_seconds_per_token: float = Field(
+        default=0.0, ge=0, description="Cost of one generated token per step."
+    )
+    max_concurrency: int = Field(
+        default=256, ge=1, description="Sequences the fake engine runs at once (its KV limit)."
+    )
+    output_tokens: int = Field(
+        default=16, ge=1, description="Tokens generated when the request sets no max_tokens."
+    )
 
 
 class EngineConfig(_Strict):
     """Which engine backend runs the requests, and how."""
 
-    backend: Literal["vllm", "fake"] = Field(default="vllm", description="Engine backend behind the engine seam.")
-    vllm: VllmEngineArgs = Field(default_factory=VllmEngineArgs, description="Arguments for the vLLM backend.")
-    fake: FakeEngineArgs = Field(default_factory=FakeEngineArgs, description="Arguments for the fake backend.")
+    backend: Literal["vllm", "fake"] = Field(
+        default="vllm", description="Engine backend behind the engine seam."
+    )
+    vllm: VllmEngineArgs = Field(
+        default_factory=VllmEngineArgs, description="Arguments for the vLLM backend."
+    )
+    fake: FakeEngineArgs = Field(
+        default_factory=FakeEngineArgs, description="Arguments for the fake backend."
+    )
     max_in_flight: int | None = Field(
         default=None,
         ge=1,
@@ -87,7 +106,8 @@ class ResourcesConfig(_Strict):
     cpus_per_engine: float = Field(default=1.0, ge=0, description="Ray CPUs reserved per engine actor.")
     gpus_per_engine: float = Field(default=0.0, ge=0, description="Ray GPUs reserved per engine actor.")
     resources_per_engine: dict[str, float] = Field(
-        default_factory=dict, description="Custom Ray resources per engine actor, e.g. {'accelerator:cuda': 1}."
+        default_factory=dict,
+        description="Custom Ray resources per engine actor, e.g. {'accelerator:cuda': 1}.",
     )
     rows_per_task: int = Field(
         default=64, ge=1, description="Rows handed to an engine actor at a time (a Ray Data batch)."
@@ -98,9 +118,13 @@ class OutputConfig(_Strict):
     """How results are written."""
 
     format: Literal["jsonl"] = Field(default="jsonl", description="Output file format.")
-    rows_per_shard: int = Field(default=100_000, ge=1, description="Result rows per shard file (range-partitioned).")
+    rows_per_shard: int = Field(
+        default=100_000, ge=1, description="Result rows per shard file (range-partitioned)."
+    )
     staging_rows: int = Field(
-        default=1024, ge=1, description="Finished rows buffered before a staged part is written (the checkpoint step)."
+        default=1024,
+        ge=1,
+        description="Finished rows buffered before a staged part is written (the checkpoint step).",
     )
 
 
@@ -113,11 +137,18 @@ class JobConfig(_Strict):
         default=None, description="Model directory or id; default: the embedded SmolLM2-135M-Instruct."
     )
     served_model_name: str | None = Field(
-        default=None, description="The name every request body's `model` must equal. Default: --model as given."
+        default=None,
+        description="The name every request body's `model` must equal. Default: --model as given.",
     )
-    engine: EngineConfig = Field(default_factory=EngineConfig, description="Engine backend and its arguments.")
-    resources: ResourcesConfig = Field(default_factory=ResourcesConfig, description="Ray placement of engines.")
-    output_options: OutputConfig = Field(default_factory=OutputConfig, description="Output format and sharding.")
+    engine: EngineConfig = Field(
+        default_factory=EngineConfig, description="Engine backend and its arguments."
+    )
+    resources: ResourcesConfig = Field(
+        default_factory=ResourcesConfig, description="Ray placement of engines."
+    )
+    output_options: OutputConfig = Field(
+        default_factory=OutputConfig, description="Output format and sharding."
+    )
     overwrite: bool = Field(default=False, description="Replace a completed job already in OUTPUT.")
 
     @field_validator("input", "output")

@@ -45,7 +45,9 @@ class BatchRequestLine(BaseModel):
 
     model_config = ConfigDict(extra="ignore")
 
-    custom_id: str = Field(min_length=1, description="Caller's id; unique within the file; results are sorted by it.")
+    custom_id: str = Field(
+        min_length=1, description="Caller's id; unique within the file; results are sorted by it."
+    )
     method: str = Field(default="POST", description="HTTP method; only POST is meaningful.")
     url: str = Field(description="The route, e.g. /v1/chat/completions.")
     body: dict[str, Any] = Field(description="The request body exactly as the route's API takes it.")

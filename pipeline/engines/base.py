@@ -102,7 +102,9 @@ def build_engine(spec: EngineSpec) -> Engine:
     try:
         target = BACKENDS[spec.backend]
     except KeyError:
-        raise ValueError(f"unknown engine backend {spec.backend!r}; choose one of {sorted(BACKENDS)}") from None
+        raise ValueError(
+            f"unknown engine backend {spec.backend!r}; choose one of {sorted(BACKENDS)}"
+        ) from None
     module_name, class_name = target.split(":")
     cls = getattr(importlib.import_module(module_name), class_name)
     return cls(spec)

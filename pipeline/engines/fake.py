@@ -58,7 +58,9 @@ class FakeEngine(Engine):
         body = request.body
         prompt = _prompt_text(request.url, body)
         prompt_tokens = _count_tokens(prompt)
-        max_tokens = body.get("max_completion_tokens") or body.get("max_tokens") or self.args.get("output_tokens", 16)
+        max_tokens = (
+            body.get("max_completion_tokens") or body.get("max_tokens") or self.args.get("output_tokens", 16)
+        )
         if prompt_tokens + int(max_tokens) > self.max_model_len:
             message = (
                 f"This model's maximum context length is {self.max_model_len} tokens. However, you requested "
@@ -68,7 +70,13 @@ class FakeEngine(Engine):
             return EngineResult(
                 request.custom_id,
                 400,
-                {"error": {"message": message, "type": "BadRequestError", "code": ErrorCode.CONTEXT_LENGTH_EXCEEDED.value}},
+                {
+                    "error": {
+                        "message": message,
+                        "type": "BadRequestError",
+                        "code": ErrorCode.CONTEXT_LENGTH_EXCEEDED.value,
+                    }
+                },
                 ErrorCode.CONTEXT_LENGTH_EXCEEDED,
             )
         completion_tokens = int(max_tokens)

@@ -22,7 +22,9 @@ from pipeline.protocol import ErrorCode
 log = structlog.get_logger(__name__)
 
 # vLLM words its context-length rejections several ways (renderer, sampling-param fitting); all mean the same.
-_CONTEXT_LENGTH = re.compile(r"maximum context length|exceeds model's maximum|context length \(", re.IGNORECASE)
+_CONTEXT_LENGTH = re.compile(
+    r"maximum context length|exceeds model's maximum|context length \(", re.IGNORECASE
+)
 
 # Our engine-arg names that are not vLLM fields and must not be set on its args namespace.
 _NOT_VLLM_ARGS = {"cpu_kvcache_space_gib", "extra"}
@@ -34,7 +36,9 @@ def error_code_for(status_code: int, message: str) -> ErrorCode:
     return ErrorCode.INVALID_REQUEST if status_code < 500 else ErrorCode.ENGINE_ERROR
 
 
-def _error_result(custom_id: str, status_code: int, message: str, error_type: str, param: Any = None) -> EngineResult:
+def _error_result(
+    custom_id: str, status_code: int, message: str, error_type: str, param: Any = None
+) -> EngineResult:
     code = error_code_for(status_code, message)
     body = {"error": {"message": message, "type": error_type, "param": param, "code": code.value}}
     return EngineResult(custom_id, status_code, body, code)
@@ -91,7 +95,10 @@ class VllmEngine(Engine):
         await init_app_state(self._client, state, ns, await self._client.get_supported_tasks())
         self._chat = state.openai_serving_chat
         self._completion = state.openai_serving_completion
-        self._request_types = {"/v1/chat/completions": ChatCompletionRequest, "/v1/completions": CompletionRequest}
+        self._request_types = {
+            "/v1/chat/completions": ChatCompletionRequest,
+            "/v1/completions": CompletionRequest,
+        }
         log.info("vllm engine ready", model=self.spec.served_model_name, **self._kv_summary())
 
     def _handler(self, url: str) -> Any:
@@ -140,7 +147,11 @@ class VllmEngine(Engine):
     def _kv_summary(self) -> dict[str, Any]:
         cache = self._client.vllm_config.cache_config
         blocks = cache.num_gpu_blocks or 0
-        return {"kv_blocks": blocks, "block_size": cache.block_size, "kv_cache_tokens": blocks * cache.block_size}
+        return {
+            "kv_blocks": blocks,
+            "block_size": cache.block_size,
+            "kv_cache_tokens": blocks * cache.block_size,
+        }
 
     def effective_args(self) -> dict[str, Any]:
         cfg = self._client.vllm_config

@@ -51,7 +51,9 @@ def _prompt_token_counter(model: str | None):
 
     def count(request: ValidRequest) -> int:
         if request.url == "/v1/chat/completions":
-            ids = tokenizer.apply_chat_template(request.body["messages"], add_generation_prompt=True, tokenize=True)
+            ids = tokenizer.apply_chat_template(
+                request.body["messages"], add_generation_prompt=True, tokenize=True
+            )
             return len(ids["input_ids"] if isinstance(ids, dict) else ids)
         prompt = request.body.get("prompt")
         return len(tokenizer.encode(prompt if isinstance(prompt, str) else str(prompt)))

@@ -89,7 +89,9 @@ class ProgressDisplay:
     def update(self, force: bool = False) -> None:
         c = self.counters
         if self._progress is not None:
-            self._progress.update(self._task, completed=c.done, tps=c.output_tokens_per_second(), failed=c.failed)
+            self._progress.update(
+                self._task, completed=c.done, tps=c.output_tokens_per_second(), failed=c.failed
+            )
             return
         now = time.monotonic()
         if force or now - self._last_log >= self.log_every:

@@ -38,7 +38,9 @@ def remove_previous_outputs(output: Path) -> None:
             stale.unlink()
 
 
-def write_outputs(output: Path, staging: StagingArea, rows_per_shard: int, expected_rows: int) -> dict[str, Any]:
+def write_outputs(
+    output: Path, staging: StagingArea, rows_per_shard: int, expected_rows: int
+) -> dict[str, Any]:
     """Write the shards; returns counts and shard descriptions for the manifest."""
     n_results = staging.count("results")
     n_errors = staging.count("errors")
@@ -57,7 +59,11 @@ def write_outputs(output: Path, staging: StagingArea, rows_per_shard: int, expec
         _unique_ids(staging.merged("results")), n_results, rows_per_shard, "results", open_shard
     )
     error_shards: list[ShardInfo] = write_shards(
-        ((r.custom_id, r.record) for r in staging.merged("errors")), n_errors, rows_per_shard, "errors", open_shard
+        ((r.custom_id, r.record) for r in staging.merged("errors")),
+        n_errors,
+        rows_per_shard,
+        "errors",
+        open_shard,
     )
     return {
         "counts": {

@@ -33,7 +33,9 @@ class IngestReport:
         return sum(self.invalid_by_code.values())
 
 
-def iter_validated(path: Path, validator: LineValidator, report: IngestReport) -> Iterator[ValidRequest | InvalidLine]:
+def iter_validated(
+    path: Path, validator: LineValidator, report: IngestReport
+) -> Iterator[ValidRequest | InvalidLine]:
     """Validate every non-blank line of a local JSONL file, fingerprinting the bytes as they stream past."""
     fingerprint = Fingerprint()
     with open(path, "rb") as fh:

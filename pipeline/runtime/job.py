@@ -60,7 +60,10 @@ def _start_ray(address: str | None) -> None:
         # Engine logs stay in Ray's session logs; the terminal shows nightshift's own progress and logs.
         # "local" starts a private instance: never attach by accident to a cluster someone else started here.
         ray.init(
-            address=address or "local", include_dashboard=False, log_to_driver=False, logging_level=logging.ERROR
+            address=address or "local",
+            include_dashboard=False,
+            log_to_driver=False,
+            logging_level=logging.ERROR,
         )
     logging.getLogger("ray.data").setLevel(logging.ERROR)
     ctx = DataContext.get_current()
@@ -86,7 +89,10 @@ class _StagingBuffer:
 
     def add(self, row: StagedRow) -> None:
         (self.errors if row.error_code else self.results).append(row)
-        if len(self.results) + len(self.errors) >= self.max_rows or time.monotonic() - self._since > self.max_age_s:
+        if (
+            len(self.results) + len(self.errors) >= self.max_rows
+            or time.monotonic() - self._since > self.max_age_s
+        ):
             self.flush()
 
     def flush(self) -> None:
@@ -121,7 +127,9 @@ def _run_engines(
         EngineWorker,
         fn_constructor_kwargs={"spec": spec, "pool": "default", "monitor": monitor},
         batch_size=batch_size,
-        compute=ray.data.ActorPoolStrategy(size=res.num_engines, max_concurrent_calls_per_actor=calls_per_actor),
+        compute=ray.data.ActorPoolStrategy(
+            size=res.num_engines, max_concurrent_calls_per_actor=calls_per_actor
+        ),
         num_cpus=res.cpus_per_engine,
         num_gpus=res.gpus_per_engine or None,
         resources=res.resources_per_engine or None,
@@ -162,14 +170,20 @@ def run_job(config: JobConfig, show_progress: bool = True) -> JobOutcome:
 
     staging = StagingArea(output)
     staging.create()
-    atomic_write_json(staging.job_file, {"config": config.model_dump(mode="json"), "model": model.model_dump()})
+    atomic_write_json(
+        staging.job_file, {"config": config.model_dump(mode="json"), "model": model.model_dump()}
+    )
     report: IngestReport = ingest(input_path, model.name, staging)
     atomic_write_json(
         staging.job_file,
         {
             "config": config.model_dump(mode="json"),
             "model": model.model_dump(),
-            "input": {"fingerprint": report.fingerprint, "size_bytes": report.size_bytes, "lines": report.lines},
+            "input": {
+                "fingerprint": report.fingerprint,
+                "size_bytes": report.size_bytes,
+                "lines": report.lines,
+            },
         },
     )
     log.info("input validated", lines=report.lines, valid=report.valid, invalid=report.invalid)

@@ -48,5 +48,7 @@ def check_output(location: str | None, overwrite: bool) -> Path:
         probe.write_bytes(b"")
         probe.unlink()
     except OSError as exc:
-        raise PreflightError(f"output {location} is not writable ({exc.strerror}): choose another OUTPUT") from exc
+        raise PreflightError(
+            f"output {location} is not writable ({exc.strerror}): choose another OUTPUT"
+        ) from exc
     return path

@@ -16,7 +16,16 @@ from typing import Any
 from pipeline.engines.base import Engine, EngineRequest, EngineResult, EngineSpec, build_engine
 from pipeline.protocol import dumps, result_record
 
-OUTPUT_COLUMNS = ("custom_id", "line", "source", "error_code", "prompt_tokens", "completion_tokens", "pool", "record")
+OUTPUT_COLUMNS = (
+    "custom_id",
+    "line",
+    "source",
+    "error_code",
+    "prompt_tokens",
+    "completion_tokens",
+    "pool",
+    "record",
+)
 
 
 def result_columns(results: list[EngineResult], rows: list[dict[str, Any]], pool: str) -> dict[str, list]:

@@ -8,6 +8,7 @@ models at engine time (their rejections become `invalid_request` error records t
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -62,6 +63,8 @@ def _range_problem(body: dict[str, Any]) -> str | None:
             continue
         if isinstance(value, bool) or not isinstance(value, int | float):
             return f"body.{field} must be a number, got {type(value).__name__}"
+        if not math.isfinite(value):  # json.loads accepts NaN/Infinity, and NaN passes every comparison
+            return f"body.{field} must be a finite number, got {value}"
         if low is not None and (value <= low if exclusive else value < low):
             bound = f"> {low}" if exclusive else f">= {low}"
             return f"body.{field} must be {bound}, got {value}"
@@ -85,6 +88,20 @@ def _route_problem(url: str, body: dict[str, Any]) -> str | None:
     return None
 
 
+def _has_lone_surrogate(raw: str | bytes | dict[str, Any], obj: Any) -> bool:
+    """An unpaired UTF-16 surrogate (a \\ud800-\\udfff escape, or CESU-8 bytes) is not Unicode: it cannot be
+    written as UTF-8 downstream, so it must be caught here. Only lines that could hold one pay for the check."""
+    if isinstance(raw, bytes | str):
+        marker = raw if isinstance(raw, bytes) else raw.encode("utf-8", "surrogatepass")
+        if b"\\u" not in marker and b"\xed" not in marker:
+            return False
+    try:
+        json.dumps(obj, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError:
+        return True
+    return False
+
+
 def _pydantic_message(error: ValidationError) -> str:
     first = error.errors()[0]
     where = ".".join(str(p) for p in first["loc"]) or "line"
@@ -102,7 +119,9 @@ class LineValidator:
         self.model_name = model_name
         self._seen: set[str] = set()
 
-    def __call__(self, raw: str | bytes | dict[str, Any], line: int, source: str) -> ValidRequest | InvalidLine:
+    def __call__(
+        self, raw: str | bytes | dict[str, Any], line: int, source: str
+    ) -> ValidRequest | InvalidLine:
         def invalid(code: ErrorCode, message: str, custom_id: str | None = None) -> InvalidLine:
             return InvalidLine(invalid_line_record(custom_id, code, message, line, source), line, source)
 
@@ -115,6 +134,10 @@ class LineValidator:
                 return invalid(ErrorCode.INVALID_JSON, f"line is not valid JSON: {exc}")
         if not isinstance(obj, dict):
             return invalid(ErrorCode.INVALID_JSON, f"line must be a JSON object, got {type(obj).__name__}")
+        if _has_lone_surrogate(raw, obj):
+            return invalid(
+                ErrorCode.INVALID_JSON, "line holds an unpaired UTF-16 surrogate: not valid Unicode"
+            )
 
         custom_id = obj.get("custom_id")
         if not isinstance(custom_id, str) or not custom_id:
@@ -124,7 +147,9 @@ class LineValidator:
         # The first line that names a custom_id owns it, valid or not; every later line with it is a duplicate.
         if custom_id in self._seen:
             return invalid(
-                ErrorCode.DUPLICATE_CUSTOM_ID, f"custom_id {custom_id!r} already appeared earlier in the input", custom_id
+                ErrorCode.DUPLICATE_CUSTOM_ID,
+                f"custom_id {custom_id!r} already appeared earlier in the input",
+                custom_id,
             )
         self._seen.add(custom_id)
 
@@ -134,11 +159,15 @@ class LineValidator:
             return invalid(ErrorCode.INVALID_REQUEST, _pydantic_message(exc), custom_id)
 
         if request.method.upper() != "POST":
-            return invalid(ErrorCode.UNSUPPORTED_METHOD, f"method must be POST, got {request.method!r}", custom_id)
+            return invalid(
+                ErrorCode.UNSUPPORTED_METHOD, f"method must be POST, got {request.method!r}", custom_id
+            )
         if request.url not in SUPPORTED_ROUTES:
             supported = ", ".join(sorted(SUPPORTED_ROUTES))
             return invalid(
-                ErrorCode.UNSUPPORTED_URL, f"url {request.url!r} is not served; supported: {supported}", custom_id
+                ErrorCode.UNSUPPORTED_URL,
+                f"url {request.url!r} is not served; supported: {supported}",
+                custom_id,
             )
         body = request.body
         if body.get("stream") is True:

@@ -112,7 +112,7 @@ def test_manifest_describes_the_output(finished):
             assert data.count(b"\n") == shard["rows"]
     firsts = [s["first_custom_id"] for s in manifest["shards"]["results"]]
     lasts = [s["last_custom_id"] for s in manifest["shards"]["results"]]
-    assert all(last < first for last, first in zip(lasts, firsts[1:]))
+    assert all(last < first for last, first in zip(lasts, firsts[1:], strict=False))
     assert manifest["tokens"]["completion"] == 2000 * 4
     assert manifest["pools"]["default"]["rows"] == 2000
 
@@ -138,5 +138,8 @@ def test_same_input_gives_identical_shards_apart_from_ids(mixed_input, tmp_path)
     first = tmp_path / "a"
     second = tmp_path / "b"
     run_job(_job(path, first), show_progress=False)
-    run_job(_job(path, second, resources={"num_engines": 1, "cpus_per_engine": 0.5, "rows_per_task": 7}), show_progress=False)
+    run_job(
+        _job(path, second, resources={"num_engines": 1, "cpus_per_engine": 0.5, "rows_per_task": 7}),
+        show_progress=False,
+    )
     assert normalized(first) == normalized(second)

@@ -1,0 +1,33 @@
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+NIGHTSHIFT = [sys.executable, "-m", "pipeline"]
+
+
+def run_cli(*args: str, timeout: float = 900, env: dict | None = None) -> subprocess.CompletedProcess:
+    """Run the real `nightshift` command line in a subprocess, as users do."""
+    return subprocess.run(
+        [*NIGHTSHIFT, *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env={**os.environ, **(env or {})},
+    )
+
+
+@pytest.fixture(scope="session")
+def embedded_model():
+    from pipeline.models import resolve_model
+
+    return resolve_model(None)
+
+
+@pytest.fixture(scope="session")
+def e2e_dir(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("e2e")

@@ -1,0 +1,181 @@
+"""`nightshift run` end to end on the real vLLM engine and the embedded model: one engine start for the module.
+
+Covers every bad-input kind, sorting across shard boundaries, the manifest, and response fidelity against
+vLLM's own batch runner used as an oracle on the same valid lines.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from tests.conftest import MODEL_NAME, chat_line, completion_line, read_jsonl, write_lines
+from tests.e2e.conftest import run_cli
+
+pytestmark = pytest.mark.slow
+
+QUESTIONS = [
+    "Name three primary colors.",
+    "What is 2+2?",
+    "Who wrote Hamlet?",
+    "Write a haiku about the sea.",
+    "What do bees make?",
+    "How many days are in a leap year?",
+    "What is the largest planet in our solar system?",
+    "Translate 'good morning' into Spanish.",
+]
+VALID_CHATS = [chat_line(f"chat-{i:02d}", q, max_tokens=24, temperature=0) for i, q in enumerate(QUESTIONS)]
+VALID_COMPLETIONS = [completion_line("cmpl-00", "Once upon a time", max_tokens=12, temperature=0)]
+
+# One sequence at a time, here and in the oracle: greedy decoding in bf16 is only bit-stable when the batch
+# composition is the same, and the comparison is about the serving layer, not about batching numerics.
+ENGINE_FLAGS = ["--max-model-len", "512", "--max-num-seqs", "1"]
+
+# (line, expected error code): each kind of bad input the contract names.
+BAD_LINES = [
+    ("{this is not json", "invalid_json"),
+    (
+        json.dumps({"method": "POST", "url": "/v1/chat/completions", "body": {"messages": []}}),
+        "missing_custom_id",
+    ),
+    (
+        json.dumps({"custom_id": "", "method": "POST", "url": "/v1/chat/completions", "body": {}}),
+        "missing_custom_id",
+    ),
+    (
+        json.dumps({"custom_id": "no-body", "method": "POST", "url": "/v1/chat/completions"}),
+        "invalid_request",
+    ),
+    (
+        json.dumps({"custom_id": "embed", "method": "POST", "url": "/v1/embeddings", "body": {"input": "x"}}),
+        "unsupported_url",
+    ),
+    (chat_line("streamed", "hi", stream=True), "stream_unsupported"),
+    (chat_line("other-model", "hi", model="gpt-4o"), "model_not_found"),
+    (chat_line("chat-01", "a duplicate custom_id"), "duplicate_custom_id"),
+    (chat_line("too-long", "word " * 900, max_tokens=8), "context_length_exceeded"),
+    (chat_line("bad-temperature", "hi", temperature=-1), "invalid_request"),
+    (chat_line("bad-top-k", "hi", top_k=-5), "invalid_request"),  # only vLLM's sampling params know this one
+]
+
+
+@pytest.fixture(scope="module")
+def job(e2e_dir, embedded_model):
+    lines = VALID_CHATS[:4] + [b for b, _ in BAD_LINES[:6]] + VALID_CHATS[4:] + VALID_COMPLETIONS
+    lines += [b for b, _ in BAD_LINES[6:]]
+    input_path = write_lines(e2e_dir / "mixed.jsonl", lines)
+    output = e2e_dir / "out"
+    proc = run_cli(
+        "run",
+        str(input_path),
+        str(output),
+        *ENGINE_FLAGS,
+        "--rows-per-shard",
+        "3",
+        "--no-progress",
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return input_path, output, lines, proc
+
+
+def test_exit_and_summary(job):
+    _, output, lines, proc = job
+    tail = proc.stdout.strip().splitlines()
+    assert tail[0].startswith(f"rows       {len(lines)} total, 9 ok, {len(BAD_LINES)} failed")
+    assert str(output) in tail[-1]
+
+
+def test_every_bad_input_kind_is_one_error_record(job):
+    input_path, output, lines, _ = job
+    results = read_jsonl(output.glob("results-*.jsonl"))
+    errors = read_jsonl(output.glob("errors-*.jsonl"))
+    assert len(results) + len(errors) == len(lines)
+    line_of = {}
+    for number, line in enumerate(lines, start=1):
+        try:
+            line_of.setdefault(json.loads(line).get("custom_id"), number)
+        except ValueError:
+            pass
+    by_line = {}
+    for record in errors:
+        if record["error"] is not None:
+            assert record["response"] is None
+            assert record["error"]["source"] == str(input_path)
+            by_line[record["error"]["line"]] = record["error"]["code"]
+        else:  # understood, then rejected by the engine: the OpenAI error body
+            assert record["response"]["status_code"] == 400
+            assert record["response"]["body"]["error"]["message"]
+            by_line[line_of[record["custom_id"]]] = record["response"]["body"]["error"]["code"]
+    expected = {lines.index(line) + 1: code for line, code in BAD_LINES}
+    assert by_line == expected
+
+
+def test_results_are_real_answers_sorted_across_shards(job):
+    _, output, _, _ = job
+    shards = sorted(output.glob("results-*.jsonl"))
+    assert len(shards) == 3  # 9 results, 3 per shard
+    ids = [r["custom_id"] for r in read_jsonl(shards)]
+    assert ids == sorted(ids) and len(ids) == len(set(ids)) == 9
+    answers = {r["custom_id"]: r["response"]["body"] for r in read_jsonl(shards)}
+    assert "4" in answers["chat-01"]["choices"][0]["message"]["content"]
+    assert "Shakespeare" in answers["chat-02"]["choices"][0]["message"]["content"]
+    assert answers["cmpl-00"]["object"] == "text_completion" and answers["cmpl-00"]["choices"][0]["text"]
+    assert all(b["model"] == MODEL_NAME for b in answers.values())
+
+
+def test_manifest_reports_engine_and_counts(job):
+    _, output, lines, _ = job
+    manifest = json.loads((output / "manifest.json").read_text())
+    assert manifest["counts"]["total"] == len(lines)
+    assert manifest["counts"]["succeeded"] == 9
+    assert sum(manifest["counts"]["by_error_code"].values()) == len(BAD_LINES)
+    args = manifest["engine"]["args"]
+    assert args["max_model_len"] == 512 and args["enable_prefix_caching"] is True
+    assert args["kv_cache_tokens"] > 0
+    assert manifest["engine"]["backend"] == "vllm"
+    assert manifest["model"]["source"] == "embedded" and manifest["model"]["revision"]
+    assert manifest["tokens"]["completion"] > 0
+    assert "preemptions" in manifest and [s["rows"] for s in manifest["shards"]["results"]] == [3, 3, 3]
+
+
+def _comparable(body: dict) -> dict:
+    """A response body without what legitimately differs between two runs: ids, timestamps, fingerprints."""
+    body = {k: v for k, v in body.items() if k not in ("id", "created", "system_fingerprint")}
+    return body
+
+
+def test_bodies_match_vllm_run_batch_oracle(job, e2e_dir, embedded_model):
+    _, output, _, _ = job
+    oracle_in = write_lines(e2e_dir / "oracle-in.jsonl", VALID_CHATS)
+    oracle_out = e2e_dir / "oracle-out.jsonl"
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "vllm.entrypoints.openai.run_batch",
+            "-i",
+            str(oracle_in),
+            "-o",
+            str(oracle_out),
+            "--model",
+            embedded_model.path,
+            "--served-model-name",
+            MODEL_NAME,
+            *ENGINE_FLAGS,
+            "--enforce-eager",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=900,
+        env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "2"},
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    oracle = {r["custom_id"]: r["response"]["body"] for r in read_jsonl([oracle_out])}
+    ours = {r["custom_id"]: r["response"]["body"] for r in read_jsonl(output.glob("results-*.jsonl"))}
+    assert set(oracle) == {json.loads(line)["custom_id"] for line in VALID_CHATS}
+    for custom_id, body in oracle.items():
+        assert _comparable(ours[custom_id]) == _comparable(body), custom_id

@@ -1,0 +1,153 @@
+"""stages.finalize.write_shards: range partitioning, shard names, per-shard rows / ids / sha256, empty output."""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+from pathlib import Path
+
+import pytest
+
+from pipeline.stages.finalize import shard_count, shard_name, write_shards
+
+
+class MemorySink:
+    """open_shard for tests: keeps every shard's bytes, records open/close order."""
+
+    def __init__(self) -> None:
+        self.files: dict[str, bytes] = {}
+        self.opened: list[str] = []
+        self.closed: list[str] = []
+
+    def __call__(self, name: str):
+        sink = self
+
+        class _Shard(io.BytesIO):
+            def close(self) -> None:
+                if not self.closed:
+                    sink.files[name] = self.getvalue()
+                    sink.closed.append(name)
+                super().close()
+
+        assert name not in self.opened, f"{name} opened twice"
+        self.opened.append(name)
+        return _Shard()
+
+
+def rows_for(ids: list[str]) -> list[tuple[str, str]]:
+    return [(cid, json.dumps({"custom_id": cid, "n": i}, ensure_ascii=False)) for i, cid in enumerate(ids)]
+
+
+def test_shard_count_and_name():
+    assert [shard_count(n, 3) for n in (0, 1, 3, 4, 9, 10)] == [1, 1, 1, 2, 3, 4]
+    assert shard_name("results", 2, 4, "jsonl") == "results-00002-of-00004.jsonl"
+
+
+def test_range_partition_across_shard_boundaries():
+    ids = [f"id-{i:03d}" for i in range(10)]
+    rows = rows_for(ids)
+    sink = MemorySink()
+    shards = write_shards(iter(rows), 10, 3, "results", sink)
+
+    names = [f"results-{k:05d}-of-00004.jsonl" for k in range(4)]
+    assert [s.name for s in shards] == names
+    assert sink.opened == names and sink.closed == names  # each shard opened once, closed, in order
+    assert [s.rows for s in shards] == [3, 3, 3, 1]
+    for k in range(len(shards) - 1):
+        assert shards[k].last_custom_id < shards[k + 1].first_custom_id
+
+    concatenated = b""
+    for k, shard in enumerate(shards):
+        data = sink.files[shard.name]
+        concatenated += data
+        expected_ids = ids[3 * k : 3 * k + 3]
+        lines = data.decode().splitlines()
+        assert data.endswith(b"\n")
+        assert [json.loads(x)["custom_id"] for x in lines] == expected_ids
+        assert shard.rows == len(lines)
+        assert (shard.first_custom_id, shard.last_custom_id) == (expected_ids[0], expected_ids[-1])
+        assert shard.sha256 == hashlib.sha256(data).hexdigest()
+        assert shard.bytes == len(data)
+        assert shard.as_manifest() == {
+            "name": shard.name,
+            "rows": shard.rows,
+            "first_custom_id": expected_ids[0],
+            "last_custom_id": expected_ids[-1],
+            "bytes": len(data),
+            "sha256": hashlib.sha256(data).hexdigest(),
+        }
+    assert concatenated == "".join(line + "\n" for _, line in rows).encode()
+
+
+@pytest.mark.parametrize(
+    "total, per_shard, expected_rows", [(9, 3, [3, 3, 3]), (3, 10, [3]), (1, 1, [1]), (5, 1, [1] * 5)]
+)
+def test_exact_and_single_shard_sizes(total, per_shard, expected_rows):
+    sink = MemorySink()
+    shards = write_shards(rows_for([f"{i:04d}" for i in range(total)]), total, per_shard, "errors", sink)
+    assert [s.rows for s in shards] == expected_rows
+    count = len(expected_rows)
+    assert [s.name for s in shards] == [f"errors-{k:05d}-of-{count:05d}.jsonl" for k in range(count)]
+    assert sum(s.bytes for s in shards) == sum(len(v) for v in sink.files.values())
+
+
+def test_empty_output_is_one_empty_shard():
+    sink = MemorySink()
+    shards = write_shards(iter(()), 0, 3, "results", sink)
+    assert [s.name for s in shards] == ["results-00000-of-00001.jsonl"]
+    assert sink.files == {"results-00000-of-00001.jsonl": b""}
+    shard = shards[0]
+    assert (shard.rows, shard.bytes, shard.first_custom_id, shard.last_custom_id) == (0, 0, None, None)
+    assert shard.sha256 == hashlib.sha256(b"").hexdigest()
+
+
+def test_empty_output_on_disk(tmp_path: Path):
+    def open_shard(name: str):
+        return open(tmp_path / name, "wb")
+
+    write_shards([], 0, 100, "errors", open_shard)
+    assert [p.name for p in tmp_path.iterdir()] == ["errors-00000-of-00001.jsonl"]
+    assert (tmp_path / "errors-00000-of-00001.jsonl").read_bytes() == b""
+
+
+@pytest.mark.parametrize("given, expected", [(4, 5), (6, 5), (0, 2), (2, 0)])
+def test_count_mismatch_raises(given, expected):
+    with pytest.raises(RuntimeError, match=f"expected {expected} rows"):
+        write_shards(rows_for([f"{i}" for i in range(given)]), expected, 3, "results", MemorySink())
+
+
+def test_unicode_ids_in_utf8_byte_order():
+    # Chosen so that code-point/UTF-8 order differs from UTF-16 order (U+FFFF vs U+1F600) and from locale order.
+    ids = [
+        "z",
+        "Z",
+        "é",
+        "e",
+        "\uffff",
+        "😀",
+        "\U00010000",
+        "ä",
+        "ａ",
+        "日本",
+        "a-1",
+        "a_1",
+        "A",
+        "\u00a0",
+        "~",
+    ]
+    utf8_sorted = sorted(ids, key=lambda s: s.encode("utf-8"))
+    assert utf8_sorted == sorted(ids)  # Python str order is UTF-8 byte order
+    assert utf8_sorted != sorted(ids, key=lambda s: s.encode("utf-16-be"))  # the example discriminates
+
+    sink = MemorySink()
+    shards = write_shards(rows_for(utf8_sorted), len(ids), 4, "results", sink)
+    written = [
+        json.loads(x)["custom_id"] for s in shards for x in sink.files[s.name].decode("utf-8").splitlines()
+    ]
+    assert written == utf8_sorted
+    for k in range(len(shards) - 1):
+        assert shards[k].last_custom_id.encode() < shards[k + 1].first_custom_id.encode()
+    for shard in shards:
+        assert shard.sha256 == hashlib.sha256(sink.files[shard.name]).hexdigest()
+    assert "😀" in sink.files[shards[-1].name].decode("utf-8")  # non-ASCII written as UTF-8, not escaped

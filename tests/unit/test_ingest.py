@@ -1,0 +1,170 @@
+"""runtime.ingest: read → validate → stage, line numbers, accounting, fingerprint."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import pytest
+
+from pipeline.io.files import fingerprint_file, iter_lines
+from pipeline.io.staging import StagingArea
+from pipeline.runtime.ingest import ingest
+
+MODEL = "smollm2-135m-instruct"
+
+
+def chat(custom_id: str, **body) -> str:
+    body = {"messages": [{"role": "user", "content": f"hello {custom_id}"}], **body}
+    return json.dumps({"custom_id": custom_id, "method": "POST", "url": "/v1/chat/completions", "body": body})
+
+
+def completion(custom_id: str, **body) -> str:
+    body = {"model": MODEL, "prompt": f"once {custom_id}", **body}
+    return json.dumps({"custom_id": custom_id, "method": "POST", "url": "/v1/completions", "body": body})
+
+
+@pytest.fixture
+def staging(tmp_path: Path) -> StagingArea:
+    area = StagingArea(tmp_path / "out")
+    area.create()
+    return area
+
+
+def read_requests(staging: StagingArea) -> list[dict]:
+    rows: list[dict] = []
+    for part in staging.request_files():
+        rows.extend(pq.read_table(part).to_pylist())
+    return rows
+
+
+def read_errors(staging: StagingArea) -> list[dict]:
+    return [json.loads(row.record) for row in staging.merged("errors")]
+
+
+def test_ingest_mixed_input_with_blank_lines(tmp_path: Path, staging: StagingArea):
+    lines = [
+        chat("a"),  # 1
+        "",  # 2 blank
+        "not json",  # 3
+        completion("b", max_tokens=4),  # 4
+        "   \t",  # 5 whitespace only
+        chat("a"),  # 6 duplicate
+        chat("c", temperature=-1),  # 7
+        "",  # 8
+        "",  # 9
+        completion("d", model="gpt-4o"),  # 10
+        chat("e"),  # 11
+    ]
+    path = tmp_path / "input.jsonl"
+    data = ("\n".join(lines) + "\n\n").encode()
+    path.write_bytes(data)
+
+    report = ingest(path, MODEL, staging)
+
+    # accounting: non-blank lines only, valid + invalid == lines
+    assert report.lines == 7
+    assert report.valid == 3
+    assert report.invalid == 4
+    assert report.valid + report.invalid == report.lines
+    assert dict(report.invalid_by_code) == {
+        "invalid_json": 1,
+        "duplicate_custom_id": 1,
+        "invalid_request": 1,
+        "model_not_found": 1,
+    }
+
+    # fingerprint: sha256 of the exact file bytes (blank lines included), and the size
+    assert report.fingerprint == "sha256:" + hashlib.sha256(data).hexdigest()
+    assert report.size_bytes == len(data)
+    assert (report.fingerprint, report.size_bytes) == fingerprint_file(path)
+    assert report.source == str(path)
+
+    # valid requests → the requests parquet, with editor-true line numbers and the job's model filled in
+    requests = read_requests(staging)
+    assert [(r["custom_id"], r["line"]) for r in requests] == [("a", 1), ("b", 4), ("e", 11)]
+    assert {r["source"] for r in requests} == {str(path)}
+    assert [r["url"] for r in requests] == ["/v1/chat/completions", "/v1/completions", "/v1/chat/completions"]
+    bodies = [json.loads(r["body"]) for r in requests]
+    assert all(b["model"] == MODEL for b in bodies)
+    assert bodies[1] == {"model": MODEL, "prompt": "once b", "max_tokens": 4}
+
+    # invalid lines → staged error rows, with the right line numbers and codes
+    errors = read_errors(staging)
+    assert [(e["error"]["line"], e["error"]["code"], e["custom_id"]) for e in errors] == [
+        (3, "invalid_json", None),
+        (6, "duplicate_custom_id", "a"),
+        (7, "invalid_request", "c"),
+        (10, "model_not_found", "d"),
+    ]
+    assert all(e["error"]["source"] == str(path) and e["response"] is None for e in errors)
+    staged = list(staging.merged("errors"))
+    assert [r.error_code for r in staged] == [
+        "invalid_json",
+        "duplicate_custom_id",
+        "invalid_request",
+        "model_not_found",
+    ]
+    assert [r.line for r in staged] == [3, 6, 7, 10]
+    assert len(requests) + len(errors) == report.lines
+
+
+def test_ingest_counts(tmp_path: Path, staging: StagingArea):
+    path = tmp_path / "in.jsonl"
+    path.write_text("\n".join([chat("a"), "{", chat("b"), "[]"]))  # no trailing newline
+    report = ingest(path, MODEL, staging)
+    assert (report.lines, report.valid, report.invalid) == (4, 2, 2)
+    assert dict(report.invalid_by_code) == {"invalid_json": 2}
+    assert report.fingerprint == "sha256:" + hashlib.sha256(path.read_bytes()).hexdigest()
+    assert [r["line"] for r in read_requests(staging)] == [1, 3]
+    assert [e["error"]["line"] for e in read_errors(staging)] == [2, 4]
+
+
+def test_ingest_crlf_and_unicode(tmp_path: Path, staging: StagingArea):
+    path = tmp_path / "in.jsonl"
+    data = (chat("ключ") + "\r\n\r\n" + chat("😀", max_tokens=2) + "\r\n").encode("utf-8")
+    path.write_bytes(data)
+    report = ingest(path, MODEL, staging)
+    assert (report.lines, report.valid, report.invalid) == (2, 2, 0)
+    requests = read_requests(staging)
+    assert [(r["custom_id"], r["line"]) for r in requests] == [("ключ", 1), ("😀", 3)]
+    assert json.loads(requests[0]["body"])["messages"][0]["content"] == "hello ключ"
+    assert report.fingerprint == "sha256:" + hashlib.sha256(data).hexdigest()
+
+
+def test_ingest_splits_parts(tmp_path: Path, staging: StagingArea):
+    path = tmp_path / "in.jsonl"
+    lines = [chat(f"r{i:02d}") if i % 3 else "oops" for i in range(20)]
+    path.write_text("\n".join(lines) + "\n")
+    report = ingest(path, MODEL, staging, part_rows=4)
+    assert (report.lines, report.valid, report.invalid) == (20, 13, 7)
+    assert len(staging.request_files()) == 4  # 13 requests in parts of at most 4
+    assert len(staging.parts("errors")) == 2  # 7 errors in parts of at most 4
+    assert [r["custom_id"] for r in read_requests(staging)] == [f"r{i:02d}" for i in range(20) if i % 3]
+    assert staging.count("errors") == 7
+
+
+def test_ingest_empty_and_blank_only(tmp_path: Path, staging: StagingArea):
+    path = tmp_path / "in.jsonl"
+    path.write_bytes(b"\n  \n\r\n")
+    report = ingest(path, MODEL, staging)
+    assert (report.lines, report.valid, report.invalid) == (0, 0, 0)
+    assert staging.request_files() == [] and staging.parts("errors") == []
+    assert report.fingerprint == "sha256:" + hashlib.sha256(b"\n  \n\r\n").hexdigest()
+
+
+def test_iter_lines_matches_ingest_numbering(tmp_path: Path):
+    path = tmp_path / "in.jsonl"
+    path.write_bytes(b'{"a":1}\n\n  \n{"b":2}\r\n{"c":3}')
+    assert list(iter_lines(path)) == [(1, b'{"a":1}'), (4, b'{"b":2}'), (5, b'{"c":3}')]
+
+
+def test_ingest_lone_surrogate_becomes_error_record(tmp_path: Path, staging: StagingArea):
+    path = tmp_path / "in.jsonl"
+    bad = '{"custom_id": "x", "url": "/v1/completions", "body": {"prompt": "a\\udc00"}}'
+    path.write_text("\n".join([chat("a"), bad, chat("b")]) + "\n")
+    report = ingest(path, MODEL, staging)
+    assert (report.lines, report.valid, report.invalid) == (3, 2, 1)
+    assert [e["error"]["line"] for e in read_errors(staging)] == [2]

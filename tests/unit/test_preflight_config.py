@@ -1,0 +1,224 @@
+"""Preflight checks on INPUT / OUTPUT, and JobConfig loading / flag merging."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from pipeline.config import ConfigError, JobConfig, load_job_config, merge_overrides
+from pipeline.runtime.preflight import PreflightError, check_input, check_output
+
+# -- check_input ----------------------------------------------------------------------------------------------------
+
+
+def test_input_ok(tmp_path: Path):
+    path = tmp_path / "in.jsonl"
+    path.write_text("{}\n")
+    assert check_input(str(path)) == path
+
+
+@pytest.mark.parametrize("location", [None, ""])
+def test_input_not_given(location):
+    with pytest.raises(PreflightError, match="no INPUT given.*JSONL"):
+        check_input(location)
+
+
+def test_input_missing(tmp_path: Path):
+    missing = tmp_path / "nope.jsonl"
+    with pytest.raises(PreflightError, match="does not exist: check the path") as info:
+        check_input(str(missing))
+    assert str(missing) in str(info.value)
+
+
+def test_input_is_a_directory(tmp_path: Path):
+    with pytest.raises(PreflightError, match="is a directory: pass a JSONL file") as info:
+        check_input(str(tmp_path))
+    assert str(tmp_path) in str(info.value)
+
+
+def test_input_expands_user(tmp_path: Path, monkeypatch):
+    monkeypatch.setenv("HOME", str(tmp_path))
+    (tmp_path / "in.jsonl").write_text("{}\n")
+    assert check_input("~/in.jsonl") == tmp_path / "in.jsonl"
+
+
+# -- check_output ---------------------------------------------------------------------------------------------------
+
+
+def test_output_created_when_missing(tmp_path: Path):
+    out = tmp_path / "a" / "b" / "out"
+    assert check_output(str(out), overwrite=False) == out
+    assert out.is_dir()
+    assert list(out.iterdir()) == []  # the write probe is cleaned up
+
+
+def test_output_existing_empty_dir_ok(tmp_path: Path):
+    assert check_output(str(tmp_path), overwrite=False) == tmp_path
+
+
+@pytest.mark.parametrize("location", [None, ""])
+def test_output_not_given(location):
+    with pytest.raises(PreflightError, match="no OUTPUT given: pass a directory"):
+        check_output(location, overwrite=False)
+
+
+def test_output_is_a_file(tmp_path: Path):
+    target = tmp_path / "out.jsonl"
+    target.write_text("")
+    with pytest.raises(PreflightError, match="is a file: pass a directory"):
+        check_output(str(target), overwrite=False)
+
+
+def test_output_holds_a_completed_job(tmp_path: Path):
+    (tmp_path / "manifest.json").write_text("{}")
+    with pytest.raises(PreflightError, match=r"completed job \(manifest.json\); pass --overwrite"):
+        check_output(str(tmp_path), overwrite=False)
+    assert check_output(str(tmp_path), overwrite=True) == tmp_path  # --overwrite allows it
+    assert (tmp_path / "manifest.json").exists()  # preflight itself removes nothing
+
+
+@pytest.mark.parametrize("overwrite", [False, True])
+def test_output_holds_an_unfinished_job(tmp_path: Path, overwrite: bool):
+    (tmp_path / "_staging").mkdir()
+    with pytest.raises(PreflightError, match=r"unfinished job \(_staging/\); remove") as info:
+        check_output(str(tmp_path), overwrite=overwrite)
+    assert str(tmp_path / "_staging") in str(info.value)  # names what to remove
+    assert "another OUTPUT" in str(info.value)
+
+
+def test_output_not_writable(tmp_path: Path):
+    # Root ignores permission bits, so make mkdir fail structurally: a path below a regular file.
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    target = blocker / "out"
+    with pytest.raises(PreflightError, match="is not writable .*: choose another OUTPUT") as info:
+        check_output(str(target), overwrite=False)
+    assert str(target) in str(info.value)
+    assert "Not a directory" in str(info.value)
+    assert isinstance(info.value.__cause__, OSError)
+
+
+def test_preflight_error_is_a_value_error():
+    assert issubclass(PreflightError, ValueError)
+
+
+# -- JobConfig ------------------------------------------------------------------------------------------------------
+
+
+def write_yaml(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "job.yaml"
+    path.write_text(text)
+    return path
+
+
+def test_config_defaults():
+    config = load_job_config(None)
+    assert config == JobConfig()
+    assert config.engine.vllm.max_num_seqs == 64
+    assert config.engine.in_flight() == 128  # 2 x max_num_seqs
+
+
+def test_config_loads_yaml(tmp_path: Path):
+    path = write_yaml(
+        tmp_path,
+        "model: /models/m\nengine:\n  backend: fake\n  fake:\n    max_concurrency: 8\n"
+        "output_options:\n  rows_per_shard: 10\n",
+    )
+    config = load_job_config(path)
+    assert config.model == "/models/m"
+    assert config.engine.backend == "fake"
+    assert config.engine.fake.max_concurrency == 8
+    assert config.engine.in_flight() == 16
+    assert config.output_options.rows_per_shard == 10
+
+
+def test_config_empty_file_is_defaults(tmp_path: Path):
+    assert load_job_config(write_yaml(tmp_path, "")) == JobConfig()
+
+
+@pytest.mark.parametrize(
+    "text, key",
+    [
+        ("modle: x\n", "modle"),
+        ("engine:\n  vllm:\n    max_num_seq: 4\n", "engine.vllm.max_num_seq"),
+        ("output_options:\n  shards: 3\n", "output_options.shards"),
+    ],
+)
+def test_config_unknown_key_names_the_key(tmp_path: Path, text: str, key: str):
+    path = write_yaml(tmp_path, text)
+    with pytest.raises(ConfigError) as info:
+        load_job_config(path)
+    message = str(info.value)
+    assert key in message
+    assert str(path) in message
+    assert "Extra inputs are not permitted" in message
+
+
+@pytest.mark.parametrize(
+    "text, where",
+    [
+        ("engine:\n  vllm:\n    max_num_seqs: 0\n", "engine.vllm.max_num_seqs"),
+        ("engine:\n  vllm:\n    gpu_memory_utilization: 1.5\n", "engine.vllm.gpu_memory_utilization"),
+        ("engine:\n  backend: tgi\n", "engine.backend"),
+        ("output_options:\n  rows_per_shard: 0\n", "output_options.rows_per_shard"),
+        ("input: '  '\n", "input"),
+    ],
+)
+def test_config_invalid_value(tmp_path: Path, text: str, where: str):
+    with pytest.raises(ConfigError, match=where.replace(".", r"\.")):
+        load_job_config(write_yaml(tmp_path, text))
+
+
+def test_config_file_problems(tmp_path: Path):
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_job_config(tmp_path / "missing.yaml")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_job_config(write_yaml(tmp_path, "engine: [unclosed\n"))
+    with pytest.raises(ConfigError, match="mapping at the top level"):
+        load_job_config(write_yaml(tmp_path, "- a\n- b\n"))
+
+
+def test_merge_overrides_flag_wins_over_file(tmp_path: Path):
+    config = load_job_config(
+        write_yaml(tmp_path, "model: from-file\nengine:\n  vllm:\n    max_num_seqs: 8\n    dtype: float16\n")
+    )
+    merged = merge_overrides(
+        config,
+        {
+            "model": "from-flag",
+            "engine.vllm.max_num_seqs": 32,
+            "engine.vllm.dtype": None,  # flag not given: the file's value stays
+            "output_options.rows_per_shard": 5,
+        },
+    )
+    assert merged.model == "from-flag"
+    assert merged.engine.vllm.max_num_seqs == 32
+    assert merged.engine.vllm.dtype == "float16"
+    assert merged.output_options.rows_per_shard == 5
+    assert config.engine.vllm.max_num_seqs == 8  # the original is not mutated
+
+
+@pytest.mark.parametrize(
+    "overrides, where",
+    [
+        ({"engine.vllm.max_num_seqs": 0}, "engine.vllm.max_num_seqs"),
+        ({"engine.fake.max_concurrency": -1}, "engine.fake.max_concurrency"),
+        ({"engine.vllm.max_model_len": 8}, "engine.vllm.max_model_len"),
+        ({"engine.vllm.no_such_arg": 1}, "engine.vllm.no_such_arg"),
+    ],
+)
+def test_merge_overrides_invalid(overrides, where):
+    with pytest.raises(ConfigError, match=where.replace(".", r"\.")):
+        merge_overrides(JobConfig(), overrides)
+
+
+def test_every_config_field_has_a_description():
+    def walk(model_cls, prefix=""):
+        for name, field in model_cls.model_fields.items():
+            assert field.description, f"{prefix}{name} has no description"
+            annotation = field.annotation
+            if isinstance(annotation, type) and hasattr(annotation, "model_fields"):
+                walk(annotation, f"{prefix}{name}.")
+
+    walk(JobConfig)
