@@ -32,6 +32,32 @@ def _mount_node_commands() -> None:
 _mount_node_commands()
 
 
+# Which flag sets which config key: errors name the flag the user typed.
+FLAG_FOR_KEY = {
+    "input": "INPUT",
+    "output": "OUTPUT",
+    "model": "--model",
+    "served_model_name": "--served-model-name",
+    "engine.backend": "--engine",
+    "output_options.format": "--format",
+    "output_options.rows_per_shard": "--rows-per-shard",
+    "resources.address": "--address",
+    "resources.num_engines": "--num-engines",
+    "resources.cpus_per_engine": "--cpus-per-engine",
+    "resources.gpus_per_engine": "--gpus-per-engine",
+    "engine.vllm.max_model_len": "--max-model-len",
+    "engine.vllm.max_num_seqs": "--max-num-seqs",
+    "engine.vllm.gpu_memory_utilization": "--gpu-memory-utilization",
+    "engine.vllm.dtype": "--dtype",
+    "engine.vllm.enable_prefix_caching": "--enable-prefix-caching",
+    "engine.vllm.enforce_eager": "--enforce-eager",
+    "engine.vllm.seed": "--seed",
+    "engine.vllm.cpu_kvcache_space_gib": "--cpu-kvcache-space",
+    "engine.max_in_flight": "--max-in-flight",
+    "overwrite": "--overwrite",
+}
+
+
 def _fail(message: str, code: int = 2) -> None:
     typer.secho(f"error: {message}", fg=typer.colors.RED, err=True)
     raise typer.Exit(code)
@@ -88,32 +114,30 @@ def run(
         _fail(f"--log-format must be console or json, got {log_format!r}")
     configure_logging(log_format)
     try:
-        job = merge_overrides(
-            load_job_config(config),
-            {
-                "input": input,
-                "output": output,
-                "model": model,
-                "served_model_name": served_model_name,
-                "engine.backend": engine,
-                "output_options.format": format,
-                "output_options.rows_per_shard": rows_per_shard,
-                "resources.address": address,
-                "resources.num_engines": num_engines,
-                "resources.cpus_per_engine": cpus_per_engine,
-                "resources.gpus_per_engine": gpus_per_engine,
-                "engine.vllm.max_model_len": max_model_len,
-                "engine.vllm.max_num_seqs": max_num_seqs,
-                "engine.vllm.gpu_memory_utilization": gpu_memory_utilization,
-                "engine.vllm.dtype": dtype,
-                "engine.vllm.enable_prefix_caching": enable_prefix_caching,
-                "engine.vllm.enforce_eager": enforce_eager,
-                "engine.vllm.seed": seed,
-                "engine.vllm.cpu_kvcache_space_gib": cpu_kvcache_space,
-                "engine.max_in_flight": max_in_flight,
-                "overwrite": overwrite,
-            },
-        )
+        overrides = {
+            "input": input,
+            "output": output,
+            "model": model,
+            "served_model_name": served_model_name,
+            "engine.backend": engine,
+            "output_options.format": format,
+            "output_options.rows_per_shard": rows_per_shard,
+            "resources.address": address,
+            "resources.num_engines": num_engines,
+            "resources.cpus_per_engine": cpus_per_engine,
+            "resources.gpus_per_engine": gpus_per_engine,
+            "engine.vllm.max_model_len": max_model_len,
+            "engine.vllm.max_num_seqs": max_num_seqs,
+            "engine.vllm.gpu_memory_utilization": gpu_memory_utilization,
+            "engine.vllm.dtype": dtype,
+            "engine.vllm.enable_prefix_caching": enable_prefix_caching,
+            "engine.vllm.enforce_eager": enforce_eager,
+            "engine.vllm.seed": seed,
+            "engine.vllm.cpu_kvcache_space_gib": cpu_kvcache_space,
+            "engine.max_in_flight": max_in_flight,
+            "overwrite": overwrite,
+        }
+        job = merge_overrides(load_job_config(config), overrides, labels=FLAG_FOR_KEY)
     except ConfigError as exc:
         _fail(str(exc))
     _run(job, progress)
@@ -127,8 +151,21 @@ def _run(job: JobConfig, progress: bool) -> None:
 
     try:
         outcome = run_job(job, show_progress=progress)
-    except (PreflightError, ModelNotFoundError, ConfigError) as exc:
+    except (PreflightError, ModelNotFoundError, ConfigError, ValueError) as exc:
         _fail(str(exc))
+    except KeyboardInterrupt:
+        _fail("interrupted; finished rows are kept in OUTPUT/_staging/", code=130)
+    except Exception as exc:  # noqa: BLE001 - the job failed: say why in one line, keep the traceback in the log
+        import structlog
+
+        structlog.get_logger("nightshift").exception("job failed")
+        root = exc
+        while root.__cause__ is not None:
+            root = root.__cause__
+        _fail(
+            f"job failed: {type(root).__name__}: {str(root).strip().splitlines()[-1] if str(root).strip() else ''}",
+            1,
+        )
     print_summary(outcome.manifest, outcome.output)
 
 

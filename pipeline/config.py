@@ -178,16 +178,22 @@ def load_job_config(path: str | Path | None) -> JobConfig:
         raise ConfigError(f"config file {path}: {format_validation_error(exc)}") from exc
 
 
-def format_validation_error(exc: ValidationError) -> str:
+def format_validation_error(exc: ValidationError, labels: dict[str, str] | None = None) -> str:
+    """One line per problem, named the way the user wrote it (a flag such as --max-num-seqs, or a YAML key)."""
     parts = []
     for err in exc.errors():
         where = ".".join(str(p) for p in err["loc"])
-        parts.append(f"{where}: {err['msg']}")
+        parts.append(f"{(labels or {}).get(where, where)}: {err['msg']}")
     return "; ".join(parts)
 
 
-def merge_overrides(config: JobConfig, overrides: dict[str, Any]) -> JobConfig:
-    """Apply CLI flags (dotted keys, None = not given) over a config; re-validates the result."""
+def merge_overrides(
+    config: JobConfig, overrides: dict[str, Any], labels: dict[str, str] | None = None
+) -> JobConfig:
+    """Apply CLI flags (dotted keys, None = not given) over a config; re-validates the result.
+
+    `labels` maps dotted keys to the flags that set them, so an error names the flag the user typed.
+    """
     data = config.model_dump()
     for dotted, value in overrides.items():
         if value is None:
@@ -200,4 +206,5 @@ def merge_overrides(config: JobConfig, overrides: dict[str, Any]) -> JobConfig:
     try:
         return JobConfig.model_validate(data)
     except ValidationError as exc:
-        raise ConfigError(format_validation_error(exc)) from exc
+        given = {k: v for k, v in (labels or {}).items() if overrides.get(k) is not None}
+        raise ConfigError(format_validation_error(exc, given)) from exc

@@ -66,6 +66,11 @@ class Engine(ABC):
     def __init__(self, spec: EngineSpec) -> None:
         self.spec = spec
 
+    @classmethod
+    def check_spec(cls, spec: EngineSpec) -> None:
+        """Reject unusable engine args on the driver, before any work starts (raise ValueError)."""
+        return None
+
     @abstractmethod
     async def start(self) -> None: ...
 
@@ -98,13 +103,14 @@ BACKENDS: dict[str, str] = {
 }
 
 
-def build_engine(spec: EngineSpec) -> Engine:
+def engine_class(backend: str) -> type[Engine]:
     try:
-        target = BACKENDS[spec.backend]
+        target = BACKENDS[backend]
     except KeyError:
-        raise ValueError(
-            f"unknown engine backend {spec.backend!r}; choose one of {sorted(BACKENDS)}"
-        ) from None
+        raise ValueError(f"unknown engine backend {backend!r}; choose one of {sorted(BACKENDS)}") from None
     module_name, class_name = target.split(":")
-    cls = getattr(importlib.import_module(module_name), class_name)
-    return cls(spec)
+    return getattr(importlib.import_module(module_name), class_name)
+
+
+def build_engine(spec: EngineSpec) -> Engine:
+    return engine_class(spec.backend)(spec)

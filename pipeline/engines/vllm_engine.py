@@ -55,7 +55,9 @@ def build_vllm_namespace(spec: EngineSpec) -> Any:
     args.update(spec.args.get("extra") or {})
     for name, value in args.items():
         if not hasattr(ns, name):
-            raise ValueError(f"unknown vLLM engine arg {name!r}")
+            raise ValueError(
+                f"unknown vLLM engine arg {name!r} (engine.vllm.extra): use vLLM's Python arg names"
+            )
         setattr(ns, name, value)
     # Stats on: the engine's own numbers (KV usage, preemptions, prefix hits) are part of the product.
     ns.disable_log_stats = False
@@ -63,6 +65,17 @@ def build_vllm_namespace(spec: EngineSpec) -> Any:
 
 
 class VllmEngine(Engine):
+    @classmethod
+    def check_spec(cls, spec: EngineSpec) -> None:
+        try:
+            import vllm  # noqa: F401
+        except ImportError:
+            raise ValueError(
+                "the vllm engine is not installed: pip install 'nightshift-batch[cpu]' (CPU boxes) "
+                "or 'nightshift-batch[cuda]' (NVIDIA GPUs)"
+            ) from None
+        build_vllm_namespace(spec)  # raises on an engine arg vLLM does not know
+
     def __init__(self, spec: EngineSpec) -> None:
         super().__init__(spec)
         self._stack = contextlib.AsyncExitStack()

@@ -54,7 +54,8 @@ def _prompt_token_counter(model: str | None):
             ids = tokenizer.apply_chat_template(
                 request.body["messages"], add_generation_prompt=True, tokenize=True
             )
-            return len(ids["input_ids"] if isinstance(ids, dict) else ids)
+            # transformers 5 returns a BatchEncoding (a mapping), older versions a plain list of ids.
+            return len(ids["input_ids"] if hasattr(ids, "keys") else ids)
         prompt = request.body.get("prompt")
         return len(tokenizer.encode(prompt if isinstance(prompt, str) else str(prompt)))
 

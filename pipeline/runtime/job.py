@@ -18,7 +18,7 @@ import structlog
 
 from pipeline import __version__
 from pipeline.config import JobConfig
-from pipeline.engines.base import EngineSpec
+from pipeline.engines.base import EngineSpec, engine_class
 from pipeline.io.files import atomic_write_json
 from pipeline.io.staging import StagedRow, StagingArea
 from pipeline.models import ResolvedModel, resolve_model
@@ -167,6 +167,7 @@ def run_job(config: JobConfig, show_progress: bool = True) -> JobOutcome:
     output = check_output(config.output, config.overwrite)
     model = resolve_model(config.model, config.served_model_name)
     spec = engine_spec(config, model)
+    engine_class(spec.backend).check_spec(spec)
 
     staging = StagingArea(output)
     staging.create()
