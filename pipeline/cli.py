@@ -104,6 +104,7 @@ def run(
     overwrite: Annotated[
         bool | None, typer.Option("--overwrite", help="Replace a completed job in OUTPUT.")
     ] = None,
+    resume: Annotated[bool, typer.Option("--resume", help="Continue the unfinished job in OUTPUT.")] = False,
     log_format: Annotated[str, typer.Option(help="Logs: console or json.")] = "console",
     progress: Annotated[bool, typer.Option("--progress/--no-progress", help="Live progress display.")] = True,
 ) -> None:
@@ -140,17 +141,36 @@ def run(
         job = merge_overrides(load_job_config(config), overrides, labels=FLAG_FOR_KEY)
     except ConfigError as exc:
         _fail(str(exc))
-    _run(job, progress)
+    _run(job, progress, resume)
 
 
-def _run(job: JobConfig, progress: bool) -> None:
+@app.command("resume")
+def resume_command(
+    output: Annotated[str, typer.Argument(help="Output directory of the interrupted job.")],
+    log_format: Annotated[str, typer.Option(help="Logs: console or json.")] = "console",
+    progress: Annotated[bool, typer.Option("--progress/--no-progress", help="Live progress display.")] = True,
+) -> None:
+    """Continue an interrupted job from OUTPUT/_staging/: same spec, same input (checked), finished rows kept."""
+    from pipeline.observe.logs import configure_logging
+    from pipeline.runtime.job import load_resumable
+    from pipeline.runtime.preflight import PreflightError
+
+    configure_logging(log_format)
+    try:
+        job = load_resumable(output)
+    except PreflightError as exc:
+        _fail(str(exc))
+    _run(job, progress, resume=True)
+
+
+def _run(job: JobConfig, progress: bool, resume: bool = False) -> None:
     from pipeline.models import ModelNotFoundError
     from pipeline.observe.summary import print_summary
     from pipeline.runtime.job import run_job
     from pipeline.runtime.preflight import PreflightError
 
     try:
-        outcome = run_job(job, show_progress=progress)
+        outcome = run_job(job, show_progress=progress, resume=resume)
     except (PreflightError, ModelNotFoundError, ConfigError, ValueError) as exc:
         _fail(str(exc))
     except KeyboardInterrupt:

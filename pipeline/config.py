@@ -71,6 +71,14 @@ class FakeEngineArgs(_Strict):
     output_tokens: int = Field(
         default=16, ge=1, description="Tokens generated when the request sets no max_tokens."
     )
+    crash_on: list[str] = Field(
+        default_factory=list,
+        description="Failure injection: the engine process dies on a request whose custom_id contains one of these.",
+    )
+    call_log: str | None = Field(
+        default=None,
+        description="Append every custom_id the engine runs to this file (counts recomputation).",
+    )
 
 
 class EngineConfig(_Strict):
@@ -150,6 +158,11 @@ class JobConfig(_Strict):
         default_factory=OutputConfig, description="Output format and sharding."
     )
     overwrite: bool = Field(default=False, description="Replace a completed job already in OUTPUT.")
+    job_id: str | None = Field(
+        default=None,
+        pattern=r"^[A-Za-z0-9_-]{1,64}$",
+        description="Job identity (seeds output ids; kept across resume). Default: random.",
+    )
 
     @field_validator("input", "output")
     @classmethod

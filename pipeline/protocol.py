@@ -7,6 +7,7 @@ Batch API server). The response *bodies* are not built here — they come from v
 
 from __future__ import annotations
 
+import hashlib
 import json
 import uuid
 from enum import Enum
@@ -53,42 +54,47 @@ class BatchRequestLine(BaseModel):
     body: dict[str, Any] = Field(description="The request body exactly as the route's API takes it.")
 
 
-def new_request_id() -> str:
-    return f"batch_req_{uuid.uuid4().hex}"
+def record_ids(seed: str | None) -> tuple[str, str]:
+    """(id, request_id) of an output line. With a seed (job id + row identity) they are derived from it, so a
+    resumed job writes exactly the ids the uninterrupted job would have; without one they are random."""
+    digest = (
+        hashlib.sha256(seed.encode("utf-8", "surrogatepass")).hexdigest() if seed else uuid.uuid4().hex * 2
+    )
+    return f"batch_req_{digest[:32]}", f"req_{digest[32:64]}"
 
 
-def result_record(custom_id: str, body: dict[str, Any], status_code: int = 200) -> dict[str, Any]:
-    """A result line: the engine's response body wrapped in the Batch envelope."""
+def result_record(
+    custom_id: str, body: dict[str, Any], status_code: int = 200, seed: str | None = None
+) -> dict[str, Any]:
+    """A result line (or an engine-rejected request): the response body wrapped in the Batch envelope."""
+    record_id, request_id = record_ids(seed)
     return {
-        "id": new_request_id(),
+        "id": record_id,
         "custom_id": custom_id,
-        "response": {"status_code": status_code, "request_id": f"req_{uuid.uuid4().hex}", "body": body},
+        "response": {"status_code": status_code, "request_id": request_id, "body": body},
         "error": None,
     }
 
 
 def failed_request_record(
-    custom_id: str, code: ErrorCode, message: str, status_code: int = 400, error_type: str = "BadRequestError"
+    custom_id: str,
+    code: ErrorCode,
+    message: str,
+    status_code: int = 400,
+    error_type: str = "BadRequestError",
+    seed: str | None = None,
 ) -> dict[str, Any]:
     """An error line for a request that was understood but failed (engine rejected it, context too long...)."""
-    return {
-        "id": new_request_id(),
-        "custom_id": custom_id,
-        "response": {
-            "status_code": status_code,
-            "request_id": f"req_{uuid.uuid4().hex}",
-            "body": {"error": {"message": message, "type": error_type, "code": code.value}},
-        },
-        "error": None,
-    }
+    body = {"error": {"message": message, "type": error_type, "code": code.value}}
+    return result_record(custom_id, body, status_code, seed)
 
 
 def invalid_line_record(
-    custom_id: str | None, code: ErrorCode, message: str, line: int, source: str
+    custom_id: str | None, code: ErrorCode, message: str, line: int, source: str, seed: str | None = None
 ) -> dict[str, Any]:
     """An error line for a line that could not be understood (bad JSON, schema, duplicate, unsupported url)."""
     return {
-        "id": new_request_id(),
+        "id": record_ids(seed)[0],
         "custom_id": custom_id,
         "response": None,
         "error": {"code": code.value, "message": message, "line": line, "source": source},

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
-import time
+import os
 from typing import Any
 
 from pipeline.engines.base import Engine, EngineRequest, EngineResult, EngineSpec, EngineStats
@@ -49,12 +49,18 @@ class FakeEngine(Engine):
         self.args = spec.args
         self.max_model_len = int(self.args.get("max_model_len") or 8192)
         self._slots = asyncio.Semaphore(int(self.args.get("max_concurrency", 256)))
-        self._created = int(time.time())
+        # Fixed, so fake outputs are byte-for-byte reproducible (real engines stamp the wall clock).
+        self._created = 1_700_000_000
 
     async def start(self) -> None:
         pass
 
     async def generate(self, request: EngineRequest) -> EngineResult:
+        if self.args.get("call_log"):
+            with open(self.args["call_log"], "a") as fh:  # O_APPEND: whole short lines, safe across processes
+                fh.write(request.custom_id + "\n")
+        if any(marker in request.custom_id for marker in self.args.get("crash_on") or ()):
+            os._exit(1)  # simulate the engine process dying (segfault, OOM kill) on this request
         body = request.body
         prompt = _prompt_text(request.url, body)
         prompt_tokens = _count_tokens(prompt)

@@ -14,6 +14,7 @@ crash of the driver and `resume` can skip it.
 from __future__ import annotations
 
 import heapq
+import json
 import os
 import uuid
 from collections.abc import Iterable, Iterator
@@ -23,6 +24,8 @@ from typing import Any
 
 import pyarrow as pa
 import pyarrow.parquet as pq
+
+INGEST_PREFIX = "validate"  # error parts written by the validation pass (redone whole if it was interrupted)
 
 STAGED_SCHEMA = pa.schema(
     [
@@ -96,6 +99,25 @@ class StagingArea:
     def exists(self) -> bool:
         return self.root.exists()
 
+    # -- the job spec -----------------------------------------------------------------------------------------
+    def write_job(self, job: dict[str, Any]) -> None:
+        from pipeline.io.files import atomic_write_json
+
+        atomic_write_json(self.job_file, job)
+
+    def read_job(self) -> dict[str, Any]:
+        if not self.job_file.exists():
+            raise FileNotFoundError(f"{self.job_file} is missing: this is not a resumable nightshift job")
+        return json.loads(self.job_file.read_text())
+
+    def discard_ingest(self) -> None:
+        """Drop a partial validation pass (its work list and its error parts) so it can be redone whole."""
+        for part in [
+            *self.requests_dir.glob("*.parquet"),
+            *self.errors_dir.glob(f"{INGEST_PREFIX}-*.parquet"),
+        ]:
+            part.unlink()
+
     def _next_name(self, prefix: str) -> str:
         self._seq += 1
         return f"{prefix}-{self._writer_id}-{self._seq:06d}.parquet"
@@ -110,14 +132,21 @@ class StagingArea:
         return sorted(str(p) for p in self.requests_dir.glob("*.parquet"))
 
     # -- finished rows ----------------------------------------------------------------------------------------
-    def write_rows(self, kind: str, rows: list[StagedRow]) -> None:
+    def write_rows(self, kind: str, rows: list[StagedRow], prefix: str | None = None) -> None:
         """Persist finished rows as one sorted part; after this returns they survive any crash."""
         if not rows:
             return
         key = result_sort_key if kind == "results" else error_sort_key
         rows = sorted(rows, key=key)
         table = pa.Table.from_pylist([r.__dict__ for r in rows], schema=STAGED_SCHEMA)
-        _write_parquet_atomic(table, self._dir(kind) / self._next_name(kind))
+        _write_parquet_atomic(table, self._dir(kind) / self._next_name(prefix or kind))
+
+    def finished_ids(self) -> Iterator[str]:
+        """custom_ids that already have their final row from an engine (results and engine-side errors)."""
+        yield from self.iter_column("results", "custom_id")
+        for part in self.parts("errors"):
+            if not part.name.startswith(f"{INGEST_PREFIX}-"):
+                yield from pq.read_table(part, columns=["custom_id"]).column("custom_id").to_pylist()
 
     def _dir(self, kind: str) -> Path:
         return self.results_dir if kind == "results" else self.errors_dir
@@ -127,6 +156,16 @@ class StagingArea:
 
     def count(self, kind: str) -> int:
         return sum(pq.ParquetFile(p).metadata.num_rows for p in self.parts(kind))
+
+    def column_sum(self, column: str) -> int:
+        """Sum of a numeric column over every staged row (results and errors) — e.g. tokens across resumes."""
+        import pyarrow.compute as pc
+
+        total = 0
+        for kind in ("results", "errors"):
+            for part in self.parts(kind):
+                total += pc.sum(pq.read_table(part, columns=[column]).column(column)).as_py() or 0
+        return total
 
     def iter_column(self, kind: str, column: str) -> Iterator[Any]:
         for part in self.parts(kind):

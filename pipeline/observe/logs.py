@@ -25,6 +25,7 @@ def configure_logging(log_format: str = "console", level: str = "info") -> None:
         ],
         wrapper_class=structlog.make_filtering_bound_logger(numeric),
         # Logs go to stderr so stdout stays the summary a script can parse.
-        logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
+        # Looked up per call, not bound once: whoever swaps sys.stderr (test runners, wrappers) gets the logs.
+        logger_factory=lambda *_: structlog.PrintLogger(sys.stderr),
         cache_logger_on_first_use=False,
     )

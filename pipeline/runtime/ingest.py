@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from pipeline.io.files import Fingerprint
-from pipeline.io.staging import StagedRow, StagingArea
+from pipeline.io.staging import INGEST_PREFIX, StagedRow, StagingArea
 from pipeline.protocol import dumps
 from pipeline.stages.validate import InvalidLine, LineValidator, ValidRequest
 
@@ -68,10 +68,12 @@ def invalid_to_staged(item: InvalidLine) -> StagedRow:
     )
 
 
-def ingest(path: Path, model_name: str, staging: StagingArea, part_rows: int = 50_000) -> IngestReport:
+def ingest(
+    path: Path, model_name: str, staging: StagingArea, part_rows: int = 50_000, job_id: str | None = None
+) -> IngestReport:
     """Validate the whole input into staging. Memory: one part of requests plus the custom_id set."""
     report = IngestReport(source=str(path))
-    validator = LineValidator(model_name)
+    validator = LineValidator(model_name, job_id)
     requests: list[dict] = []
     errors: list[StagedRow] = []
     for outcome in iter_validated(path, validator, report):
@@ -91,8 +93,8 @@ def ingest(path: Path, model_name: str, staging: StagingArea, part_rows: int = 5
         else:
             errors.append(invalid_to_staged(outcome))
             if len(errors) >= part_rows:
-                staging.write_rows("errors", errors)
+                staging.write_rows("errors", errors, prefix=INGEST_PREFIX)
                 errors = []
     staging.write_requests(requests)
-    staging.write_rows("errors", errors)
+    staging.write_rows("errors", errors, prefix=INGEST_PREFIX)
     return report

@@ -1,15 +1,18 @@
 """One batch job, end to end: preflight → ingest → engines (Ray Data actor pool) → stage → finalize.
 
-    read ─▶ validate ─▶ route ─▶ engine actors ─▶ stage ─▶ finalize
+    read ─▶ validate ─▶ (resume filter) ─▶ engine actors ─▶ stage ─▶ finalize
 
 The driver streams: it validates the input into staging, hands Ray Data the staged work list, and writes
 finished rows back into staging as they arrive. Nothing here holds the whole input or output in memory.
+Staging is the checkpoint: a job interrupted at any point is continued by `resume`, which re-runs only the
+requests that have no staged row yet.
 """
 
 from __future__ import annotations
 
 import datetime as dt
 import time
+import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -19,14 +22,14 @@ import structlog
 from pipeline import __version__
 from pipeline.config import JobConfig
 from pipeline.engines.base import EngineSpec, engine_class
-from pipeline.io.files import atomic_write_json
+from pipeline.io.files import fingerprint_file
 from pipeline.io.staging import StagedRow, StagingArea
 from pipeline.models import ResolvedModel, resolve_model
 from pipeline.observe.progress import JobCounters, ProgressDisplay
 from pipeline.runtime.finalize import FORMAT_VERSION, commit, write_outputs
-from pipeline.runtime.ingest import IngestReport, ingest
+from pipeline.runtime.ingest import ingest
 from pipeline.runtime.monitor import summarize_engines
-from pipeline.runtime.preflight import check_input, check_output
+from pipeline.runtime.preflight import PreflightError, check_input, check_output
 
 log = structlog.get_logger(__name__)
 
@@ -37,6 +40,16 @@ class JobOutcome:
     manifest: dict[str, Any]
     counters: JobCounters
     pools: dict[str, dict[str, float]] = field(default_factory=dict)
+
+
+@dataclass
+class EngineRun:
+    """What the engine phase reports back to the manifest."""
+
+    snapshot: dict[str, Any] = field(default_factory=dict)
+    pools: dict[str, dict[str, float]] = field(default_factory=dict)
+    retried_requests: int = 0
+    duplicates_dropped: int = 0
 
 
 def engine_spec(config: JobConfig, model: ResolvedModel) -> EngineSpec:
@@ -57,7 +70,6 @@ def _start_ray(address: str | None) -> None:
     from ray.data import DataContext
 
     if not ray.is_initialized():
-        # Engine logs stay in Ray's session logs; the terminal shows nightshift's own progress and logs.
         # "local" starts a private instance: never attach by accident to a cluster someone else started here.
         ray.init(
             address=address or "local",
@@ -102,30 +114,61 @@ class _StagingBuffer:
         self._since = time.monotonic()
 
 
+def _pending_work(staging: StagingArea, finished: set[str]) -> list[str]:
+    """The request parts still to run: all of them on a fresh job; on resume, filtered copies without the
+    requests that already have a staged row (so finished work is never recomputed)."""
+    files = staging.request_files()
+    if not finished:
+        return files
+    import pyarrow as pa
+    import pyarrow.compute as pc
+    import pyarrow.parquet as pq
+
+    done = pa.array(sorted(finished), type=pa.string())
+    pending_dir = staging.root / f"pending-{uuid.uuid4().hex[:8]}"
+    pending_dir.mkdir()
+    pending = []
+    for i, path in enumerate(files):
+        table = pq.read_table(path)
+        left = table.filter(pc.invert(pc.is_in(table.column("custom_id"), value_set=done)))
+        if left.num_rows:
+            target = pending_dir / f"part-{i:06d}.parquet"
+            pq.write_table(left, target)
+            pending.append(str(target))
+    return pending
+
+
 def _run_engines(
-    config: JobConfig, spec: EngineSpec, staging: StagingArea, counters: JobCounters, show_progress: bool
-) -> tuple[dict[str, Any], dict[str, dict[str, float]]]:
+    config: JobConfig,
+    spec: EngineSpec,
+    staging: StagingArea,
+    counters: JobCounters,
+    show_progress: bool,
+    job_id: str,
+    finished: set[str],
+) -> EngineRun:
     import ray
 
-    from pipeline.runtime.monitor import EngineMonitor
+    from pipeline.runtime.monitor import JobMonitor
     from pipeline.runtime.worker import EngineWorker
 
-    files = staging.request_files()
+    files = _pending_work(staging, finished)
     if not files:
-        return {}, {}
+        return EngineRun()
     res = config.resources
     in_flight = config.engine.in_flight()
     batch_size = max(1, min(res.rows_per_task, in_flight))
     # Enough overlapping calls per actor that `in_flight` requests are always with the engine.
     calls_per_actor = max(2, -(-in_flight // batch_size))
 
-    monitor = ray.remote(num_cpus=0)(EngineMonitor).remote()
+    # Named, so operators (and tests) can find the engines of a running job: ray.get_actor(name).snapshot().
+    monitor = ray.remote(num_cpus=0)(JobMonitor).options(name=f"nightshift-monitor-{job_id}").remote()
     # Ray Data streams a task's output only when the task ends, so blocks of one batch each let finished rows
     # flow back continuously while the actor overlaps many such calls.
     ds = ray.data.read_parquet(files).repartition(target_num_rows_per_block=batch_size)
     ds = ds.map_batches(
         EngineWorker,
-        fn_constructor_kwargs={"spec": spec, "pool": "default", "monitor": monitor},
+        fn_constructor_kwargs={"spec": spec, "pool": "default", "monitor": monitor, "job_id": job_id},
         batch_size=batch_size,
         compute=ray.data.ActorPoolStrategy(
             size=res.num_engines, max_concurrent_calls_per_actor=calls_per_actor
@@ -137,82 +180,122 @@ def _run_engines(
         zero_copy_batch=True,
     )
     buffer = _StagingBuffer(staging, config.output_options.staging_rows)
-    pools: dict[str, dict[str, float]] = {}
+    run = EngineRun()
+    # A re-executed Ray task (lost node, lineage reconstruction) could hand back rows already seen; the contract
+    # is exactly-once, so the driver keeps the ids it staged and drops repeats.
+    staged = set(finished)
     with ProgressDisplay(counters, enabled=show_progress) as progress:
         for batch in ds.iter_batches(batch_format="pyarrow", batch_size=None):
             columns = batch.to_pydict()
-            failed = prompt = completion = 0
+            rows = failed = prompt = completion = 0
             for values in zip(*(columns[name] for name in columns), strict=True):
                 row = StagedRow(**dict(zip(columns, values, strict=True)))
+                if row.custom_id in staged:
+                    run.duplicates_dropped += 1
+                    continue
+                staged.add(row.custom_id)
                 buffer.add(row)
+                rows += 1
                 failed += bool(row.error_code)
                 prompt += row.prompt_tokens
                 completion += row.completion_tokens
-                pool = pools.setdefault(row.pool, {"rows": 0, "prompt_tokens": 0, "completion_tokens": 0})
+                pool = run.pools.setdefault(row.pool, {"rows": 0, "prompt_tokens": 0, "completion_tokens": 0})
                 pool["rows"] += 1
                 pool["prompt_tokens"] += row.prompt_tokens
                 pool["completion_tokens"] += row.completion_tokens
-            counters.add(batch.num_rows, failed, prompt, completion)
+            counters.add(rows, failed, prompt, completion)
             progress.update()
         buffer.flush()
         progress.update(force=True)
-    snapshot = ray.get(monitor.snapshot.remote())
-    return snapshot, pools
+    run.snapshot = ray.get(monitor.snapshot.remote())
+    run.retried_requests = len(ray.get(monitor.retries.remote()))
+    ray.kill(monitor)
+    if run.duplicates_dropped:
+        log.warning("dropped rows re-delivered by retried tasks", rows=run.duplicates_dropped)
+    return run
 
 
-def run_job(config: JobConfig, show_progress: bool = True) -> JobOutcome:
+def _prepare(config: JobConfig, resume: bool) -> tuple[Path, Path, StagingArea, dict[str, Any]]:
+    """Preflight, then either a fresh job spec or the stored one of the job being resumed."""
+    input_path = check_input(config.input)
+    output = check_output(config.output, config.overwrite, resume=resume)
+    staging = StagingArea(output)
+    if resume and staging.exists():
+        state = staging.read_job()
+        stored = state.get("input", {}).get("fingerprint")
+        if stored:
+            current, _ = fingerprint_file(input_path)
+            if current != stored:
+                raise PreflightError(
+                    f"input {config.input} changed since the job started ({stored} → {current}); resuming would "
+                    "mix two inputs. Restore the original input, or start a new job in another OUTPUT."
+                )
+        log.info("resuming job", job_id=state["job_id"], output=str(output))
+        return input_path, output, staging, state
+    if resume:
+        raise PreflightError(
+            f"output {config.output} holds no unfinished job (no _staging/): nothing to resume"
+        )
+    state = {"job_id": config.job_id or uuid.uuid4().hex[:16], "config": config.model_dump(mode="json")}
+    return input_path, output, staging, state
+
+
+def run_job(config: JobConfig, show_progress: bool = True, resume: bool = False) -> JobOutcome:
+    """Run (or, with resume=True, continue) one job; returns when the output is committed."""
     started_at = dt.datetime.now(dt.timezone.utc)
     t0 = time.monotonic()
-    input_path = check_input(config.input)
-    output = check_output(config.output, config.overwrite)
+    input_path, output, staging, state = _prepare(config, resume)
     model = resolve_model(config.model, config.served_model_name)
     spec = engine_spec(config, model)
     engine_class(spec.backend).check_spec(spec)
+    job_id = state["job_id"]
 
-    staging = StagingArea(output)
     staging.create()
-    atomic_write_json(
-        staging.job_file, {"config": config.model_dump(mode="json"), "model": model.model_dump()}
-    )
-    report: IngestReport = ingest(input_path, model.name, staging)
-    atomic_write_json(
-        staging.job_file,
-        {
-            "config": config.model_dump(mode="json"),
-            "model": model.model_dump(),
-            "input": {
-                "fingerprint": report.fingerprint,
-                "size_bytes": report.size_bytes,
-                "lines": report.lines,
-            },
-        },
-    )
-    log.info("input validated", lines=report.lines, valid=report.valid, invalid=report.invalid)
-
-    counters = JobCounters(total=report.lines)
-    counters.add_invalid(report.invalid)
-    snapshot: dict[str, Any] = {}
-    pools: dict[str, dict[str, float]] = {}
-    if report.valid:
-        _start_ray(config.resources.address)
-        snapshot, pools = _run_engines(config, spec, staging, counters, show_progress)
-
-    outputs = write_outputs(output, staging, config.output_options.rows_per_shard, report.lines)
-    wall = time.monotonic() - t0
-    engines = summarize_engines(snapshot)
-    for stats in pools.values():
-        stats["output_tokens_per_s"] = round(stats["completion_tokens"] / wall, 2) if wall else 0.0
-    manifest = {
-        "format_version": FORMAT_VERSION,
-        "nightshift_version": __version__,
-        "created_at": started_at.isoformat(),
-        "finished_at": dt.datetime.now(dt.timezone.utc).isoformat(),
-        "input": {
+    if not state.get("ingested"):
+        # A validation pass cut short is redone whole: it is cheap next to generation, and partial parts of it
+        # could otherwise be staged twice.
+        staging.discard_ingest()
+        state["model"] = model.model_dump()
+        staging.write_job(state)
+        report = ingest(input_path, model.name, staging, job_id=job_id)
+        state["input"] = {
             "location": str(input_path.resolve()),
             "fingerprint": report.fingerprint,
             "size_bytes": report.size_bytes,
             "lines": report.lines,
-        },
+            "valid": report.valid,
+            "invalid": report.invalid,
+        }
+        state["ingested"] = True
+        staging.write_job(state)
+    lines = state["input"]["lines"]
+    log.info("input validated", lines=lines, valid=state["input"]["valid"], invalid=state["input"]["invalid"])
+
+    finished = set(staging.finished_ids())
+    counters = JobCounters(total=lines)
+    counters.add_invalid(state["input"]["invalid"])
+    counters.done += len(finished)
+    run = EngineRun()
+    if state["input"]["valid"] > len(finished):
+        _start_ray(config.resources.address)
+        run = _run_engines(config, spec, staging, counters, show_progress, job_id, finished)
+
+    outputs = write_outputs(output, staging, config.output_options.rows_per_shard, lines)
+    tokens = {
+        "prompt": staging.column_sum("prompt_tokens"),
+        "completion": staging.column_sum("completion_tokens"),
+    }
+    wall = time.monotonic() - t0
+    engines = summarize_engines(run.snapshot)
+    for stats in run.pools.values():
+        stats["output_tokens_per_s"] = round(stats["completion_tokens"] / wall, 2) if wall else 0.0
+    manifest = {
+        "format_version": FORMAT_VERSION,
+        "nightshift_version": __version__,
+        "job_id": job_id,
+        "created_at": started_at.isoformat(),
+        "finished_at": dt.datetime.now(dt.timezone.utc).isoformat(),
+        "input": {k: state["input"][k] for k in ("location", "fingerprint", "size_bytes", "lines")},
         "model": model.model_dump(),
         "engine": {
             "backend": spec.backend,
@@ -222,15 +305,35 @@ def run_job(config: JobConfig, show_progress: bool = True) -> JobOutcome:
             "kv_cache_tokens_per_engine": engines.get("kv_cache_tokens_per_engine"),
         },
         **outputs,
-        "tokens": {"prompt": counters.prompt_tokens, "completion": counters.completion_tokens},
+        # From staging, not from this run's counters: a resumed job's totals include the rows of earlier runs.
+        "tokens": tokens,
         "wall_time_s": round(wall, 3),
         "throughput": {
-            "rows_per_s": round(report.lines / wall, 2) if wall else 0.0,
+            "rows_per_s": round(counters.done / wall, 2) if wall else 0.0,
             "output_tokens_per_s": round(counters.completion_tokens / wall, 2) if wall else 0.0,
         },
         "preemptions": engines.get("num_preemptions", 0),
         "prefix_cache_hit_rate": engines.get("prefix_cache_hit_rate"),
-        "pools": pools,
+        "recovery": {
+            "resumed": bool(resume),
+            "rows_from_earlier_runs": len(finished),
+            "requests_retried_after_engine_failure": run.retried_requests,
+            "duplicate_deliveries_dropped": run.duplicates_dropped,
+        },
+        "pools": run.pools,
     }
     commit(output, staging, manifest)
-    return JobOutcome(output, manifest, counters, pools)
+    return JobOutcome(output, manifest, counters, run.pools)
+
+
+def load_resumable(output: str) -> JobConfig:
+    """The job spec stored in OUTPUT/_staging/job.json, for `nightshift resume OUTPUT`."""
+    staging = StagingArea(Path(output).expanduser())
+    if not staging.exists():
+        raise PreflightError(f"{output} holds no unfinished job (no _staging/): nothing to resume")
+    try:
+        state = staging.read_job()
+    except FileNotFoundError as exc:
+        raise PreflightError(str(exc)) from exc
+    config = JobConfig.model_validate(state["config"])
+    return config.model_copy(update={"output": output, "job_id": state["job_id"]})

@@ -1,22 +1,60 @@
-"""A tiny Ray actor where engine actors post their own numbers; the driver reads it for progress and the manifest.
+"""The job's monitor: one small Ray actor that engine actors talk to.
 
-Ray Data actors are not addressable from the driver, so engines push (every ~2 s) instead of being polled.
+- Engine stats: Ray Data actors are not addressable from the driver, so engines push their numbers (every ~2 s)
+  and the driver reads them for the progress display and the manifest.
+- Attempt ledger: when an engine process dies, Ray restarts the actor and re-runs its unfinished batches. The
+  ledger counts how often each request was started. A request caught in one crash is simply retried (the crash
+  may have been a lost node or a neighbour's fault); caught in two, it is run alone, so a third crash is surely its
+  own — then it is isolated as an `engine_error` record instead of stalling the job. A poison request therefore
+  costs at most three engine restarts.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+SOLO_FROM_ATTEMPT = 3  # the attempt from which a request runs alone
 
-class EngineMonitor:
+
+class JobMonitor:
     def __init__(self) -> None:
         self._engines: dict[str, dict[str, Any]] = {}
+        self._attempts: dict[str, int] = {}
+        self._solo_running: set[str] = (
+            set()
+        )  # started alone and not finished: if seen again, it killed the engine
 
+    # -- engine stats ---------------------------------------------------------------------------------------
     def report(self, actor_id: str, info: dict[str, Any]) -> None:
         self._engines[actor_id] = info
 
     def snapshot(self) -> dict[str, dict[str, Any]]:
         return dict(self._engines)
+
+    # -- attempt ledger ---------------------------------------------------------------------------------------
+    def begin(self, custom_ids: list[str]) -> dict[str, str]:
+        """Register a batch about to run; returns how to run each request: "normal", "solo" or "isolate"."""
+        plan: dict[str, str] = {}
+        for custom_id in custom_ids:
+            attempts = self._attempts.get(custom_id, 0) + 1
+            self._attempts[custom_id] = attempts
+            if custom_id in self._solo_running:
+                plan[custom_id] = "isolate"  # it ran alone and the engine died: it is the poison
+            elif attempts >= SOLO_FROM_ATTEMPT:
+                plan[custom_id] = "solo"
+            else:
+                plan[custom_id] = "normal"
+        return plan
+
+    def solo_started(self, custom_id: str) -> None:
+        self._solo_running.add(custom_id)
+
+    def solo_finished(self, custom_id: str) -> None:
+        self._solo_running.discard(custom_id)
+
+    def retries(self) -> dict[str, int]:
+        """Requests started more than once, and how often (a measure of recomputation after failures)."""
+        return {k: v for k, v in self._attempts.items() if v > 1}
 
 
 def summarize_engines(snapshot: dict[str, dict[str, Any]]) -> dict[str, Any]:

@@ -25,17 +25,18 @@ def check_input(location: str | None) -> Path:
     return path
 
 
-def check_output(location: str | None, overwrite: bool) -> Path:
-    """OUTPUT must be a directory we can write, not holding another job (unless --overwrite for a finished one)."""
+def check_output(location: str | None, overwrite: bool, resume: bool = False) -> Path:
+    """OUTPUT must be a directory we can write, not holding another job (unless --overwrite for a finished one,
+    or resume=True for an unfinished one)."""
     if not location:
         raise PreflightError("no OUTPUT given: pass a directory for the results")
     path = Path(location).expanduser()
     if path.exists() and not path.is_dir():
         raise PreflightError(f"output {location} is a file: pass a directory (it is created if missing)")
-    if (path / "_staging").exists():
+    if (path / "_staging").exists() and not resume:
         raise PreflightError(
-            f"output {location} holds an unfinished job (_staging/); remove {path / '_staging'} to start over, "
-            "or choose another OUTPUT"
+            f"output {location} holds an unfinished job (_staging/): continue it with `nightshift resume {location}` "
+            f"(or `run ... --resume`), or remove {path / '_staging'} to start over"
         )
     if (path / "manifest.json").exists() and not overwrite:
         raise PreflightError(

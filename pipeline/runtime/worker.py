@@ -1,8 +1,12 @@
 """The engine actor: a Ray Data callable class that hosts one engine and runs batches of requests through it.
 
-Ray Data calls `__call__` with a batch of rows; several calls overlap on one actor (actor `max_concurrency` and
-`max_tasks_in_flight_per_actor`), so the engine always has about 2 x max_num_seqs requests in flight and its
-continuous batching stays full across batch boundaries. Each call returns its rows as finished output lines.
+Ray Data calls `__call__` with a batch of rows; several calls overlap on one actor (`max_concurrent_calls_per_actor`),
+so the engine always has about 2 x max_num_seqs requests in flight and its continuous batching stays full across
+batch boundaries. Each call returns its rows as finished output lines.
+
+Failure handling: if the engine dies, the actor process exits on purpose; Ray restarts it and re-runs the batches
+that were in flight (their rows were not returned, so nothing is duplicated). The job monitor's attempt ledger
+decides which re-run rows go alone and which are isolated as `engine_error` (see runtime/monitor.py).
 """
 
 from __future__ import annotations
@@ -13,8 +17,12 @@ import os
 import time
 from typing import Any
 
+import structlog
+
 from pipeline.engines.base import Engine, EngineRequest, EngineResult, EngineSpec, build_engine
-from pipeline.protocol import dumps, result_record
+from pipeline.protocol import ErrorCode, dumps, result_record
+
+log = structlog.get_logger(__name__)
 
 OUTPUT_COLUMNS = (
     "custom_id",
@@ -28,7 +36,25 @@ OUTPUT_COLUMNS = (
 )
 
 
-def result_columns(results: list[EngineResult], rows: list[dict[str, Any]], pool: str) -> dict[str, list]:
+def isolated_result(custom_id: str) -> EngineResult:
+    message = (
+        "the engine died every time it ran this request (including once on its own); it was isolated so the "
+        "rest of the batch could finish"
+    )
+    body = {
+        "error": {
+            "message": message,
+            "type": "EngineError",
+            "param": None,
+            "code": ErrorCode.ENGINE_ERROR.value,
+        }
+    }
+    return EngineResult(custom_id, 500, body, ErrorCode.ENGINE_ERROR)
+
+
+def result_columns(
+    results: list[EngineResult], rows: list[dict[str, Any]], pool: str, job_id: str | None = None
+) -> dict[str, list]:
     """Shape finished results as staged-row columns (see io.staging.STAGED_SCHEMA)."""
     out: dict[str, list] = {name: [] for name in OUTPUT_COLUMNS}
     for result, row in zip(results, rows, strict=True):
@@ -39,19 +65,26 @@ def result_columns(results: list[EngineResult], rows: list[dict[str, Any]], pool
         out["prompt_tokens"].append(result.prompt_tokens)
         out["completion_tokens"].append(result.completion_tokens)
         out["pool"].append(pool)
-        out["record"].append(dumps(result_record(result.custom_id, result.body, result.status_code)))
+        seed = f"{job_id}:{result.custom_id}" if job_id else None
+        out["record"].append(dumps(result_record(result.custom_id, result.body, result.status_code, seed)))
     return out
 
 
 class EngineWorker:
     """One engine per actor, started lazily inside the actor's event loop (vLLM binds its tasks to that loop)."""
 
-    def __init__(self, spec: EngineSpec, pool: str = "default", monitor: Any = None) -> None:
+    def __init__(
+        self, spec: EngineSpec, pool: str = "default", monitor: Any = None, job_id: str | None = None
+    ) -> None:
         self.spec = spec
         self.pool = pool
-        self.monitor = monitor  # optional Ray actor handle that collects engine stats for the driver
+        self.monitor = monitor  # the job's JobMonitor actor (stats + attempt ledger); None in unit tests
+        self.job_id = job_id
         self.engine: Engine | None = None
         self._starting: asyncio.Lock | None = None
+        self._gate: asyncio.Condition | None = None
+        self._in_flight = 0
+        self._solo = False
         self._last_report = 0.0
         self.actor_id = f"{pool}-{os.getpid()}"
 
@@ -73,23 +106,65 @@ class EngineWorker:
         now = time.monotonic()
         if force or now - self._last_report > 2.0:
             self._last_report = now
-            stats = self.engine.stats()
             info = {
                 "pool": self.pool,
-                "stats": stats.__dict__,
+                "pid": os.getpid(),
+                "stats": self.engine.stats().__dict__,
                 "effective_args": self.engine.effective_args(),
                 "sampling_defaults": self.engine.sampling_defaults(),
             }
             self.monitor.report.remote(self.actor_id, info)
 
-    def __del__(self) -> None:
-        if self.engine is not None:
-            self.engine.shutdown()
+    async def _run(self, engine: Engine, request: EngineRequest, mode: str) -> EngineResult:
+        """Run one request; "solo" waits until the engine is otherwise idle and keeps it so while it runs."""
+        if self._gate is None:
+            self._gate = asyncio.Condition()
+        if mode == "isolate":
+            log.warning("request isolated after repeated engine deaths", custom_id=request.custom_id)
+            return isolated_result(request.custom_id)
+        async with self._gate:
+            if mode == "solo":
+                await self._gate.wait_for(lambda: not self._solo and self._in_flight == 0)
+                self._solo = True
+                await self.monitor.solo_started.remote(request.custom_id)
+            else:
+                await self._gate.wait_for(lambda: not self._solo)
+            self._in_flight += 1
+        try:
+            return await self._generate_or_die(engine, request)
+        finally:
+            async with self._gate:
+                self._in_flight -= 1
+                if mode == "solo":
+                    self._solo = False
+                    self.monitor.solo_finished.remote(request.custom_id)
+                self._gate.notify_all()
+
+    async def _generate_or_die(self, engine: Engine, request: EngineRequest) -> EngineResult:
+        try:
+            return await engine.generate(request)
+        except Exception as exc:
+            if type(exc).__name__ == "EngineDeadError":
+                # A dead engine cannot be revived in-process. Exiting lets Ray restart this actor with a fresh
+                # engine and re-run every batch that was in flight here (none of their rows were returned).
+                log.error("engine died; restarting the actor", error=str(exc))
+                os._exit(1)
+            raise
 
     async def __call__(self, batch: dict[str, Any]) -> dict[str, list]:
         engine = await self._engine()
         rows = [dict(zip(batch.keys(), values, strict=True)) for values in zip(*batch.values(), strict=True)]
         requests = [EngineRequest(str(r["custom_id"]), str(r["url"]), json.loads(r["body"])) for r in rows]
-        results = await asyncio.gather(*(engine.generate(req) for req in requests))
+        if self.monitor is not None:
+            plan = await self.monitor.begin.remote([r.custom_id for r in requests])
+        else:
+            plan = {}
+        results = await asyncio.gather(
+            *(self._run(engine, r, plan.get(r.custom_id, "normal")) for r in requests)
+        )
         self._report()
-        return result_columns(list(results), rows, self.pool)
+        return result_columns(list(results), rows, self.pool, self.job_id)
+
+    def __del__(self) -> None:
+        if self.engine is not None:
+            self.engine.shutdown()

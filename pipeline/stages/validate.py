@@ -115,15 +115,19 @@ class LineValidator:
     the first occurrence of a custom_id run and every later one become an error, as the contract requires.
     """
 
-    def __init__(self, model_name: str) -> None:
+    def __init__(self, model_name: str, job_id: str | None = None) -> None:
         self.model_name = model_name
+        self.job_id = job_id  # seeds the output ids, so a re-validation on resume reproduces them
         self._seen: set[str] = set()
 
     def __call__(
         self, raw: str | bytes | dict[str, Any], line: int, source: str
     ) -> ValidRequest | InvalidLine:
         def invalid(code: ErrorCode, message: str, custom_id: str | None = None) -> InvalidLine:
-            return InvalidLine(invalid_line_record(custom_id, code, message, line, source), line, source)
+            seed = f"{self.job_id}:{source}:{line}" if self.job_id else None
+            return InvalidLine(
+                invalid_line_record(custom_id, code, message, line, source, seed), line, source
+            )
 
         if isinstance(raw, dict):
             obj: Any = raw

@@ -81,10 +81,15 @@ def test_output_holds_a_completed_job(tmp_path: Path):
 @pytest.mark.parametrize("overwrite", [False, True])
 def test_output_holds_an_unfinished_job(tmp_path: Path, overwrite: bool):
     (tmp_path / "_staging").mkdir()
-    with pytest.raises(PreflightError, match=r"unfinished job \(_staging/\); remove") as info:
+    with pytest.raises(PreflightError, match=r"unfinished job \(_staging/\)") as info:
         check_output(str(tmp_path), overwrite=overwrite)
-    assert str(tmp_path / "_staging") in str(info.value)  # names what to remove
-    assert "another OUTPUT" in str(info.value)
+    assert f"nightshift resume {tmp_path}" in str(info.value)  # points at the way to continue
+    assert str(tmp_path / "_staging") in str(info.value)  # names what to remove to start over
+
+
+def test_resume_accepts_an_unfinished_job(tmp_path: Path):
+    (tmp_path / "_staging").mkdir()
+    assert check_output(str(tmp_path), overwrite=False, resume=True) == tmp_path
 
 
 def test_output_not_writable(tmp_path: Path):

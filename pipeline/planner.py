@@ -1,0 +1,775 @@
+"""The KV-cache budget: how many tokens of context an engine can hold, and the engine args that follow from it.
+
+Everything here is arithmetic on a model's `config.json` and the sizes in its safetensors headers — no tensor is
+loaded and neither torch nor vLLM is imported, so a plan for a 70B model takes milliseconds on a laptop.
+
+The rules mirror how vLLM sizes its cache:
+- KV bytes per token = 2 (K and V) × layers × KV heads × head_dim × bytes per element. MLA models (DeepSeek V2/V3)
+  store one compressed latent per layer instead: layers × (kv_lora_rank + qk_rope_head_dim) × bytes.
+- The cache is carved into blocks of `block_size` tokens; capacity = floor(budget / (block_size × bytes per token))
+  blocks. On CPU the budget is exactly VLLM_CPU_KVCACHE_SPACE GiB; on GPUs it is what remains of
+  memory × utilization after the weights and an activation reserve.
+- A sequence of `max_model_len` tokens may need that many tokens of cache, so max_model_len / block_size blocks per
+  sequence is the worst case the scheduler must be able to hold without preempting.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import struct
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+GiB = 1 << 30
+
+# What `nightshift run` gives a CPU engine when nothing is set (VllmEngineArgs.cpu_kvcache_space_gib).
+DEFAULT_CPU_KV_SPACE_GIB = 2
+# vLLM's own default scheduler limit; past it, a bigger batch rarely buys throughput and costs latency.
+MAX_NUM_SEQS_CAP = 256
+# /v1/completions without max_tokens: vLLM (like OpenAI) generates 16 tokens.
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16
+# /v1/chat/completions without max_tokens: vLLM lets the answer run to the end of the context, which cannot be
+# planned for. This is the output we budget instead (and say so); requests should set max_tokens.
+DEFAULT_CHAT_MAX_TOKENS = 256
+
+# Block size vLLM picks when none is given, by device and attention kind. CPU: 128 (observed: the engine logs
+# 364 blocks of 128 tokens at 1 GiB for the embedded model); its MLA kernel only compiles for 16. CUDA/ROCm: 16
+# (CacheConfig.DEFAULT_BLOCK_SIZE); FlashMLA, the usual CUDA MLA backend, requires 64.
+BLOCK_SIZES: dict[tuple[str, bool], int] = {
+    ("cpu", False): 128,
+    ("cpu", True): 16,
+    ("gpu", False): 16,
+    ("gpu", True): 64,
+}
+
+# Bytes per KV element for an explicit --kv-cache-dtype ("auto" follows the model's serving dtype).
+_KV_DTYPE_BYTES = {
+    "bfloat16": 2,
+    "float16": 2,
+    "half": 2,
+    "float32": 4,
+    "float": 4,
+    "fp8": 1,
+    "fp8_e4m3": 1,
+    "fp8_e5m2": 1,
+    "fp8_inc": 1,
+}
+_DTYPE_BYTES = {"float32": 4, "float": 4, "float16": 2, "half": 2, "bfloat16": 2}
+
+# Config keys vLLM reads for the model's context limit, in its order; the smallest present wins.
+_MAX_LEN_KEYS = (
+    "max_position_embeddings",
+    "n_positions",
+    "max_seq_len",
+    "seq_length",
+    "model_max_length",
+    "max_target_positions",
+    "max_sequence_length",
+    "max_seq_length",
+    "seq_len",
+)
+# RoPE types whose max_position_embeddings is already the scaled length (vLLM does not multiply by `factor`).
+_ROPE_PRESCALED = {"su", "longrope", "llama3", "yarn", "deepseek_yarn", "deepseek_llama_scaling"}
+# Markers of layers that keep recurrent state instead of a KV cache (Mamba, linear attention, ...).
+_HYBRID_KEYS = (
+    "hybrid_override_pattern",
+    "layers_block_type",
+    "attn_layer_indices",
+    "linear_attn_config",
+    "full_attention_interval",
+    "mamba_d_state",
+    "ssm_cfg",
+)
+_HYBRID_TYPES = (
+    "mamba",
+    "rwkv",
+    "jamba",
+    "zamba",
+    "bamba",
+    "falcon_h1",
+    "nemotron_h",
+    "lfm2",
+    "hybrid",
+    "qwen3_next",
+)
+_ATTENTION_LAYER_TYPES = {"full_attention", "sliding_attention", "attention", "chunked_attention"}
+_SPARSE_MLA_TYPES = {"deepseek_v32", "deepseek_v4"}
+
+_MEMORY = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
+_MEMORY_UNITS = {
+    "": 1,
+    "b": 1,
+    "k": 10**3,
+    "kb": 10**3,
+    "m": 10**6,
+    "mb": 10**6,
+    "g": 10**9,
+    "gb": 10**9,
+    "t": 10**12,
+    "tb": 10**12,
+    "ki": 2**10,
+    "kib": 2**10,
+    "mi": 2**20,
+    "mib": 2**20,
+    "gi": 2**30,
+    "gib": 2**30,
+    "ti": 2**40,
+    "tib": 2**40,
+}
+
+
+class PlanError(ValueError):
+    """The model or the budget cannot be planned; the message says why and what would work."""
+
+
+class _Frozen(BaseModel):
+    model_config = ConfigDict(frozen=True, protected_namespaces=())
+
+
+class ModelShape(_Frozen):
+    """What decides a model's KV-cache footprint, read from its config.json (and weight file headers)."""
+
+    model_type: str = Field(
+        description="config.json `model_type` (of the text model, for multimodal configs)."
+    )
+    layers: int = Field(description="Decoder layers that keep a KV cache.")
+    attention_heads: int = Field(description="Query heads per layer.")
+    kv_heads: int = Field(description="Key/value heads per layer (fewer than query heads under GQA/MQA).")
+    head_dim: int = Field(
+        description="Size of one cached head: explicit `head_dim`, else hidden / heads; for MLA the latent width "
+        "(kv_lora_rank + qk_rope_head_dim)."
+    )
+    dtype: str = Field(
+        description="Dtype vLLM serves the model in with dtype=auto (float32 is served 16-bit)."
+    )
+    dtype_bytes: int = Field(description="Bytes per element of `dtype`.")
+    max_position_embeddings: int | None = Field(
+        default=None, description="config.json `max_position_embeddings`, if present."
+    )
+    max_model_len_limit: int = Field(
+        description="Longest context vLLM accepts for this model (config keys, tokenizer limit, RoPE scaling)."
+    )
+    sliding_window: int | None = Field(
+        default=None, description="Attention window of the sliding-window layers, when the model uses one."
+    )
+    sliding_window_layers: int = Field(default=0, description="How many layers attend within the window.")
+    is_mla: bool = Field(default=False, description="Multi-head latent attention (DeepSeek V2/V3 style).")
+    kv_lora_rank: int | None = Field(default=None, description="MLA: width of the compressed KV latent.")
+    qk_rope_head_dim: int | None = Field(
+        default=None, description="MLA: width of the decoupled RoPE key stored next to the latent."
+    )
+    weights_bytes: int | None = Field(
+        default=None,
+        description="Bytes of the checkpoint's tensors (safetensors headers); None when unknown.",
+    )
+    notes: list[str] = Field(default_factory=list, description="Assumptions made while reading the config.")
+
+
+class DeviceBudget(_Frozen):
+    """The memory an engine may use, on one accelerator (gpu) or on the host (cpu)."""
+
+    device: Literal["cpu", "gpu"] = Field(description="Where the engine runs.")
+    memory_bytes: int | None = Field(
+        default=None,
+        description="GPU: device memory. CPU: host memory, used only to warn when weights + KV do not fit.",
+    )
+    utilization: float = Field(
+        default=0.9,
+        gt=0,
+        le=1,
+        description="GPU: share of device memory vLLM may use (gpu_memory_utilization).",
+    )
+    cpu_kv_space_bytes: int | None = Field(
+        default=None, description="CPU: the KV cache size, VLLM_CPU_KVCACHE_SPACE (whole GiB) in bytes."
+    )
+    activation_reserve_bytes: int | None = Field(
+        default=None,
+        description="GPU: memory kept for activations, CUDA graphs and runtime buffers; default see "
+        "activation_reserve().",
+    )
+
+    @classmethod
+    def cpu(cls, kv_space_gib: int = DEFAULT_CPU_KV_SPACE_GIB, host_memory_bytes: int | None = None):
+        return cls(device="cpu", cpu_kv_space_bytes=kv_space_gib * GiB, memory_bytes=host_memory_bytes)
+
+    @classmethod
+    def gpu(cls, memory_bytes: int, utilization: float = 0.9, activation_reserve_bytes: int | None = None):
+        return cls(
+            device="gpu",
+            memory_bytes=memory_bytes,
+            utilization=utilization,
+            activation_reserve_bytes=activation_reserve_bytes,
+        )
+
+
+class PoolPlan(_Frozen):
+    """The KV budget of one accelerator pool and the engine args it supports."""
+
+    pool: str = Field(description="Pool name (cpu, gpu, ...).")
+    device: Literal["cpu", "gpu"] = Field(description="Where the pool's engines run.")
+    weights_bytes: int | None = Field(
+        description="Model weights in bytes; None when no weight files were found."
+    )
+    kv_budget_bytes: int = Field(description="Memory left for the KV cache.")
+    kv_cache_dtype: str = Field(description="KV cache dtype as given (auto = the model's dtype).")
+    kv_bytes_per_token: int = Field(description="KV cache bytes one token occupies across all layers.")
+    block_size: int = Field(description="Tokens per KV cache block.")
+    kv_blocks: int = Field(description="Blocks that fit in the KV budget.")
+    kv_capacity_tokens: int = Field(description="kv_blocks × block_size: tokens the cache holds at once.")
+    context: int = Field(description="The max_model_len this plan was computed for.")
+    max_concurrent_seqs: int = Field(
+        description="Sequences that fit at once when every one grows to `context` tokens (0: not even one)."
+    )
+    recommended_max_model_len: int | None = Field(
+        description="max_model_len to run with: `context`, or the largest that fits one sequence when it does "
+        "not; None when not even one block fits."
+    )
+    recommended_max_num_seqs: int | None = Field(
+        description=f"floor(capacity / recommended_max_model_len), between 1 and {MAX_NUM_SEQS_CAP}."
+    )
+    notes: list[str] = Field(default_factory=list, description="Assumptions behind the numbers.")
+    warnings: list[str] = Field(default_factory=list, description="Things that will fail or waste memory.")
+
+
+class ContextFit(_Frozen):
+    """The context a batch needs: its longest request (prompt + output budget), rounded up to whole blocks."""
+
+    requests: int = Field(description="Requests measured.")
+    longest: int = Field(description="Largest prompt tokens + max_tokens over the requests.")
+    mean: float = Field(description="Mean prompt tokens + max_tokens.")
+    block_size: int = Field(description="Block size the context was rounded to.")
+    model_limit: int = Field(description="The model's own context limit.")
+    context: int = Field(
+        description="Fitted max_model_len: longest rounded up to a block, capped at model_limit."
+    )
+    over_limit: int = Field(
+        description="Requests needing more than model_limit (their output gets cut short)."
+    )
+
+
+class HistogramBucket(_Frozen):
+    """Requests whose value lies in [low, high]."""
+
+    low: int = Field(description="Smallest value in the bucket.")
+    high: int = Field(description="Largest value in the bucket.")
+    count: int = Field(description="Requests in the bucket.")
+
+
+# --- reading a model ------------------------------------------------------------------------------------------
+
+
+def read_config(model_dir: str | Path) -> dict[str, Any]:
+    """config.json as a dict; for multimodal models, the text model's config over the outer one."""
+    path = Path(model_dir) / "config.json"
+    try:
+        config = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise PlanError(f"{path} does not exist: point --model at a Hugging Face model directory") from None
+    except ValueError as exc:
+        raise PlanError(f"{path} is not valid JSON: {exc}") from None
+    text = config.get("text_config") or config.get("language_config") or config.get("llm_config")
+    if isinstance(text, dict):
+        # The KV cache belongs to the language model; the outer config holds the vision tower and a model_type
+        # vLLM does not size the cache by.
+        config = {**config, **text}
+    tokenizer_config = Path(model_dir) / "tokenizer_config.json"
+    if tokenizer_config.is_file():
+        try:
+            limit = json.loads(tokenizer_config.read_text()).get("model_max_length")
+        except ValueError:
+            limit = None
+        if isinstance(limit, int):  # vLLM caps the context at the tokenizer's limit too
+            config.setdefault("_tokenizer_model_max_length", limit)
+    return config
+
+
+def model_shape(model_dir: str | Path) -> ModelShape:
+    """The KV-relevant shape of the model in `model_dir`, with its weight size from the safetensors headers."""
+    shape = shape_from_config(read_config(model_dir))
+    weights = weights_bytes(model_dir)
+    return shape.model_copy(update={"weights_bytes": weights})
+
+
+def shape_from_config(config: dict[str, Any]) -> ModelShape:
+    """The KV-relevant shape from a config dict; refuses architectures whose cache is not plain attention."""
+    model_type = str(config.get("model_type") or "unknown")
+    _refuse_unplannable(config, model_type)
+    notes: list[str] = []
+    layers = _first_int(config, "num_hidden_layers", "n_layer", "num_layers")
+    heads = _first_int(config, "num_attention_heads", "n_head", "num_heads")
+    if layers is None or heads is None:
+        raise PlanError(
+            f"config.json ({model_type}) names no layer or head count (num_hidden_layers, num_attention_heads)"
+        )
+    kv_heads = _kv_heads(config, heads)
+    head_dim = _head_dim(config, heads)
+    dtype, dtype_bytes = _serving_dtype(config, notes)
+    window, window_layers = _sliding_window(config, model_type, layers)
+    is_mla = config.get("kv_lora_rank") is not None
+    if is_mla:
+        # vLLM caches MLA as one "head" per layer holding the latent and the RoPE key side by side.
+        head_dim = int(config["kv_lora_rank"]) + int(config.get("qk_rope_head_dim") or 0)
+    return ModelShape(
+        model_type=model_type,
+        layers=layers,
+        attention_heads=heads,
+        kv_heads=1 if is_mla else kv_heads,
+        head_dim=head_dim,
+        dtype=dtype,
+        dtype_bytes=dtype_bytes,
+        max_position_embeddings=_first_int(config, "max_position_embeddings"),
+        max_model_len_limit=_max_model_len_limit(config, model_type, notes),
+        sliding_window=window,
+        sliding_window_layers=window_layers,
+        is_mla=is_mla,
+        kv_lora_rank=config.get("kv_lora_rank") if is_mla else None,
+        qk_rope_head_dim=int(config.get("qk_rope_head_dim") or 0) if is_mla else None,
+        notes=notes,
+    )
+
+
+def _refuse_unplannable(config: dict[str, Any], model_type: str) -> None:
+    if model_type in _SPARSE_MLA_TYPES or "index_topk" in config:
+        raise PlanError(
+            f"{model_type}: sparse MLA keeps an extra indexer cache next to the latent; its size is not modelled. "
+            f"Start the engine and read 'KV cache size: N tokens' from its log instead."
+        )
+    layer_types = config.get("layer_types") or []
+    odd = sorted({t for t in layer_types if isinstance(t, str) and t not in _ATTENTION_LAYER_TYPES})
+    markers = [key for key in _HYBRID_KEYS if config.get(key) is not None]
+    if odd or markers or any(kind in model_type for kind in _HYBRID_TYPES):
+        what = ", ".join(odd) if odd else ", ".join(markers) or model_type
+        raise PlanError(
+            f"{model_type} mixes attention with recurrent/state-space layers ({what}); planning covers "
+            f"attention-only models. Start the engine and read 'KV cache size: N tokens' from its log instead."
+        )
+
+
+def _first_int(config: dict[str, Any], *keys: str) -> int | None:
+    for key in keys:
+        value = config.get(key)
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    return None
+
+
+def _kv_heads(config: dict[str, Any], heads: int) -> int:
+    kv = _first_int(config, "num_key_value_heads", "n_head_kv", "num_kv_heads", "multi_query_group_num")
+    if kv is not None:
+        return kv
+    if config.get("multi_query") is True:  # Falcon-7B style: one shared KV head
+        return 1
+    return heads  # plain multi-head attention
+
+
+def _head_dim(config: dict[str, Any], heads: int) -> int:
+    # Explicit head_dim wins: Gemma, Qwen3 and others use a head wider than hidden_size / heads.
+    explicit = _first_int(config, "head_dim", "attention_head_dim")
+    if explicit:
+        return explicit
+    hidden = _first_int(config, "hidden_size", "n_embd", "d_model")
+    if hidden is None:
+        raise PlanError("config.json names neither head_dim nor hidden_size")
+    return hidden // heads
+
+
+def _serving_dtype(config: dict[str, Any], notes: list[str]) -> tuple[str, int]:
+    raw = config.get("dtype") or config.get("torch_dtype")
+    name = str(raw).removeprefix("torch.") if raw else None
+    if name not in _DTYPE_BYTES:
+        notes.append(f"config.json names no known dtype ({raw!r}): assumed bfloat16 (2 bytes)")
+        return "bfloat16", 2
+    if _DTYPE_BYTES[name] == 4:
+        # vLLM's dtype=auto downcasts float32 checkpoints to a 16-bit type; the cache follows.
+        notes.append("float32 checkpoint: vLLM serves it in 16 bits with dtype=auto (KV at 2 bytes)")
+        return "bfloat16", 2
+    return name, _DTYPE_BYTES[name]
+
+
+def _sliding_window(config: dict[str, Any], model_type: str, layers: int) -> tuple[int | None, int]:
+    window = config.get("sliding_window")
+    if config.get("use_sliding_window") is False or not isinstance(window, int) or window <= 0:
+        return None, 0  # e.g. Qwen2 ships a window but turns it off
+    layer_types = config.get("layer_types")
+    if isinstance(layer_types, list) and layer_types:
+        sliding = sum(1 for t in layer_types if t == "sliding_attention")
+    elif isinstance(config.get("sliding_window_pattern"), int) and config["sliding_window_pattern"] > 0:
+        sliding = layers - layers // config["sliding_window_pattern"]  # Gemma 3: every Nth layer is global
+    elif model_type == "gemma2":
+        sliding = (layers + 1) // 2  # Gemma 2 alternates, starting with a sliding layer
+    else:
+        sliding = layers  # Mistral 7B v0.1: every layer slides
+    return (window, sliding) if sliding else (None, 0)
+
+
+def _max_model_len_limit(config: dict[str, Any], model_type: str, notes: list[str]) -> int:
+    found = [config[k] for k in (*_MAX_LEN_KEYS, "_tokenizer_model_max_length") if _is_num(config.get(k))]
+    if not found:
+        notes.append("config.json names no context limit: assumed 2048, as vLLM does")
+        return 2048
+    limit = min(found)
+    factor = _rope_factor(config, model_type)
+    if factor != 1.0:
+        notes.append(f"RoPE scaling ×{factor:g} extends the context limit, as vLLM applies it")
+    return int(limit * factor)
+
+
+def _is_num(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool) and value > 0
+
+
+def _rope_factor(config: dict[str, Any], model_type: str) -> float:
+    rope = config.get("rope_scaling") or config.get("rope_parameters")
+    if not isinstance(rope, dict) or "gemma3" in model_type:  # Gemma 3's limit is already scaled
+        return 1.0
+    # transformers 5 may key rope_parameters by layer type; all layer types share one factor.
+    entries = (
+        [rope]
+        if ("rope_type" in rope or "type" in rope)
+        else [v for v in rope.values() if isinstance(v, dict)]
+    )
+    factor = 1.0
+    for entry in entries:
+        kind = entry.get("rope_type") or entry.get("type") or "default"
+        if kind not in _ROPE_PRESCALED and _is_num(entry.get("factor")):
+            factor = float(entry["factor"])
+    return factor
+
+
+def weights_bytes(model_dir: str | Path) -> int | None:
+    """Bytes of the model's tensors: summed from safetensors headers (no tensor is read), else weight file sizes."""
+    directory = Path(model_dir)
+    files = _safetensors_files(directory)
+    if files:
+        return sum(safetensors_tensor_bytes(f) for f in files)
+    legacy = [p for p in directory.glob("*.bin") if p.name.startswith(("pytorch_model", "model"))]
+    return sum(p.stat().st_size for p in legacy) or None
+
+
+def _safetensors_files(directory: Path) -> list[Path]:
+    index = directory / "model.safetensors.index.json"
+    if index.is_file():
+        names = sorted(set(json.loads(index.read_text()).get("weight_map", {}).values()))
+        return [directory / name for name in names]
+    files = sorted(directory.glob("*.safetensors"))
+    # Mistral repos ship the same weights twice: consolidated.safetensors (their format) and model-*.safetensors.
+    hf = [f for f in files if not f.name.startswith("consolidated")]
+    return hf or files
+
+
+def safetensors_tensor_bytes(path: str | Path) -> int:
+    """Sum of tensor byte ranges in a safetensors file, from its JSON header alone."""
+    with open(path, "rb") as fh:
+        prefix = fh.read(8)
+        if len(prefix) != 8:
+            raise PlanError(f"{path} is not a safetensors file (shorter than its header length)")
+        (length,) = struct.unpack("<Q", prefix)
+        if length > 100 * 2**20:  # headers are kilobytes; this is not a safetensors file
+            raise PlanError(f"{path} is not a safetensors file (header length {length})")
+        header = json.loads(fh.read(length))
+    return sum(
+        entry["data_offsets"][1] - entry["data_offsets"][0]
+        for name, entry in header.items()
+        if name != "__metadata__"
+    )
+
+
+# --- the budget ------------------------------------------------------------------------------------------------
+
+
+def kv_element_bytes(shape: ModelShape, kv_cache_dtype: str = "auto") -> int:
+    """Bytes per cached element: the model's dtype for auto, else the named cache dtype."""
+    if kv_cache_dtype == "auto":
+        return shape.dtype_bytes
+    try:
+        return _KV_DTYPE_BYTES[kv_cache_dtype]
+    except KeyError:
+        known = ", ".join(["auto", *_KV_DTYPE_BYTES])
+        raise PlanError(f"kv_cache_dtype {kv_cache_dtype!r} is not planned; use one of: {known}") from None
+
+
+def kv_bytes_per_token(shape: ModelShape, kv_cache_dtype: str = "auto") -> int:
+    """KV cache bytes one token occupies across all layers (full-attention accounting)."""
+    element = kv_element_bytes(shape, kv_cache_dtype)
+    if shape.is_mla:
+        # One latent per layer, no separate K and V, no per-head copies.
+        return shape.layers * ((shape.kv_lora_rank or 0) + (shape.qk_rope_head_dim or 0)) * element
+    return 2 * shape.layers * shape.kv_heads * shape.head_dim * element
+
+
+def activation_reserve(budget: DeviceBudget) -> int:
+    """GPU memory held back from the KV cache for everything that is not weights.
+
+    vLLM measures this by profiling a forward pass (activations, sampler logits) plus CUDA graphs and runtime
+    buffers. Without a GPU we assume max(1 GiB, 5% of memory × utilization): enough for the small models,
+    proportionally more on big cards where batches and graphs are bigger. It errs towards a smaller cache.
+    """
+    if budget.activation_reserve_bytes is not None:
+        return budget.activation_reserve_bytes
+    usable = int((budget.memory_bytes or 0) * budget.utilization)
+    return max(GiB, usable // 20)
+
+
+def kv_budget(budget: DeviceBudget, weights: int | None) -> tuple[int, list[str], list[str]]:
+    """Bytes for the KV cache on this device, with the notes and warnings that explain them."""
+    if budget.device == "cpu":
+        return _cpu_kv_budget(budget, weights)
+    if budget.memory_bytes is None:
+        raise PlanError("a GPU plan needs the device memory (--gpu-memory, e.g. 80GiB)")
+    if weights is None:
+        raise PlanError(
+            "no weight files (*.safetensors, *.bin) in the model directory: cannot subtract the weights from "
+            "GPU memory"
+        )
+    usable = int(budget.memory_bytes * budget.utilization)
+    reserve = activation_reserve(budget)
+    notes = [
+        f"KV budget = {fmt_bytes(budget.memory_bytes)} × {budget.utilization:g} − weights {fmt_bytes(weights)} "
+        f"− activation reserve {fmt_bytes(reserve)} (assumed max(1 GiB, 5% of memory × utilization))"
+    ]
+    left = usable - weights - reserve
+    if left <= 0:
+        return (
+            0,
+            notes,
+            [
+                f"weights ({fmt_bytes(weights)}) + reserve ({fmt_bytes(reserve)}) exceed memory × utilization "
+                f"({fmt_bytes(usable)}): no room for a KV cache; use more GPUs (tensor parallel), a quantized "
+                f"checkpoint or a higher gpu_memory_utilization"
+            ],
+        )
+    return left, notes, []
+
+
+def _cpu_kv_budget(budget: DeviceBudget, weights: int | None) -> tuple[int, list[str], list[str]]:
+    space = (
+        budget.cpu_kv_space_bytes if budget.cpu_kv_space_bytes is not None else DEFAULT_CPU_KV_SPACE_GIB * GiB
+    )
+    notes = [f"KV budget = VLLM_CPU_KVCACHE_SPACE={space // GiB} GiB (set with --cpu-kvcache-space)"]
+    warnings = []
+    if budget.memory_bytes and space + (weights or 0) > budget.memory_bytes:
+        warnings.append(
+            f"weights ({fmt_bytes(weights or 0)}) + KV cache ({fmt_bytes(space)}) exceed host memory "
+            f"({fmt_bytes(budget.memory_bytes)}): vLLM refuses to allocate the cache; lower --cpu-kvcache-space"
+        )
+    return space, notes, warnings
+
+
+def default_block_size(device: str, is_mla: bool) -> int:
+    return BLOCK_SIZES[(device, is_mla)]
+
+
+def round_up(value: int, multiple: int) -> int:
+    return -(-value // multiple) * multiple
+
+
+def _layer_blocks_per_sequence(shape: ModelShape, context: int, block_size: int) -> int:
+    """Per-layer blocks one sequence of `context` tokens holds (sliding layers keep only their window)."""
+    blocks = -(-context // block_size)
+    full_layers = shape.layers - shape.sliding_window_layers
+    window_blocks = blocks
+    if shape.sliding_window:
+        # vLLM frees blocks that fell out of the window; one extra block covers a window not block-aligned.
+        window_blocks = min(blocks, -(-shape.sliding_window // block_size) + 1)
+    return full_layers * blocks + shape.sliding_window_layers * window_blocks
+
+
+def max_sequences(shape: ModelShape, kv_blocks: int, context: int, block_size: int) -> int:
+    """Sequences of `context` tokens that fit in `kv_blocks` blocks at once."""
+    if context <= 0:
+        return 0
+    return kv_blocks * shape.layers // _layer_blocks_per_sequence(shape, context, block_size)
+
+
+def _largest_fitting_context(shape: ModelShape, kv_blocks: int, block_size: int, limit: int) -> int | None:
+    """The longest context (whole blocks, ≤ limit) of which one sequence fits; None if not even one block does."""
+    low, high = 0, -(-limit // block_size)
+    while low < high:  # fits(n blocks) is monotone: binary search the largest n that fits
+        mid = (low + high + 1) // 2
+        if max_sequences(shape, kv_blocks, mid * block_size, block_size) >= 1:
+            low = mid
+        else:
+            high = mid - 1
+    return min(low * block_size, limit) if low else None
+
+
+def plan_pool(
+    shape: ModelShape,
+    budget: DeviceBudget,
+    context: int | None = None,
+    block_size: int | None = None,
+    kv_cache_dtype: str = "auto",
+    pool: str | None = None,
+) -> PoolPlan:
+    """The KV plan of one pool: capacity, sequences at `context` (default: the model's limit), recommended args."""
+    block = block_size or default_block_size(budget.device, shape.is_mla)
+    per_token = kv_bytes_per_token(shape, kv_cache_dtype)
+    kv_bytes, notes, warnings = kv_budget(budget, shape.weights_bytes)
+    blocks = kv_bytes // (block * per_token)
+    limit = shape.max_model_len_limit
+    ctx = context or limit
+    notes.append(_per_token_note(shape, kv_cache_dtype))
+    notes.extend(shape.notes)
+    if shape.sliding_window:
+        notes.append(_sliding_note(shape))
+    if ctx > limit:
+        warnings.append(
+            f"max_model_len {ctx:,} exceeds the model's limit of {limit:,}: vLLM refuses to start; "
+            f"use {limit:,} or less"
+        )
+    fits = max_sequences(shape, blocks, ctx, block)
+    recommended_len = min(ctx, limit)
+    if max_sequences(shape, blocks, recommended_len, block) < 1:
+        recommended_len = _largest_fitting_context(shape, blocks, block, limit)
+        warnings.append(_no_fit_warning(ctx, blocks * block, recommended_len))
+    recommended_seqs = None
+    if recommended_len:
+        at_len = max_sequences(shape, blocks, recommended_len, block)
+        recommended_seqs = max(1, min(MAX_NUM_SEQS_CAP, at_len))
+        if at_len > MAX_NUM_SEQS_CAP:
+            notes.append(
+                f"{at_len:,} sequences fit; max_num_seqs capped at {MAX_NUM_SEQS_CAP} (vLLM's default)"
+            )
+    return PoolPlan(
+        pool=pool or budget.device,
+        device=budget.device,
+        weights_bytes=shape.weights_bytes,
+        kv_budget_bytes=kv_bytes,
+        kv_cache_dtype=kv_cache_dtype,
+        kv_bytes_per_token=per_token,
+        block_size=block,
+        kv_blocks=blocks,
+        kv_capacity_tokens=blocks * block,
+        context=ctx,
+        max_concurrent_seqs=fits,
+        recommended_max_model_len=recommended_len,
+        recommended_max_num_seqs=recommended_seqs,
+        notes=notes,
+        warnings=warnings,
+    )
+
+
+def _per_token_note(shape: ModelShape, kv_cache_dtype: str) -> str:
+    element = kv_element_bytes(shape, kv_cache_dtype)
+    dtype = shape.dtype if kv_cache_dtype == "auto" else kv_cache_dtype
+    if shape.is_mla:
+        return (
+            f"KV bytes/token = {shape.layers} layers × (kv_lora_rank {shape.kv_lora_rank} + qk_rope_head_dim "
+            f"{shape.qk_rope_head_dim}) × {element} B ({dtype}): MLA caches one latent per layer"
+        )
+    return (
+        f"KV bytes/token = 2 × {shape.layers} layers × {shape.kv_heads} KV heads × head_dim {shape.head_dim} "
+        f"× {element} B ({dtype})"
+    )
+
+
+def _sliding_note(shape: ModelShape) -> str:
+    return (
+        f"{shape.sliding_window_layers} of {shape.layers} layers use a {shape.sliding_window:,}-token sliding "
+        f"window: capacity in tokens is the full-attention figure vLLM reports, but a sequence holds only its "
+        f"window in those layers, so more sequences fit than the full-attention estimate (assumes vLLM's "
+        f"hybrid KV cache manager, its default, which frees blocks outside the window)"
+    )
+
+
+def _no_fit_warning(context: int, capacity: int, recommended: int | None) -> str:
+    if recommended is None:
+        return f"the KV cache ({capacity:,} tokens) holds not even one block: no context fits"
+    return (
+        f"max_model_len {context:,} does not fit even one sequence in the KV cache ({capacity:,} tokens): "
+        f"vLLM refuses to start; use max_model_len {recommended:,} or a larger KV budget"
+    )
+
+
+# --- fitting the context to the data ---------------------------------------------------------------------------
+
+
+def output_budget(
+    url: str,
+    body: dict[str, Any],
+    generation_default: int | None = None,
+    chat_default: int = DEFAULT_CHAT_MAX_TOKENS,
+) -> tuple[int, bool]:
+    """Output tokens a request may generate, and whether that number is an assumption (no limit in the request).
+
+    Mirrors vLLM: max_completion_tokens, else max_tokens; without either, the model's generation_config
+    (`max_new_tokens`) when it sets one, else 16 for /v1/completions; chat has no limit in vLLM, so `chat_default`.
+    """
+    for key in ("max_completion_tokens", "max_tokens"):
+        value = body.get(key)
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            return value, False
+    if generation_default:
+        return generation_default, False
+    if url == "/v1/completions":
+        return COMPLETIONS_DEFAULT_MAX_TOKENS, False
+    return chat_default, True
+
+
+def fit_context(needs: list[int], block_size: int, model_limit: int) -> ContextFit:
+    """The smallest whole-block max_model_len that holds every request's prompt + max_tokens (≤ model_limit)."""
+    if not needs:
+        raise PlanError("no requests to fit the context to")
+    longest = max(needs)
+    return ContextFit(
+        requests=len(needs),
+        longest=longest,
+        mean=sum(needs) / len(needs),
+        block_size=block_size,
+        model_limit=model_limit,
+        context=min(round_up(longest, block_size), model_limit),
+        over_limit=sum(1 for n in needs if n > model_limit),
+    )
+
+
+def length_histogram(lengths: list[int]) -> list[HistogramBucket]:
+    """Counts in power-of-two buckets ([0,31], [32,63], [64,127], ...), from the shortest to the longest value."""
+    if not lengths:
+        return []
+    counts: dict[int, int] = {}
+    for value in lengths:
+        counts[_bucket(value)] = counts.get(_bucket(value), 0) + 1
+    first, last = _bucket(min(lengths)), _bucket(max(lengths))
+    buckets = []
+    for exponent in range(first, last + 1):
+        low = 0 if exponent == 4 else 2**exponent
+        buckets.append(HistogramBucket(low=low, high=2 ** (exponent + 1) - 1, count=counts.get(exponent, 0)))
+    return buckets
+
+
+def _bucket(value: int) -> int:
+    return max(4, int(math.log2(value)) if value > 0 else 4)
+
+
+# --- units -----------------------------------------------------------------------------------------------------
+
+
+def parse_memory(text: str | int) -> int:
+    """Bytes from '80GiB', '24GB', '81559MiB', '1.5TiB' or a plain byte count. GB is 10^9, GiB (or Gi) 2^30."""
+    if isinstance(text, int):
+        value, unit = float(text), ""
+    else:
+        match = _MEMORY.match(str(text))
+        if not match or match.group(2).lower() not in _MEMORY_UNITS:
+            raise ValueError(
+                f"{text!r} is not a memory size: use a number with a unit, e.g. 80GiB, 24GB, 81559MiB, "
+                f"or a byte count"
+            )
+        value, unit = float(match.group(1)), match.group(2).lower()
+    size = int(value * _MEMORY_UNITS[unit])
+    if size <= 0:
+        raise ValueError(f"{text!r} is not a positive memory size")
+    return size
+
+
+def fmt_bytes(n: int | float) -> str:
+    """Binary units, three significant figures: 1.00 GiB, 257 MiB."""
+    for unit, scale in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(n) >= scale:
+            value = n / scale
+            return f"{value:.3g} {unit}" if value < 100 else f"{value:.0f} {unit}"
+    return f"{int(n)} B"
