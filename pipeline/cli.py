@@ -218,5 +218,14 @@ def validate(
     typer.echo(report.summary(), err=False)
 
 
+def _mount_plan_command() -> None:
+    from pipeline.plan_cli import plan_command
+
+    app.command("plan")(plan_command)
+
+
+_mount_plan_command()
+
+
 def main() -> None:  # pragma: no cover - console entry point
     app()

@@ -28,7 +28,8 @@ GiB = 1 << 30
 
 # What `nightshift run` gives a CPU engine when nothing is set (VllmEngineArgs.cpu_kvcache_space_gib).
 DEFAULT_CPU_KV_SPACE_GIB = 2
-# vLLM's own default scheduler limit; past it, a bigger batch rarely buys throughput and costs latency.
+# vLLM's default max_num_seqs on most devices (it allows 1024 on 70+ GiB GPUs); past it, a bigger batch rarely
+# buys throughput and costs latency.
 MAX_NUM_SEQS_CAP = 256
 # /v1/completions without max_tokens: vLLM (like OpenAI) generates 16 tokens.
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16
@@ -46,13 +47,11 @@ BLOCK_SIZES: dict[tuple[str, bool], int] = {
     ("gpu", True): 64,
 }
 
-# Bytes per KV element for an explicit --kv-cache-dtype ("auto" follows the model's serving dtype).
+# Bytes per KV element for an explicit --kv-cache-dtype ("auto" follows the model's serving dtype). vLLM's
+# quantized layouts with per-token scales (fp8_ds_mla, int8_per_token_head, ...) are not modelled and refused.
 _KV_DTYPE_BYTES = {
     "bfloat16": 2,
     "float16": 2,
-    "half": 2,
-    "float32": 4,
-    "float": 4,
     "fp8": 1,
     "fp8_e4m3": 1,
     "fp8_e5m2": 1,
@@ -263,7 +262,7 @@ class HistogramBucket(_Frozen):
 
 
 def read_config(model_dir: str | Path) -> dict[str, Any]:
-    """config.json as a dict; for multimodal models, the text model's config over the outer one."""
+    """config.json as a dict, plus the tokenizer's context limit when tokenizer_config.json sets one."""
     path = Path(model_dir) / "config.json"
     try:
         config = json.loads(path.read_text())
@@ -271,11 +270,6 @@ def read_config(model_dir: str | Path) -> dict[str, Any]:
         raise PlanError(f"{path} does not exist: point --model at a Hugging Face model directory") from None
     except ValueError as exc:
         raise PlanError(f"{path} is not valid JSON: {exc}") from None
-    text = config.get("text_config") or config.get("language_config") or config.get("llm_config")
-    if isinstance(text, dict):
-        # The KV cache belongs to the language model; the outer config holds the vision tower and a model_type
-        # vLLM does not size the cache by.
-        config = {**config, **text}
     tokenizer_config = Path(model_dir) / "tokenizer_config.json"
     if tokenizer_config.is_file():
         try:
@@ -296,6 +290,10 @@ def model_shape(model_dir: str | Path) -> ModelShape:
 
 def shape_from_config(config: dict[str, Any]) -> ModelShape:
     """The KV-relevant shape from a config dict; refuses architectures whose cache is not plain attention."""
+    text = config.get("text_config") or config.get("language_config") or config.get("llm_config")
+    if isinstance(text, dict):
+        # The KV cache belongs to the language model; the outer config describes the vision tower and wrapper.
+        config = {**config, **text}
     model_type = str(config.get("model_type") or "unknown")
     _refuse_unplannable(config, model_type)
     notes: list[str] = []
@@ -632,7 +630,7 @@ def plan_pool(
         recommended_seqs = max(1, min(MAX_NUM_SEQS_CAP, at_len))
         if at_len > MAX_NUM_SEQS_CAP:
             notes.append(
-                f"{at_len:,} sequences fit; max_num_seqs capped at {MAX_NUM_SEQS_CAP} (vLLM's default)"
+                f"{at_len:,} sequences fit; max_num_seqs capped at {MAX_NUM_SEQS_CAP} (vLLM's default on most devices)"
             )
     return PoolPlan(
         pool=pool or budget.device,
@@ -696,17 +694,18 @@ def output_budget(
 ) -> tuple[int, bool]:
     """Output tokens a request may generate, and whether that number is an assumption (no limit in the request).
 
-    Mirrors vLLM: max_completion_tokens, else max_tokens; without either, the model's generation_config
-    (`max_new_tokens`) when it sets one, else 16 for /v1/completions; chat has no limit in vLLM, so `chat_default`.
+    Mirrors vLLM: max_completion_tokens, else max_tokens. Without either, /v1/completions generates 16 (the
+    request field's default); chat falls back to the model's generation_config `max_new_tokens` when it sets
+    one, else it has no limit but the context, so `chat_default` is budgeted and flagged as assumed.
     """
     for key in ("max_completion_tokens", "max_tokens"):
         value = body.get(key)
         if isinstance(value, int) and not isinstance(value, bool) and value > 0:
             return value, False
-    if generation_default:
-        return generation_default, False
     if url == "/v1/completions":
         return COMPLETIONS_DEFAULT_MAX_TOKENS, False
+    if generation_default:
+        return generation_default, False
     return chat_default, True
 
 
@@ -773,3 +772,13 @@ def fmt_bytes(n: int | float) -> str:
             value = n / scale
             return f"{value:.3g} {unit}" if value < 100 else f"{value:.0f} {unit}"
     return f"{int(n)} B"
+
+
+def generation_max_tokens(model_dir: str | Path) -> int | None:
+    """The model's own output limit (generation_config.json `max_new_tokens`), which vLLM uses as the default."""
+    path = Path(model_dir) / "generation_config.json"
+    try:
+        value = json.loads(path.read_text()).get("max_new_tokens")
+    except (OSError, ValueError):
+        return None
+    return value if isinstance(value, int) and value > 0 else None

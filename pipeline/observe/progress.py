@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import sys
 import time
+from collections import deque
 from dataclasses import dataclass, field
 
 import structlog
 
 log = structlog.get_logger(__name__)
+
+RATE_WINDOW_S = 30.0
 
 
 @dataclass
@@ -22,6 +25,7 @@ class JobCounters:
     completion_tokens: int = 0
     started: float = field(default_factory=time.monotonic)
     first_result_at: float | None = None
+    _samples: deque = field(default_factory=deque, repr=False)
 
     def add_invalid(self, rows: int) -> None:
         """Lines rejected before any engine ran: done and failed, but no tokens and no generation time."""
@@ -29,29 +33,37 @@ class JobCounters:
         self.failed += rows
 
     def add(self, rows: int, failed: int, prompt_tokens: int, completion_tokens: int) -> None:
+        now = time.monotonic()
         if self.first_result_at is None and rows:
-            self.first_result_at = time.monotonic()
+            self.first_result_at = now
         self.done += rows
         self.failed += failed
         self.prompt_tokens += prompt_tokens
         self.completion_tokens += completion_tokens
+        self._samples.append((now, self.completion_tokens, self.done))
+        while len(self._samples) > 2 and now - self._samples[0][0] > RATE_WINDOW_S:
+            self._samples.popleft()
 
     @property
     def elapsed(self) -> float:
         return time.monotonic() - self.started
 
+    def _rate(self, index: int) -> float | None:
+        # Over a recent window, not since the start: engine start-up is not generation speed, and results
+        # arrive in bursts (one Ray task at a time), so a rate over a single burst would be meaningless.
+        if len(self._samples) < 2:
+            return None
+        (t0, *first), (t1, *last) = self._samples[0], self._samples[-1]
+        if t1 - t0 < 1.0:
+            return None
+        return (last[index] - first[index]) / (t1 - t0)
+
     def output_tokens_per_second(self) -> float:
-        # Measured from the first result: engine start-up is not generation speed.
-        if self.first_result_at is None:
-            return 0.0
-        span = time.monotonic() - self.first_result_at
-        return self.completion_tokens / span if span > 0 else 0.0
+        return self._rate(0) or 0.0
 
     def eta_seconds(self) -> float | None:
-        if self.first_result_at is None or self.done == 0:
-            return None
-        rate = self.done / max(time.monotonic() - self.first_result_at, 1e-9)
-        return (self.total - self.done) / rate if rate > 0 else None
+        rate = self._rate(1)
+        return (self.total - self.done) / rate if rate else None
 
 
 class ProgressDisplay:

@@ -1,0 +1,465 @@
+"""`nightshift plan`: the KV-cache budget of a model on a device, optionally fitted to a batch's real lengths.
+
+The arithmetic lives in `pipeline.planner`; this module finds the model, measures the input (chat template
+applied, as the engine will) and prints one table per pool, or JSON with `--json`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+
+from pipeline.planner import (
+    DEFAULT_CHAT_MAX_TOKENS,
+    DEFAULT_CPU_KV_SPACE_GIB,
+    ContextFit,
+    DeviceBudget,
+    GiB,
+    HistogramBucket,
+    ModelShape,
+    PlanError,
+    PoolPlan,
+    default_block_size,
+    fit_context,
+    fmt_bytes,
+    generation_max_tokens,
+    length_histogram,
+    max_sequences,
+    model_shape,
+    output_budget,
+    parse_memory,
+    plan_pool,
+    round_up,
+)
+
+_BAR_WIDTH = 40
+
+
+@dataclass
+class InputStats:
+    """What --input contributes to the plan: per-request prompt lengths and prompt + output budgets."""
+
+    source: str
+    served_name: str
+    prompt_tokens: list[int] = field(default_factory=list)
+    needs: list[int] = field(default_factory=list)  # prompt tokens + max_tokens, one per sequence
+    invalid_by_code: dict[str, int] = field(default_factory=dict)
+    assumed_output: int = 0  # chat requests without max_tokens
+    untokenizable: int = 0  # requests the chat template rejected
+    default_max_tokens: int = DEFAULT_CHAT_MAX_TOKENS
+    generation_default: int | None = None
+
+
+def plan_command(
+    model: Annotated[
+        str | None,
+        typer.Option(
+            help="Model directory or Hugging Face id (local cache). Default: embedded SmolLM2-135M-Instruct."
+        ),
+    ] = None,
+    input: Annotated[
+        str | None,
+        typer.Option(
+            "--input", help="OpenAI Batch JSONL: fit max_model_len to its longest prompt + max_tokens."
+        ),
+    ] = None,
+    gpu_memory: Annotated[
+        str | None,
+        typer.Option(
+            help="Plan a GPU pool with this much device memory per GPU, e.g. 80GiB, 24GB, 81559MiB."
+        ),
+    ] = None,
+    gpu_memory_utilization: Annotated[
+        float, typer.Option(min=0.01, max=1.0, help="vLLM: share of GPU memory for weights + KV cache.")
+    ] = 0.9,
+    kv_cache_dtype: Annotated[
+        str, typer.Option(help="vLLM: KV cache dtype: auto (the model's), bfloat16, float16, fp8, ...")
+    ] = "auto",
+    max_model_len: Annotated[
+        int | None,
+        typer.Option(
+            min=1, help="vLLM: context to plan for. Default: fitted to --input, else the model's limit."
+        ),
+    ] = None,
+    cpu_kvcache_space: Annotated[
+        int | None,
+        typer.Option(
+            min=1,
+            help=f"CPU engines: KV cache GiB (VLLM_CPU_KVCACHE_SPACE). Default: {DEFAULT_CPU_KV_SPACE_GIB}.",
+        ),
+    ] = None,
+    block_size: Annotated[
+        int | None, typer.Option(min=1, help="vLLM: KV block size. Default: vLLM's for the device.")
+    ] = None,
+    default_max_tokens: Annotated[
+        int,
+        typer.Option(
+            min=1,
+            help="Output tokens budgeted for chat requests that set no max_tokens (vLLM would let them run to "
+            "the end of the context).",
+        ),
+    ] = DEFAULT_CHAT_MAX_TOKENS,
+    served_model_name: Annotated[
+        str | None,
+        typer.Option(help="With --input: the name request bodies use as `model`. Default: --model."),
+    ] = None,
+    json_output: Annotated[bool, typer.Option("--json", help="Machine-readable output.")] = False,
+) -> None:
+    """The KV-cache budget per pool: weights, KV bytes per token, capacity, and the max_model_len / max_num_seqs
+    it supports. With --input, the context is fitted to the batch."""
+    budget = _budget(gpu_memory, gpu_memory_utilization, cpu_kvcache_space)
+    try:
+        name, model_dir = _locate_model(model, served_model_name)
+        shape = model_shape(model_dir)
+        stats = _measure_input(input, model, name, model_dir, default_max_tokens) if input else None
+        pools = [_plan(shape, budget, stats, max_model_len, block_size, kv_cache_dtype)]
+    except PlanError as exc:
+        _fail(str(exc))
+    if json_output:
+        typer.echo(json.dumps(_as_json(name, model_dir, shape, stats, pools), indent=2))
+    else:
+        _print(name, model_dir, shape, stats, pools)
+
+
+# --- inputs ----------------------------------------------------------------------------------------------------
+
+
+def _fail(message: str, code: int = 2) -> None:
+    typer.secho(f"error: {message}", fg=typer.colors.RED, err=True)
+    raise typer.Exit(code)
+
+
+def _budget(gpu_memory: str | None, utilization: float, cpu_kvcache_space: int | None) -> DeviceBudget:
+    if gpu_memory is None:
+        return DeviceBudget.cpu(cpu_kvcache_space or DEFAULT_CPU_KV_SPACE_GIB, _host_memory())
+    try:
+        memory = parse_memory(gpu_memory)
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc), param_hint="--gpu-memory") from None
+    return DeviceBudget.gpu(memory, utilization)
+
+
+def _host_memory() -> int | None:
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):  # not POSIX: skip the host-memory check
+        return None
+
+
+def _locate_model(model: str | None, served_model_name: str | None) -> tuple[str, str]:
+    """(served name, local directory holding config.json); a hub id must already be in the local HF cache."""
+    from pipeline.models import MissingDependencyError, ModelNotFoundError, resolve_model
+
+    try:
+        resolved = resolve_model(model, served_model_name)
+    except (ModelNotFoundError, MissingDependencyError) as exc:
+        raise PlanError(str(exc)) from None
+    if resolved.source != "hub-id":
+        return resolved.name, resolved.path
+    try:
+        from huggingface_hub import snapshot_download
+
+        # Config and headers are all a plan reads; never download for it.
+        return resolved.name, snapshot_download(resolved.path, local_files_only=True)
+    except Exception:  # noqa: BLE001 - hub errors vary by version; the cause is always "not cached"
+        raise PlanError(
+            f"model {model!r} is neither a local directory nor in the local Hugging Face cache: "
+            f"download it first (huggingface-cli download {model}) or pass its directory"
+        ) from None
+
+
+def _measure_input(
+    location: str, model: str | None, served_name: str, model_dir: str, chat_default: int
+) -> InputStats:
+    """Prompt tokens (chat template applied) and prompt + output budget of every valid request in the file."""
+    from pipeline.observe.dry_run import _prompt_token_counter
+    from pipeline.runtime.preflight import PreflightError, check_input
+
+    try:
+        path = check_input(location)
+    except PreflightError as exc:
+        raise PlanError(str(exc)) from None
+    counter, _ = _prompt_token_counter(model)
+    if counter is None:
+        raise PlanError(
+            "measuring --input needs the model's tokenizer: pip install 'nightshift-batch[model]'"
+        )
+    stats = InputStats(
+        str(path),
+        served_name,
+        default_max_tokens=chat_default,
+        generation_default=generation_max_tokens(model_dir),
+    )
+    for request in _valid_requests(path, served_name, stats):
+        try:
+            prompts = _prompt_lengths(counter, request)
+        except Exception:  # noqa: BLE001 - a template failure is the engine's to report at run time
+            stats.untokenizable += 1
+            continue
+        output, assumed = output_budget(request.url, request.body, stats.generation_default, chat_default)
+        stats.assumed_output += assumed
+        for prompt in prompts:
+            stats.prompt_tokens.append(prompt)
+            stats.needs.append(prompt + output)
+    if not stats.needs:
+        raise PlanError(
+            f"{location} holds no valid request to fit the context to (see `nightshift validate`)"
+        )
+    return stats
+
+
+def _valid_requests(path: Path, served_name: str, stats: InputStats):
+    """The requests a job would run: lines that fail validation (including another model's name) are skipped."""
+    from pipeline.runtime.ingest import IngestReport, iter_validated
+    from pipeline.stages.validate import LineValidator, ValidRequest
+
+    report = IngestReport(source=str(path))
+    for outcome in iter_validated(path, LineValidator(served_name), report):
+        if isinstance(outcome, ValidRequest):
+            yield outcome
+    stats.invalid_by_code = dict(report.invalid_by_code)
+
+
+def _prompt_lengths(counter, request) -> list[int]:
+    """Sequences a request starts, by prompt tokens: a completions prompt may be token ids or a list of prompts."""
+    prompt = request.body.get("prompt")
+    if request.url != "/v1/completions" or not isinstance(prompt, list) or not prompt:
+        return [counter(request)]
+    if all(isinstance(t, int) for t in prompt):
+        return [len(prompt)]
+    lengths = []
+    for item in prompt:
+        if isinstance(item, list):
+            lengths.append(len(item))
+        else:
+            lengths.append(counter(replace(request, body={**request.body, "prompt": item})))
+    return lengths
+
+
+# --- the plan --------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class PoolResult:
+    plan: PoolPlan
+    budget: DeviceBudget
+    fit: ContextFit | None
+    context_source: str  # where plan.context came from, in the user's words
+
+
+def _plan(
+    shape: ModelShape,
+    budget: DeviceBudget,
+    stats: InputStats | None,
+    max_model_len: int | None,
+    block_size: int | None,
+    kv_cache_dtype: str,
+) -> PoolResult:
+    block = block_size or default_block_size(budget.device, shape.is_mla)
+    fit = fit_context(stats.needs, block, shape.max_model_len_limit) if stats else None
+    context = max_model_len or (fit.context if fit else None)
+    plan = plan_pool(shape, budget, context, block, kv_cache_dtype)
+    if stats and fit:
+        plan = plan.model_copy(update=_input_remarks(shape, plan, stats, fit))
+    source = "--max-model-len" if max_model_len else "fitted to --input" if fit else "model limit"
+    return PoolResult(plan, budget, fit, source)
+
+
+def _input_remarks(
+    shape: ModelShape, plan: PoolPlan, stats: InputStats, fit: ContextFit
+) -> dict[str, list[str]]:
+    """Notes and warnings that tie the plan to the measured batch."""
+    notes, warnings = list(plan.notes), list(plan.warnings)
+    if stats.assumed_output:
+        notes.append(
+            f"{stats.assumed_output} chat request(s) set no max_tokens: budgeted {stats.default_max_tokens} output "
+            f"tokens each (--default-max-tokens); vLLM lets them generate until the context ends"
+        )
+    if stats.untokenizable:
+        warnings.append(
+            f"{stats.untokenizable} request(s) could not be tokenized (chat template error) and were left out; "
+            f"the engine will reject them"
+        )
+    other_model = stats.invalid_by_code.get("model_not_found", 0)
+    if other_model:
+        notes.append(
+            f"{other_model} line(s) name a model other than {stats.served_name!r} and were left out, as a job "
+            f"would fail them; pass --served-model-name if they are meant for this model"
+        )
+    too_long = sum(1 for p in stats.prompt_tokens if p > plan.context)
+    cut = sum(1 for p, n in zip(stats.prompt_tokens, stats.needs, strict=True) if p <= plan.context < n)
+    if too_long:
+        warnings.append(
+            f"{too_long} prompt(s) are longer than max_model_len {plan.context:,}: they will fail with "
+            f"context_length_exceeded"
+        )
+    if cut:
+        warnings.append(
+            f"{cut} request(s) need more than max_model_len {plan.context:,} (prompt + max_tokens): vLLM cuts "
+            f"their output at the context end (finish_reason 'length')"
+        )
+    mean_context = round_up(int(fit.mean + 0.5), plan.block_size)
+    typical = max_sequences(shape, plan.kv_blocks, mean_context, plan.block_size)
+    if plan.max_concurrent_seqs and typical > plan.max_concurrent_seqs:
+        notes.append(
+            f"requests average {fit.mean:,.0f} tokens (prompt + max_tokens): about {typical:,} of those fit at "
+            f"once; max_num_seqs above the recommendation pays only if outputs stop early, else it preempts"
+        )
+    return {"notes": notes, "warnings": warnings}
+
+
+# --- output ----------------------------------------------------------------------------------------------------
+
+
+def _as_json(
+    name: str, model_dir: str, shape: ModelShape, stats: InputStats | None, pools: list[PoolResult]
+) -> dict[str, Any]:
+    return {
+        "model": {"name": name, "path": model_dir, "shape": shape.model_dump()},
+        "input": _input_json(stats) if stats else None,
+        "pools": [
+            {
+                "budget": pool.budget.model_dump(),
+                "fit": pool.fit.model_dump() if pool.fit else None,
+                "context_source": pool.context_source,
+                **pool.plan.model_dump(),
+            }
+            for pool in pools
+        ],
+    }
+
+
+def _input_json(stats: InputStats) -> dict[str, Any]:
+    return {
+        "path": stats.source,
+        "sequences": len(stats.needs),
+        "served_model_name": stats.served_name,
+        "invalid_lines_by_code": stats.invalid_by_code,
+        "assumed_output_requests": stats.assumed_output,
+        "untokenizable_requests": stats.untokenizable,
+        "default_max_tokens": stats.default_max_tokens,
+        "prompt_tokens": _quantiles(stats.prompt_tokens),
+        "prompt_plus_max_tokens": _quantiles(stats.needs),
+        "prompt_histogram": [b.model_dump() for b in length_histogram(stats.prompt_tokens)],
+    }
+
+
+def _quantiles(values: list[int]) -> dict[str, int]:
+    ordered = sorted(values)
+    return {
+        "min": ordered[0],
+        "median": int(statistics.median(ordered)),
+        "p95": ordered[min(len(ordered) - 1, int(0.95 * len(ordered)))],
+        "max": ordered[-1],
+    }
+
+
+def _print(
+    name: str, model_dir: str, shape: ModelShape, stats: InputStats | None, pools: list[PoolResult]
+) -> None:
+    from rich.console import Console
+
+    console = Console(highlight=False, soft_wrap=True)
+    console.print(f"[bold]model[/bold]  {name}  ({model_dir})")
+    console.print(f"[bold]shape[/bold]  {_describe_shape(shape)}")
+    if stats:
+        _print_input(console, stats, pools[0].fit)
+    for pool in pools:
+        console.print()
+        console.print(_pool_table(pool))
+        for note in pool.plan.notes:
+            console.print(f"  [dim]•[/dim] {note}")
+        for warning in pool.plan.warnings:
+            console.print(f"  [bold yellow]![/bold yellow] {warning}")
+
+
+def _describe_shape(shape: ModelShape) -> str:
+    if shape.is_mla:
+        attention = f"MLA latent {shape.kv_lora_rank} + rope {shape.qk_rope_head_dim}"
+    else:
+        attention = f"{shape.attention_heads} heads / {shape.kv_heads} KV heads × head_dim {shape.head_dim}"
+    window = (
+        f", sliding window {shape.sliding_window:,} on {shape.sliding_window_layers} layers"
+        if shape.sliding_window
+        else ""
+    )
+    return (
+        f"{shape.model_type}, {shape.layers} layers, {attention}, {shape.dtype}, "
+        f"context limit {shape.max_model_len_limit:,}{window}"
+    )
+
+
+def _print_input(console, stats: InputStats, fit: ContextFit | None) -> None:
+    q = _quantiles(stats.prompt_tokens)
+    console.print()
+    skipped = ""
+    if stats.invalid_by_code:
+        codes = ", ".join(f"{code} {n}" for code, n in sorted(stats.invalid_by_code.items()))
+        skipped = (
+            f"; skipped {sum(stats.invalid_by_code.values())} line(s) that would fail validation ({codes})"
+        )
+    console.print(f"[bold]input[/bold]  {stats.source}: {len(stats.needs)} sequence(s){skipped}")
+    console.print(
+        f"  prompt tokens (chat template applied): min {q['min']:,}, median {q['median']:,}, p95 {q['p95']:,}, "
+        f"max {q['max']:,}"
+    )
+    if fit:
+        capped = f", capped at the model limit {fit.model_limit:,}" if fit.longest > fit.model_limit else ""
+        console.print(
+            f"  longest prompt + max_tokens: {fit.longest:,} → fitted max_model_len {fit.context:,} "
+            f"(rounded up to blocks of {fit.block_size}{capped})"
+        )
+    console.print("  prompt tokens histogram:")
+    for line in _histogram_lines(length_histogram(stats.prompt_tokens)):
+        console.print(f"    {line}")
+
+
+def _histogram_lines(buckets: list[HistogramBucket]) -> list[str]:
+    top = max((b.count for b in buckets), default=0) or 1
+    width = max(len(f"{b.low:,}–{b.high:,}") for b in buckets) if buckets else 0
+    lines = []
+    for b in buckets:
+        bar = "█" * round(_BAR_WIDTH * b.count / top) if b.count else ""
+        lines.append(f"{f'{b.low:,}–{b.high:,}':>{width}}  {bar:<{_BAR_WIDTH}} {b.count:,}")
+    return lines
+
+
+def _pool_table(pool: PoolResult):
+    from rich.table import Table
+
+    plan = pool.plan
+    table = Table(
+        title=f"pool {plan.pool}", title_justify="left", show_header=False, box=None, pad_edge=False
+    )
+    table.add_column(style="bold")
+    table.add_column(justify="right")
+    table.add_column(style="dim")
+    weights = fmt_bytes(plan.weights_bytes) if plan.weights_bytes is not None else "unknown"
+    table.add_row(
+        "weights", weights, "checkpoint tensors" if plan.weights_bytes is not None else "no weight files"
+    )
+    table.add_row("KV budget", fmt_bytes(plan.kv_budget_bytes), _budget_source(pool.budget))
+    table.add_row("KV bytes / token", f"{plan.kv_bytes_per_token:,}", f"kv_cache_dtype {plan.kv_cache_dtype}")
+    table.add_row("block size", f"{plan.block_size}", "tokens")
+    table.add_row("KV capacity", f"{plan.kv_capacity_tokens:,}", f"tokens ({plan.kv_blocks:,} blocks)")
+    table.add_row("context (max_model_len)", f"{plan.context:,}", pool.context_source)
+    table.add_row("max concurrent seqs", f"{plan.max_concurrent_seqs:,}", f"at {plan.context:,} tokens each")
+    table.add_row("recommended max_model_len", _or_none(plan.recommended_max_model_len), "")
+    table.add_row("recommended max_num_seqs", _or_none(plan.recommended_max_num_seqs), "")
+    return table
+
+
+def _budget_source(budget: DeviceBudget) -> str:
+    if budget.device == "cpu":
+        return f"VLLM_CPU_KVCACHE_SPACE={(budget.cpu_kv_space_bytes or 0) // GiB}"
+    return f"{fmt_bytes(budget.memory_bytes or 0)} × {budget.utilization:g} − weights − reserve"
+
+
+def _or_none(value: int | None) -> str:
+    return f"{value:,}" if value is not None else "none fits"

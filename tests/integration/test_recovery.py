@@ -1,0 +1,164 @@
+"""Failures during a job: a poison request, a killed driver followed by `resume`. Each asserts exactly-once
+output and full accounting. (Node loss: test_node_loss.py; a killed real engine: tests/e2e.)"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import pytest
+
+from pipeline.config import JobConfig
+from pipeline.runtime.job import run_job
+from tests.conftest import chat_line, read_jsonl, write_lines
+
+
+def fake_job(input_path, output, **fake_args) -> JobConfig:
+    return JobConfig.model_validate(
+        {
+            "input": str(input_path),
+            "output": str(output),
+            "engine": {"backend": "fake", "fake": {"output_tokens": 4, **fake_args}},
+            "resources": {"num_engines": 1, "cpus_per_engine": 0.5, "rows_per_task": 8},
+            "output_options": {"rows_per_shard": 100, "staging_rows": 50},
+        }
+    )
+
+
+def check_exactly_once(output: Path, expected_lines: int) -> tuple[list[dict], list[dict]]:
+    results = read_jsonl(output.glob("results-*.jsonl"))
+    errors = read_jsonl(output.glob("errors-*.jsonl"))
+    assert len(results) + len(errors) == expected_lines  # accounting
+    ids = [r["custom_id"] for r in results + errors if r["custom_id"] is not None]
+    assert len(ids) == len(set(ids))  # no row duplicated
+    return results, errors
+
+
+@pytest.mark.usefixtures("local_ray")
+def test_poison_request_is_isolated_and_the_job_finishes(tmp_path):
+    lines = [chat_line(f"row-{i:03d}", f"question {i}") for i in range(60)]
+    lines[17] = chat_line("row-017-POISON", "this request kills the engine")
+    path = write_lines(tmp_path / "in.jsonl", lines)
+    calls = tmp_path / "calls.log"
+    outcome = run_job(fake_job(path, tmp_path / "out", crash_on=["POISON"], call_log=str(calls)), show_progress=False)
+
+    results, errors = check_exactly_once(outcome.output, 60)
+    assert len(results) == 59
+    (poison,) = errors
+    assert poison["custom_id"] == "row-017-POISON"
+    assert poison["response"]["status_code"] == 500
+    assert poison["response"]["body"]["error"]["code"] == "engine_error"
+    # Bounded: twice in company, once alone, then isolated — never a fourth crash.
+    assert calls.read_text().split().count("row-017-POISON") == 3
+    assert outcome.manifest["counts"]["by_error_code"] == {"engine_error": 1}
+    assert outcome.manifest["recovery"]["requests_retried_after_engine_failure"] >= 1
+
+
+def _staged_ids(output: Path) -> set[str]:
+    ids: set[str] = set()
+    for part in (output / "_staging").glob("*/*.parquet"):
+        if part.parent.name in ("results", "errors") and not part.name.startswith("validate-"):
+            ids.update(pq.read_table(part, columns=["custom_id"]).column("custom_id").to_pylist())
+    return ids
+
+
+@pytest.mark.slow
+def test_driver_killed_half_way_then_resume(tmp_path):
+    n = 3000
+    lines = [chat_line(f"id-{(i * 7919) % n:05d}", f"question {i}") for i in range(n)]
+    lines[5] = "{not json"  # an error record must survive the crash too
+    path = write_lines(tmp_path / "in.jsonl", lines)
+    calls = tmp_path / "calls.log"
+    config = tmp_path / "job.yaml"
+    config.write_text(
+        json.dumps(
+            {
+                "job_id": "resume-test",
+                "engine": {
+                    "backend": "fake",
+                    "fake": {"output_tokens": 4, "decode_seconds_per_token": 0.05, "max_concurrency": 64,
+                             "call_log": str(calls)},
+                },
+                "resources": {"cpus_per_engine": 0.5, "rows_per_task": 16},
+                "output_options": {"rows_per_shard": 700, "staging_rows": 100},
+            }
+        )
+    )
+    output = tmp_path / "out"
+    cmd = [sys.executable, "-m", "pipeline", "run", str(path), str(output), "-c", str(config), "--no-progress"]
+    driver = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 300
+    while len(_staged_ids(output)) < n // 2:
+        assert driver.poll() is None, driver.stderr.read()[-2000:]
+        assert time.monotonic() < deadline, "the job never got half way"
+        time.sleep(0.2)
+    driver.send_signal(signal.SIGKILL)
+    driver.wait()
+    assert not (output / "manifest.json").exists()
+    staged_before = _staged_ids(output)
+    calls_before = len(calls.read_text().split())
+    assert n // 2 <= len(staged_before) < n
+
+    resumed = subprocess.run(
+        [sys.executable, "-m", "pipeline", "resume", str(output), "--no-progress"],
+        capture_output=True, text=True, timeout=600,
+    )
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    check_exactly_once(output, n)
+    recomputed = set(calls.read_text().split()[calls_before:]) & staged_before
+    assert recomputed == set(), f"{len(recomputed)} staged rows were run again"
+    manifest = json.loads((output / "manifest.json").read_text())
+    assert manifest["recovery"]["resumed"] is True
+    assert manifest["recovery"]["rows_from_earlier_runs"] == len(staged_before)
+
+    # The same job uninterrupted (same job id → same output ids): byte-identical shards.
+    clean = tmp_path / "clean"
+    uninterrupted = subprocess.run(
+        [sys.executable, "-m", "pipeline", "run", str(path), str(clean), "-c", str(config), "--no-progress"],
+        capture_output=True, text=True, timeout=600,
+    )
+    assert uninterrupted.returncode == 0, uninterrupted.stderr[-3000:]
+    names = sorted(p.name for p in clean.glob("*-of-*.jsonl"))
+    assert names == sorted(p.name for p in output.glob("*-of-*.jsonl"))
+    for name in names:
+        assert (clean / name).read_bytes() == (output / name).read_bytes(), name
+
+
+def test_resume_refuses_a_changed_input(tmp_path):
+    path = write_lines(tmp_path / "in.jsonl", [chat_line("a", "x")])
+    output = tmp_path / "out"
+    staging = output / "_staging"
+    staging.mkdir(parents=True)
+    (staging / "job.json").write_text(
+        json.dumps(
+            {
+                "job_id": "j1",
+                "ingested": True,
+                "config": fake_job(path, output).model_dump(mode="json"),
+                "input": {"fingerprint": "sha256:" + "0" * 64, "lines": 1, "valid": 1, "invalid": 0},
+            }
+        )
+    )
+    proc = subprocess.run(
+        [sys.executable, "-m", "pipeline", "resume", str(output)], capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == 2
+    assert "changed since the job started" in proc.stderr
+    assert os.listdir(staging) == ["job.json"]  # nothing done
+
+
+def test_run_into_unfinished_output_points_at_resume(tmp_path):
+    path = write_lines(tmp_path / "in.jsonl", [chat_line("a", "x")])
+    (tmp_path / "out" / "_staging").mkdir(parents=True)
+    proc = subprocess.run(
+        [sys.executable, "-m", "pipeline", "run", str(path), str(tmp_path / "out")],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert proc.returncode == 2
+    assert "nightshift resume" in proc.stderr and "--resume" in proc.stderr
