@@ -161,8 +161,16 @@ def _run_engines(
     # Enough overlapping calls per actor that `in_flight` requests are always with the engine.
     calls_per_actor = max(2, -(-in_flight // batch_size))
 
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
     # Named, so operators (and tests) can find the engines of a running job: ray.get_actor(name).snapshot().
-    monitor = ray.remote(num_cpus=0)(JobMonitor).options(name=f"nightshift-monitor-{job_id}").remote()
+    # Pinned to the driver's node: it must not go down with a worker node (that is what it helps survive).
+    driver_node = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
+    monitor = (
+        ray.remote(num_cpus=0)(JobMonitor)
+        .options(name=f"nightshift-monitor-{job_id}", scheduling_strategy=driver_node)
+        .remote()
+    )
     # Ray Data streams a task's output only when the task ends, so blocks of one batch each let finished rows
     # flow back continuously while the actor overlaps many such calls.
     ds = ray.data.read_parquet(files).repartition(target_num_rows_per_block=batch_size)

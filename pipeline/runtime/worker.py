@@ -151,14 +151,22 @@ class EngineWorker:
                 os._exit(1)
             raise
 
+    async def _plan(self, custom_ids: list[str]) -> dict[str, str]:
+        """How to run each request (see JobMonitor.begin). Without a reachable monitor, all run normally: losing
+        poison isolation is better than losing the batch."""
+        if self.monitor is None:
+            return {}
+        try:
+            return await self.monitor.begin.remote(custom_ids)
+        except Exception as exc:  # noqa: BLE001 - RayActorError and friends
+            log.warning("job monitor unreachable; running without the attempt ledger", error=str(exc))
+            return {}
+
     async def __call__(self, batch: dict[str, Any]) -> dict[str, list]:
         engine = await self._engine()
         rows = [dict(zip(batch.keys(), values, strict=True)) for values in zip(*batch.values(), strict=True)]
         requests = [EngineRequest(str(r["custom_id"]), str(r["url"]), json.loads(r["body"])) for r in rows]
-        if self.monitor is not None:
-            plan = await self.monitor.begin.remote([r.custom_id for r in requests])
-        else:
-            plan = {}
+        plan = await self._plan([r.custom_id for r in requests])
         results = await asyncio.gather(
             *(self._run(engine, r, plan.get(r.custom_id, "normal")) for r in requests)
         )
