@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 
 class ConfigError(ValueError):
@@ -122,10 +122,55 @@ class ResourcesConfig(_Strict):
     )
 
 
+class PoolConfig(_Strict):
+    """An accelerator pool: engines that share one kind of hardware, with their own Ray resources and engine args.
+
+    A job may span several pools (e.g. an NVIDIA pool and an AMD pool); all of them pull from one work queue.
+    """
+
+    name: str = Field(
+        pattern=r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$",
+        max_length=40,
+        description="Pool name (lowercase, digits, '-').",
+    )
+    min_engines: int = Field(default=1, ge=1, description="Engine actors the pool keeps.")
+    max_engines: int | None = Field(
+        default=None,
+        ge=1,
+        description="Engine actors the pool may grow to; default: min_engines (a fixed pool).",
+    )
+    cpus_per_engine: float = Field(default=1.0, ge=0, description="Ray CPUs reserved per engine actor.")
+    gpus_per_engine: float = Field(default=0.0, ge=0, description="Ray GPUs reserved per engine actor.")
+    resources_per_engine: dict[str, float] = Field(
+        default_factory=dict,
+        description="Custom Ray resources per engine, e.g. {'accelerator:rocm': 1} (set by `nightshift node start`).",
+    )
+    accelerator_type: str | None = Field(
+        default=None,
+        description="Ray accelerator_type the engines need (e.g. H100, AMD-Instinct-MI300X-OAM).",
+    )
+    engine_overrides: dict[str, Any] = Field(
+        default_factory=dict,
+        description="Engine args for this pool only, over the job's (e.g. {gpu_memory_utilization: 0.85}).",
+    )
+
+    @model_validator(mode="after")
+    def _bounds(self) -> PoolConfig:
+        if self.max_engines is not None and self.max_engines < self.min_engines:
+            raise ValueError(
+                f"pool {self.name}: max_engines ({self.max_engines}) < min_engines ({self.min_engines})"
+            )
+        return self
+
+
 class OutputConfig(_Strict):
     """How results are written."""
 
-    format: Literal["jsonl"] = Field(default="jsonl", description="Output file format.")
+    format: Literal["jsonl", "parquet"] = Field(
+        default="jsonl",
+        description="Output file format: jsonl (OpenAI Batch lines) or parquet (custom_id, status_code, response, "
+        "error, plus flattened content, finish_reason, prompt_tokens, completion_tokens).",
+    )
     rows_per_shard: int = Field(
         default=100_000, ge=1, description="Result rows per shard file (range-partitioned)."
     )
@@ -136,11 +181,56 @@ class OutputConfig(_Strict):
     )
 
 
+class StorageConfig(_Strict):
+    """How remote inputs and outputs (s3://, http(s)://) are reached.
+
+    S3 credentials come from the usual AWS sources (AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY / AWS_SESSION_TOKEN,
+    AWS_PROFILE, instance roles); the endpoint and region fall back to AWS_ENDPOINT_URL_S3 / AWS_ENDPOINT_URL and
+    AWS_REGION / AWS_DEFAULT_REGION.
+    """
+
+    s3_endpoint_url: str | None = Field(
+        default=None,
+        description="S3-compatible endpoint (MinIO, Ceph, R2, ...). Default: AWS_ENDPOINT_URL_S3 or "
+        "AWS_ENDPOINT_URL, else AWS itself.",
+    )
+    s3_region: str | None = Field(
+        default=None, description="S3 region. Default: AWS_REGION or AWS_DEFAULT_REGION."
+    )
+    s3_anon: bool = Field(
+        default=False, description="Unsigned S3 requests (public buckets); no credentials are used."
+    )
+    retries: int = Field(
+        default=4,
+        ge=0,
+        le=20,
+        description="Retries of a transient storage error (connection refused or reset, timeout, HTTP 5xx/429, "
+        "S3 throttling) before the job fails. Each retry is logged.",
+    )
+    retry_backoff_s: float = Field(
+        default=0.5, ge=0, description="Delay before the first retry; doubles with each further retry."
+    )
+    retry_backoff_max_s: float = Field(default=20.0, ge=0, description="Longest delay between two retries.")
+    timeout_s: float = Field(
+        default=30.0, gt=0, description="Connect and read timeout of one storage request, in seconds."
+    )
+    http_headers: dict[str, str] = Field(
+        default_factory=dict,
+        description="Extra headers on every HTTP(S) input/output request, e.g. {Authorization: Bearer ...}.",
+    )
+
+
 class JobConfig(_Strict):
     """One batch job: input, output, model, engine, resources."""
 
-    input: str | None = Field(default=None, description="Input file (OpenAI Batch JSONL).")
-    output: str | None = Field(default=None, description="Output directory.")
+    input: str | None = Field(
+        default=None,
+        description="Input: an OpenAI Batch JSONL or Parquet file, a directory or glob of shards, s3://bucket/prefix "
+        "or an http(s):// URL.",
+    )
+    output: str | None = Field(
+        default=None, description="Output: a local directory, s3://bucket/prefix or an http(s):// URL (PUT)."
+    )
     model: str | None = Field(
         default=None, description="Model directory or id; default: the embedded SmolLM2-135M-Instruct."
     )
@@ -157,7 +247,14 @@ class JobConfig(_Strict):
     output_options: OutputConfig = Field(
         default_factory=OutputConfig, description="Output format and sharding."
     )
+    storage: StorageConfig = Field(
+        default_factory=StorageConfig, description="S3 / HTTP access: endpoint, region, retries, timeouts."
+    )
     overwrite: bool = Field(default=False, description="Replace a completed job already in OUTPUT.")
+    pools: list[PoolConfig] = Field(
+        default_factory=list,
+        description="Accelerator pools; default: one pool 'default' sized by `resources`.",
+    )
     job_id: str | None = Field(
         default=None,
         pattern=r"^[A-Za-z0-9_-]{1,64}$",
@@ -170,6 +267,29 @@ class JobConfig(_Strict):
         if value is not None and not value.strip():
             raise ValueError("must not be empty")
         return value
+
+
+def effective_pools(config: JobConfig) -> list[PoolConfig]:
+    """The job's pools, checked: unique names, engine overrides the backend knows."""
+    pools = config.pools or [
+        PoolConfig(
+            name="default",
+            min_engines=config.resources.num_engines,
+            cpus_per_engine=config.resources.cpus_per_engine,
+            gpus_per_engine=config.resources.gpus_per_engine,
+            resources_per_engine=config.resources.resources_per_engine,
+        )
+    ]
+    names = [p.name for p in pools]
+    if len(set(names)) != len(names):
+        raise ConfigError(f"pool names must be unique, got {names}")
+    base = config.engine.vllm if config.engine.backend == "vllm" else config.engine.fake
+    for pool in pools:
+        try:
+            type(base).model_validate({**base.model_dump(), **pool.engine_overrides})
+        except ValidationError as exc:
+            raise ConfigError(f"pools[{pool.name}].engine_overrides: {format_validation_error(exc)}") from exc
+    return pools
 
 
 def load_job_config(path: str | Path | None) -> JobConfig:

@@ -13,14 +13,14 @@ from __future__ import annotations
 import datetime as dt
 import time
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 import structlog
 
 from pipeline import __version__
-from pipeline.config import JobConfig
+from pipeline.config import JobConfig, PoolConfig, effective_pools
 from pipeline.engines.base import EngineSpec, engine_class
 from pipeline.io.files import fingerprint_file
 from pipeline.io.staging import StagedRow, StagingArea
@@ -138,6 +138,73 @@ def _pending_work(staging: StagingArea, finished: set[str]) -> list[str]:
     return pending
 
 
+@dataclass(frozen=True)
+class PoolPlan:
+    """How one pool runs: its engine spec and how much work its engines keep in flight."""
+
+    pool: PoolConfig
+    spec: EngineSpec
+    batch_size: int  # rows per Ray Data batch (one queue chunk)
+    calls_per_actor: int  # batches each engine actor works on at once
+    max_engines: int
+
+    @property
+    def credit(self) -> int:
+        """Rows the pool may hold at once: what its engines can work on, plus a batch each to hide the latency."""
+        return self.max_engines * (self.calls_per_actor + 1) * self.batch_size
+
+
+def plan_pool(config: JobConfig, spec: EngineSpec, pool: PoolConfig) -> PoolPlan:
+    spec = replace(spec, args={**spec.args, **pool.engine_overrides})
+    limit = spec.args.get("max_num_seqs") or spec.args.get("max_concurrency") or 64
+    in_flight = config.engine.max_in_flight or 2 * int(limit)
+    # Chunks are one batch each, because Ray Data hands a task's output on only when the task ends: small chunks
+    # keep finished rows flowing back. Enough overlapping calls per actor that `in_flight` requests are always
+    # with the engine, so its continuous batching stays full across batch boundaries.
+    batch_size = max(1, min(config.resources.rows_per_task, in_flight))
+    calls_per_actor = max(2, -(-in_flight // batch_size))
+    return PoolPlan(pool, spec, batch_size, calls_per_actor, pool.max_engines or pool.min_engines)
+
+
+def _pool_dataset(plan: PoolPlan, queue: Any, monitor: Any, job_id: str, pending_rows: int):
+    """One pool's pipeline: pull chunks from the shared queue → its engine actors."""
+    import ray
+
+    from pipeline.runtime.work_queue import queue_datasource
+    from pipeline.runtime.worker import EngineWorker
+
+    pool = plan.pool
+    # Each read task pulls one chunk; a few at a time per engine is plenty of supply, and the queue's credit (not
+    # the number of readers) bounds how much work the pool holds.
+    tasks = max(1, -(-pending_rows // plan.batch_size))
+    source = queue_datasource(queue, pool.name, read_tasks=tasks, chunk_rows=plan.batch_size)
+    ds = ray.data.read_datasource(
+        source, num_cpus=0, override_num_blocks=tasks, concurrency=2 * plan.max_engines
+    )
+    return ds.map_batches(
+        EngineWorker,
+        fn_constructor_kwargs={
+            "spec": plan.spec,
+            "pool": pool.name,
+            "monitor": monitor,
+            "job_id": job_id,
+            "queue": queue,
+        },
+        batch_size=plan.batch_size,
+        compute=ray.data.ActorPoolStrategy(
+            min_size=pool.min_engines,
+            max_size=plan.max_engines,
+            max_concurrent_calls_per_actor=plan.calls_per_actor,
+        ),
+        num_cpus=pool.cpus_per_engine,
+        num_gpus=pool.gpus_per_engine or None,
+        resources=pool.resources_per_engine or None,
+        accelerator_type=pool.accelerator_type,
+        batch_format="numpy",
+        zero_copy_batch=True,
+    )
+
+
 def _run_engines(
     config: JobConfig,
     spec: EngineSpec,
@@ -147,51 +214,39 @@ def _run_engines(
     job_id: str,
     finished: set[str],
 ) -> EngineRun:
+    import pyarrow.parquet as pq
     import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
     from pipeline.runtime.monitor import JobMonitor
-    from pipeline.runtime.worker import EngineWorker
+    from pipeline.runtime.work_queue import WorkQueue
 
     files = _pending_work(staging, finished)
     if not files:
         return EngineRun()
-    res = config.resources
-    in_flight = config.engine.in_flight()
-    batch_size = max(1, min(res.rows_per_task, in_flight))
-    # Enough overlapping calls per actor that `in_flight` requests are always with the engine.
-    calls_per_actor = max(2, -(-in_flight // batch_size))
-
-    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
-
-    # Named, so operators (and tests) can find the engines of a running job: ray.get_actor(name).snapshot().
-    # Pinned to the driver's node: it must not go down with a worker node (that is what it helps survive).
-    driver_node = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
+    pools = effective_pools(config)
+    # The monitor and the queue are pinned to the driver's node: they must not go down with a worker node (that
+    # is what they help survive), and the queue reads the staged work list from this node's disk.
+    # The monitor is named so operators (and tests) can find a job's engines: ray.get_actor(name).snapshot().
+    here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
     monitor = (
         ray.remote(num_cpus=0)(JobMonitor)
-        .options(name=f"nightshift-monitor-{job_id}", scheduling_strategy=driver_node)
+        .options(name=f"nightshift-monitor-{job_id}", scheduling_strategy=here)
         .remote()
     )
-    # Ray Data streams a task's output only when the task ends, so blocks of one batch each let finished rows
-    # flow back continuously while the actor overlaps many such calls.
-    ds = ray.data.read_parquet(files).repartition(target_num_rows_per_block=batch_size)
-    ds = ds.map_batches(
-        EngineWorker,
-        fn_constructor_kwargs={"spec": spec, "pool": "default", "monitor": monitor, "job_id": job_id},
-        batch_size=batch_size,
-        compute=ray.data.ActorPoolStrategy(
-            size=res.num_engines, max_concurrent_calls_per_actor=calls_per_actor
-        ),
-        num_cpus=res.cpus_per_engine,
-        num_gpus=res.gpus_per_engine or None,
-        resources=res.resources_per_engine or None,
-        batch_format="numpy",
-        zero_copy_batch=True,
-    )
+    plans = [plan_pool(config, spec, pool) for pool in pools]
+    credit = {plan.pool.name: plan.credit for plan in plans}
+    queue = ray.remote(num_cpus=0)(WorkQueue).options(scheduling_strategy=here).remote(files, credit)
+    pending_rows = sum(pq.ParquetFile(f).metadata.num_rows for f in files)
+    datasets = [_pool_dataset(plan, queue, monitor, job_id, pending_rows) for plan in plans]
+    ds = datasets[0].union(*datasets[1:]) if len(datasets) > 1 else datasets[0]
+
     buffer = _StagingBuffer(staging, config.output_options.staging_rows)
     run = EngineRun()
     # A re-executed Ray task (lost node, lineage reconstruction) could hand back rows already seen; the contract
     # is exactly-once, so the driver keeps the ids it staged and drops repeats.
     staged = set(finished)
+    started = time.monotonic()
     with ProgressDisplay(counters, enabled=show_progress) as progress:
         for batch in ds.iter_batches(batch_format="pyarrow", batch_size=None):
             columns = batch.to_pydict()
@@ -207,17 +262,30 @@ def _run_engines(
                 failed += bool(row.error_code)
                 prompt += row.prompt_tokens
                 completion += row.completion_tokens
-                pool = run.pools.setdefault(row.pool, {"rows": 0, "prompt_tokens": 0, "completion_tokens": 0})
+                pool = run.pools.setdefault(
+                    row.pool, {"rows": 0, "prompt_tokens": 0, "completion_tokens": 0, "first_result_s": None}
+                )
                 pool["rows"] += 1
                 pool["prompt_tokens"] += row.prompt_tokens
                 pool["completion_tokens"] += row.completion_tokens
+                elapsed = round(time.monotonic() - started, 3)
+                if pool["first_result_s"] is None:
+                    pool["first_result_s"] = elapsed
+                pool["last_result_s"] = elapsed
             counters.add(rows, failed, prompt, completion)
-            progress.update()
+            progress.update(pools=run.pools)
         buffer.flush()
-        progress.update(force=True)
+        progress.update(force=True, pools=run.pools)
+    for name, stats in run.pools.items():
+        stats["engines"] = sum(
+            1 for info in ray.get(monitor.snapshot.remote()).values() if info["pool"] == name
+        )
+        span = stats.get("last_result_s") or 0
+        stats["output_tokens_per_s"] = round(stats["completion_tokens"] / span, 2) if span else 0.0
     run.snapshot = ray.get(monitor.snapshot.remote())
     run.retried_requests = len(ray.get(monitor.retries.remote()))
-    ray.kill(monitor)
+    for actor in (monitor, queue):
+        ray.kill(actor)
     if run.duplicates_dropped:
         log.warning("dropped rows re-delivered by retried tasks", rows=run.duplicates_dropped)
     return run
@@ -295,8 +363,6 @@ def run_job(config: JobConfig, show_progress: bool = True, resume: bool = False)
     }
     wall = time.monotonic() - t0
     engines = summarize_engines(run.snapshot)
-    for stats in run.pools.values():
-        stats["output_tokens_per_s"] = round(stats["completion_tokens"] / wall, 2) if wall else 0.0
     manifest = {
         "format_version": FORMAT_VERSION,
         "nightshift_version": __version__,

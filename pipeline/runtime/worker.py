@@ -74,12 +74,18 @@ class EngineWorker:
     """One engine per actor, started lazily inside the actor's event loop (vLLM binds its tasks to that loop)."""
 
     def __init__(
-        self, spec: EngineSpec, pool: str = "default", monitor: Any = None, job_id: str | None = None
+        self,
+        spec: EngineSpec,
+        pool: str = "default",
+        monitor: Any = None,
+        job_id: str | None = None,
+        queue: Any = None,
     ) -> None:
         self.spec = spec
         self.pool = pool
         self.monitor = monitor  # the job's JobMonitor actor (stats + attempt ledger); None in unit tests
         self.job_id = job_id
+        self.queue = queue  # the WorkQueue: told when a chunk is done, so the pool gets credit for another
         self.engine: Engine | None = None
         self._starting: asyncio.Lock | None = None
         self._gate: asyncio.Condition | None = None
@@ -170,6 +176,8 @@ class EngineWorker:
         results = await asyncio.gather(
             *(self._run(engine, r, plan.get(r.custom_id, "normal")) for r in requests)
         )
+        if self.queue is not None:
+            self.queue.done.remote(self.pool, len(requests))
         self._report()
         return result_columns(list(results), rows, self.pool, self.job_id)
 
