@@ -55,6 +55,9 @@ FLAG_FOR_KEY = {
     "engine.vllm.cpu_kvcache_space_gib": "--cpu-kvcache-space",
     "engine.max_in_flight": "--max-in-flight",
     "overwrite": "--overwrite",
+    "storage.s3_endpoint_url": "--s3-endpoint-url",
+    "storage.s3_region": "--s3-region",
+    "storage.retries": "--io-retries",
 }
 
 
@@ -65,8 +68,16 @@ def _fail(message: str, code: int = 2) -> None:
 
 @app.command()
 def run(
-    input: Annotated[str | None, typer.Argument(help="OpenAI Batch JSONL file.")] = None,
-    output: Annotated[str | None, typer.Argument(help="Output directory (created if missing).")] = None,
+    input: Annotated[
+        str | None,
+        typer.Argument(
+            help="OpenAI Batch JSONL or Parquet: a file, a directory or glob of shards, s3://, http(s)://."
+        ),
+    ] = None,
+    output: Annotated[
+        str | None,
+        typer.Argument(help="Output: a directory (created if missing), s3://bucket/prefix or http(s)://."),
+    ] = None,
     config: Annotated[
         Path | None, typer.Option("--config", "-c", help="Job config YAML; flags win over it.")
     ] = None,
@@ -77,7 +88,7 @@ def run(
         str | None, typer.Option(help="Name request bodies must use as `model`.")
     ] = None,
     engine: Annotated[str | None, typer.Option(help="Engine backend: vllm or fake.")] = None,
-    format: Annotated[str | None, typer.Option("--format", help="Output format: jsonl.")] = None,
+    format: Annotated[str | None, typer.Option("--format", help="Output format: jsonl or parquet.")] = None,
     rows_per_shard: Annotated[int | None, typer.Option(help="Result rows per output shard.")] = None,
     address: Annotated[
         str | None, typer.Option(help="Ray cluster address; default: start a local Ray.")
@@ -105,10 +116,18 @@ def run(
         bool | None, typer.Option("--overwrite", help="Replace a completed job in OUTPUT.")
     ] = None,
     resume: Annotated[bool, typer.Option("--resume", help="Continue the unfinished job in OUTPUT.")] = False,
+    s3_endpoint_url: Annotated[
+        str | None,
+        typer.Option(help="S3-compatible endpoint. Default: AWS_ENDPOINT_URL_S3 / AWS_ENDPOINT_URL."),
+    ] = None,
+    s3_region: Annotated[str | None, typer.Option(help="S3 region. Default: AWS_REGION.")] = None,
+    io_retries: Annotated[
+        int | None, typer.Option(help="Retries of a transient S3/HTTP error (with backoff) before failing.")
+    ] = None,
     log_format: Annotated[str, typer.Option(help="Logs: console or json.")] = "console",
     progress: Annotated[bool, typer.Option("--progress/--no-progress", help="Live progress display.")] = True,
 ) -> None:
-    """Run a batch: INPUT (OpenAI Batch JSONL) → OUTPUT/ (sorted result shards, error shards, manifest.json)."""
+    """Run a batch: INPUT (OpenAI Batch JSONL/Parquet) → OUTPUT/ (sorted result shards, error shards, manifest.json)."""
     from pipeline.observe.logs import configure_logging
 
     if log_format not in ("console", "json"):
@@ -137,6 +156,9 @@ def run(
             "engine.vllm.cpu_kvcache_space_gib": cpu_kvcache_space,
             "engine.max_in_flight": max_in_flight,
             "overwrite": overwrite,
+            "storage.s3_endpoint_url": s3_endpoint_url,
+            "storage.s3_region": s3_region,
+            "storage.retries": io_retries,
         }
         job = merge_overrides(load_job_config(config), overrides, labels=FLAG_FOR_KEY)
     except ConfigError as exc:
@@ -191,7 +213,10 @@ def _run(job: JobConfig, progress: bool, resume: bool = False) -> None:
 
 @app.command()
 def validate(
-    input: Annotated[str, typer.Argument(help="OpenAI Batch JSONL file.")],
+    input: Annotated[
+        str,
+        typer.Argument(help="OpenAI Batch JSONL or Parquet: a file, directory, glob, s3:// or http(s)://."),
+    ],
     model: Annotated[
         str | None, typer.Option(help="Model the job would serve (its name is checked).")
     ] = None,
@@ -201,16 +226,21 @@ def validate(
     tokens: Annotated[
         bool, typer.Option("--tokens/--no-tokens", help="Token statistics with the model's tokenizer.")
     ] = True,
+    s3_endpoint_url: Annotated[
+        str | None,
+        typer.Option(help="S3-compatible endpoint. Default: AWS_ENDPOINT_URL_S3 / AWS_ENDPOINT_URL."),
+    ] = None,
 ) -> None:
     """Dry run: counts, every error record (JSON lines on stdout), token statistics. No engine is started."""
+    from pipeline.config import StorageConfig
     from pipeline.models import EMBEDDED_MODEL_NAME, ModelNotFoundError
     from pipeline.observe.dry_run import dry_run
-    from pipeline.runtime.preflight import PreflightError, check_input
+    from pipeline.runtime.preflight import PreflightError, check_input_source
 
     try:
-        path = check_input(input)
+        source = check_input_source(input, StorageConfig(s3_endpoint_url=s3_endpoint_url))
         name = served_model_name or model or EMBEDDED_MODEL_NAME
-        report = dry_run(path, name, model if tokens else None, tokenize=tokens)
+        report = dry_run(source, name, model if tokens else None, tokenize=tokens)
     except (PreflightError, ModelNotFoundError) as exc:
         _fail(str(exc))
     for record in report.error_records:

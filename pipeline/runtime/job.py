@@ -22,21 +22,23 @@ import structlog
 from pipeline import __version__
 from pipeline.config import JobConfig, PoolConfig, effective_pools
 from pipeline.engines.base import EngineSpec, engine_class
-from pipeline.io.files import fingerprint_file
+from pipeline.io.locations import RetryStats
+from pipeline.io.readers import InputSource
 from pipeline.io.staging import StagedRow, StagingArea
+from pipeline.io.writers import OutputTarget, output_target
 from pipeline.models import ResolvedModel, resolve_model
 from pipeline.observe.progress import JobCounters, ProgressDisplay
 from pipeline.runtime.finalize import FORMAT_VERSION, commit, write_outputs
 from pipeline.runtime.ingest import ingest
 from pipeline.runtime.monitor import summarize_engines
-from pipeline.runtime.preflight import PreflightError, check_input, check_output
+from pipeline.runtime.preflight import PreflightError, check_input_source, check_output_target
 
 log = structlog.get_logger(__name__)
 
 
 @dataclass
 class JobOutcome:
-    output: Path
+    output: Path | str  # a local directory, or the s3:// / http(s):// URL
     manifest: dict[str, Any]
     counters: JobCounters
     pools: dict[str, dict[str, float]] = field(default_factory=dict)
@@ -291,36 +293,39 @@ def _run_engines(
     return run
 
 
-def _prepare(config: JobConfig, resume: bool) -> tuple[Path, Path, StagingArea, dict[str, Any]]:
+def _prepare(
+    config: JobConfig, resume: bool
+) -> tuple[InputSource, OutputTarget, StagingArea, dict[str, Any]]:
     """Preflight, then either a fresh job spec or the stored one of the job being resumed."""
-    input_path = check_input(config.input)
-    output = check_output(config.output, config.overwrite, resume=resume)
-    staging = StagingArea(output)
+    source = check_input_source(config.input, config.storage)
+    output = check_output_target(config.output, config.overwrite, config.storage, resume=resume)
+    staging = output.staging_area()
     if resume and staging.exists():
         state = staging.read_job()
         stored = state.get("input", {}).get("fingerprint")
         if stored:
-            current, _ = fingerprint_file(input_path)
+            current = source.fingerprint()
             if current != stored:
                 raise PreflightError(
                     f"input {config.input} changed since the job started ({stored} → {current}); resuming would "
                     "mix two inputs. Restore the original input, or start a new job in another OUTPUT."
                 )
         log.info("resuming job", job_id=state["job_id"], output=str(output))
-        return input_path, output, staging, state
+        return source, output, staging, state
     if resume:
         raise PreflightError(
             f"output {config.output} holds no unfinished job (no _staging/): nothing to resume"
         )
     state = {"job_id": config.job_id or uuid.uuid4().hex[:16], "config": config.model_dump(mode="json")}
-    return input_path, output, staging, state
+    return source, output, staging, state
 
 
 def run_job(config: JobConfig, show_progress: bool = True, resume: bool = False) -> JobOutcome:
     """Run (or, with resume=True, continue) one job; returns when the output is committed."""
     started_at = dt.datetime.now(dt.timezone.utc)
     t0 = time.monotonic()
-    input_path, output, staging, state = _prepare(config, resume)
+    retries_before = RetryStats.snapshot()
+    source, output, staging, state = _prepare(config, resume)
     model = resolve_model(config.model, config.served_model_name)
     spec = engine_spec(config, model)
     engine_class(spec.backend).check_spec(spec)
@@ -333,9 +338,9 @@ def run_job(config: JobConfig, show_progress: bool = True, resume: bool = False)
         staging.discard_ingest()
         state["model"] = model.model_dump()
         staging.write_job(state)
-        report = ingest(input_path, model.name, staging, job_id=job_id)
+        report = ingest(source, model.name, staging, job_id=job_id)
         state["input"] = {
-            "location": str(input_path.resolve()),
+            "location": source.describe(),
             "fingerprint": report.fingerprint,
             "size_bytes": report.size_bytes,
             "lines": report.lines,
@@ -356,7 +361,9 @@ def run_job(config: JobConfig, show_progress: bool = True, resume: bool = False)
         _start_ray(config.resources.address)
         run = _run_engines(config, spec, staging, counters, show_progress, job_id, finished)
 
-    outputs = write_outputs(output, staging, config.output_options.rows_per_shard, lines)
+    outputs = write_outputs(
+        output, staging, config.output_options.rows_per_shard, lines, format=config.output_options.format
+    )
     tokens = {
         "prompt": staging.column_sum("prompt_tokens"),
         "completion": staging.column_sum("completion_tokens"),
@@ -395,14 +402,15 @@ def run_job(config: JobConfig, show_progress: bool = True, resume: bool = False)
             "duplicate_deliveries_dropped": run.duplicates_dropped,
         },
         "pools": run.pools,
+        "storage": RetryStats.since(retries_before),
     }
     commit(output, staging, manifest)
-    return JobOutcome(output, manifest, counters, run.pools)
+    return JobOutcome(output.where, manifest, counters, run.pools)
 
 
 def load_resumable(output: str) -> JobConfig:
     """The job spec stored in OUTPUT/_staging/job.json, for `nightshift resume OUTPUT`."""
-    staging = StagingArea(Path(output).expanduser())
+    staging = output_target(output).staging_area()
     if not staging.exists():
         raise PreflightError(f"{output} holds no unfinished job (no _staging/): nothing to resume")
     try:

@@ -1,11 +1,32 @@
-"""Range-partition sorted rows into shards. Pure: the caller supplies the rows (already in order) and a sink."""
+"""Sort and range-partition finished rows into shards. Pure: the caller supplies the rows and a sink per shard.
+
+Two ways in, the same shards out:
+- `write_shards`: (custom_id, JSON line) pairs already in final order, written one by one.
+- `write_table_shards`: one Arrow table per shard, already sorted (what finalize's external sort produces), written
+  in row batches through a shard encoder (JSONL here, Parquet in `pipeline.io.writers`).
+
+Shard k holds rows [k*rows_per_shard, (k+1)*rows_per_shard) of the sorted output, so the last id of shard k precedes
+the first id of shard k+1. Every shard's sha256 and byte count are taken from the bytes as they are written.
+"""
 
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import BinaryIO
+from typing import Any, BinaryIO, Protocol
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+
+# How finished rows are ordered: results by custom_id (UTF-8 byte order, which is also Python's str order and
+# Arrow's string order), error records by source position.
+SORT_KEYS: dict[str, list[tuple[str, str]]] = {
+    "results": [("custom_id", "ascending")],
+    "errors": [("source", "ascending"), ("line", "ascending")],
+}
+WRITE_BATCH_ROWS = 16_384
 
 
 def shard_count(total_rows: int, rows_per_shard: int) -> int:
@@ -38,6 +59,83 @@ class ShardInfo:
         }
 
 
+class HashingSink:
+    """A write-only file that forwards to `target` and keeps the sha256 and size of everything written."""
+
+    def __init__(self, target: BinaryIO, info: ShardInfo) -> None:
+        self._target = target
+        self._info = info
+        self.closed = False
+
+    def write(self, data) -> int:
+        view = memoryview(data).cast("B")
+        self._info._hash.update(view)  # type: ignore[attr-defined]
+        self._info.bytes += view.nbytes
+        self._target.write(view)
+        return view.nbytes
+
+    def tell(self) -> int:
+        return self._info.bytes
+
+    def flush(self) -> None:
+        self._target.flush()
+
+    def writable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return False
+
+    def close(self) -> None:
+        if not self.closed:
+            self.closed = True
+            self._target.close()
+            self._info.sha256 = self._info._hash.hexdigest()  # type: ignore[attr-defined]
+
+
+class ShardEncoder(Protocol):
+    def write_table(self, table: pa.Table) -> None: ...
+
+    def close(self) -> None: ...
+
+
+def string_bytes(array: pa.Array) -> memoryview:
+    """The bytes of a string/binary array's values, back to back (no copy)."""
+    large = pa.types.is_large_string(array.type) or pa.types.is_large_binary(array.type)
+    width = 8 if large else 4
+    _, offsets_buffer, data = array.buffers()
+    if data is None or not len(array):
+        return memoryview(b"")
+    offsets = np.frombuffer(
+        offsets_buffer,
+        dtype=np.int64 if large else np.int32,
+        count=len(array) + 1,
+        offset=array.offset * width,
+    )
+    return memoryview(data)[int(offsets[0]) : int(offsets[-1])]
+
+
+class JsonlEncoder:
+    """JSONL shards: the staged `record` column, one line per row — joined in Arrow, no Python object per row."""
+
+    extension = "jsonl"
+
+    def __init__(self, sink: HashingSink) -> None:
+        self._sink = sink
+
+    def write_table(self, table: pa.Table) -> None:
+        records = table.column("record")
+        if records.null_count:
+            raise ValueError("a staged row has no output record")
+        for start in range(0, table.num_rows, WRITE_BATCH_ROWS):
+            lines = pc.binary_join_element_wise(records.slice(start, WRITE_BATCH_ROWS), "", "\n")
+            for chunk in lines.chunks:
+                self._sink.write(string_bytes(chunk))
+
+    def close(self) -> None:
+        self._sink.close()
+
+
 def write_shards(
     rows: Iterable[tuple[str | None, str]],
     total_rows: int,
@@ -46,44 +144,182 @@ def write_shards(
     open_shard: Callable[[str], BinaryIO],
     extension: str = "jsonl",
 ) -> list[ShardInfo]:
-    """Write (custom_id, json line) pairs, in order, into `shard_count` consecutive JSONL shards.
-
-    Range partitioning falls out of writing sorted rows sequentially: shard k holds rows
-    [k*rows_per_shard, (k+1)*rows_per_shard), so the last id of shard k precedes the first id of shard k+1.
-    """
+    """Write (custom_id, json line) pairs, in order, into `shard_count` consecutive JSONL shards."""
     count = shard_count(total_rows, rows_per_shard)
     shards: list[ShardInfo] = []
     written = 0
-    handle: BinaryIO | None = None
+    sink: HashingSink | None = None
     current: ShardInfo | None = None
-
-    def close_current() -> None:
-        if handle is not None and current is not None:
-            handle.close()
-            current.sha256 = current._hash.hexdigest()  # type: ignore[attr-defined]
 
     for custom_id, line in rows:
         if current is None or current.rows == rows_per_shard:
-            close_current()
+            if sink is not None:
+                sink.close()
             current = ShardInfo(shard_name(prefix, len(shards), count, extension))
             shards.append(current)
-            handle = open_shard(current.name)
-        data = (line + "\n").encode()
-        handle.write(data)  # type: ignore[union-attr]
-        current._hash.update(data)  # type: ignore[attr-defined]
-        current.bytes += len(data)
+            sink = HashingSink(open_shard(current.name), current)
+        sink.write((line + "\n").encode())  # type: ignore[union-attr]
         current.rows += 1
         if current.first_custom_id is None:
             current.first_custom_id = custom_id
         current.last_custom_id = custom_id
         written += 1
-    close_current()
+    if sink is not None:
+        sink.close()
     if written != total_rows:
         # The staged counts and the merged stream disagree: never commit such an output.
         raise RuntimeError(f"{prefix}: expected {total_rows} rows from staging, merged {written}")
+    _pad_empty(shards, count, prefix, extension, open_shard, lambda s: None)
+    return shards
+
+
+def write_table_shards(
+    tables: Iterable[pa.Table],
+    total_rows: int,
+    rows_per_shard: int,
+    prefix: str,
+    open_shard: Callable[[str], BinaryIO],
+    encoder: Callable[[HashingSink], ShardEncoder] = JsonlEncoder,
+    extension: str = "jsonl",
+) -> list[ShardInfo]:
+    """Write one sorted table per shard (each `rows_per_shard` rows, the last one the rest) through `encoder`.
+
+    Tables need a `record` column (the output line, JSON) and `custom_id`.
+    """
+    count = shard_count(total_rows, rows_per_shard)
+    shards: list[ShardInfo] = []
+    written = 0
+    for table in tables:
+        expected = min(rows_per_shard, total_rows - written)
+        if table.num_rows != expected or len(shards) >= count:
+            raise RuntimeError(
+                f"{prefix}: shard {len(shards)} has {table.num_rows} rows, expected {expected} (of {total_rows})"
+            )
+        info = ShardInfo(shard_name(prefix, len(shards), count, extension), rows=table.num_rows)
+        ids = table.column("custom_id")
+        info.first_custom_id, info.last_custom_id = ids[0].as_py(), ids[-1].as_py()
+        enc = encoder(HashingSink(open_shard(info.name), info))
+        enc.write_table(table)
+        enc.close()
+        shards.append(info)
+        written += table.num_rows
+    if written != total_rows:
+        raise RuntimeError(f"{prefix}: expected {total_rows} rows from staging, merged {written}")
+
+    def write_empty(sink: HashingSink) -> None:
+        enc = encoder(sink)
+        enc.write_table(
+            pa.table({"custom_id": pa.array([], pa.string()), "record": pa.array([], pa.string())})
+        )
+        enc.close()
+
+    _pad_empty(shards, count, prefix, extension, open_shard, write_empty)
+    return shards
+
+
+def _pad_empty(
+    shards: list[ShardInfo],
+    count: int,
+    prefix: str,
+    extension: str,
+    open_shard: Callable[[str], BinaryIO],
+    fill: Callable[[HashingSink], None],
+) -> None:
     while len(shards) < count:  # only when total_rows == 0
         empty = ShardInfo(shard_name(prefix, len(shards), count, extension))
-        open_shard(empty.name).close()
-        empty.sha256 = hashlib.sha256().hexdigest()
+        sink = HashingSink(open_shard(empty.name), empty)
+        fill(sink)
+        sink.close()
         shards.append(empty)
-    return shards
+
+
+# -- sorting and range partitioning of Arrow tables --------------------------------------------------------------------
+
+
+def sort_table(table: pa.Table, kind: str) -> pa.Table:
+    """Rows in final order: results by custom_id, errors by (source, line). Arrow compares strings bytewise."""
+    if table.num_rows <= 1:
+        return table
+    return table.take(pc.sort_indices(table, sort_keys=SORT_KEYS[kind]))
+
+
+def first_duplicate(sorted_ids: pa.Array | pa.ChunkedArray) -> str | None:
+    """The first custom_id that appears twice in an already sorted column, if any."""
+    if len(sorted_ids) < 2:
+        return None
+    ids = sorted_ids.combine_chunks() if isinstance(sorted_ids, pa.ChunkedArray) else sorted_ids
+    same = pc.equal(ids.slice(1), ids.slice(0, len(ids) - 1))
+    hit = pc.index(same, True).as_py()
+    return None if hit < 0 else ids[hit].as_py()
+
+
+@dataclass
+class Partitioning:
+    """Shard boundaries over a total order: a row belongs to shard `searchsorted(boundaries, key, "right")`."""
+
+    kind: str
+    total_rows: int
+    rows_per_shard: int
+    boundaries: np.ndarray  # first key of shards 1..n-1
+    sources: list[str] | None = None  # errors: the sorted distinct sources, to build (source, line) keys
+
+    @property
+    def count(self) -> int:
+        return shard_count(self.total_rows, self.rows_per_shard)
+
+    def keys(self, table: pa.Table) -> np.ndarray:
+        """One comparable key per row: the custom_id (results), or source rank << 32 | line (errors)."""
+        if self.kind == "results":
+            return table.column("custom_id").to_numpy(zero_copy_only=False)
+        rank = pc.index_in(table.column("source"), value_set=pa.array(self.sources, pa.string())).fill_null(
+            -1
+        )
+        return (rank.to_numpy(zero_copy_only=False).astype(np.int64) << 32) | table.column("line").to_numpy(
+            zero_copy_only=False
+        ).astype(np.int64)
+
+    def assign(self, table: pa.Table) -> np.ndarray:
+        """The shard index of every row of `table`."""
+        if not len(self.boundaries):
+            return np.zeros(table.num_rows, dtype=np.int64)
+        return np.searchsorted(self.boundaries, self.keys(table), side="right")
+
+
+def plan_partitioning(key_table: pa.Table, kind: str, rows_per_shard: int) -> Partitioning:
+    """Exact boundaries from every row's sort key (custom_id, or source + line): shard k gets rows
+    [k*rows_per_shard, (k+1)*rows_per_shard) of the sorted order. Raises ValueError on a duplicate result id."""
+    total = key_table.num_rows
+    count = shard_count(total, rows_per_shard)
+    if kind == "results":
+        ids = key_table.column("custom_id")
+        sorted_ids = ids.take(pc.sort_indices(ids))
+        duplicate = first_duplicate(sorted_ids)
+        if duplicate is not None:
+            raise ValueError(f"custom_id {duplicate!r} staged twice as a result")
+        picks = [k * rows_per_shard for k in range(1, count)]
+        boundaries = np.array(sorted_ids.take(pa.array(picks, pa.int64())).to_pylist(), dtype=object)
+        return Partitioning(kind, total, rows_per_shard, boundaries)
+    sources = sorted(pc.unique(key_table.column("source")).drop_null().to_pylist())
+    part = Partitioning(kind, total, rows_per_shard, np.array([], dtype=np.int64), sources)
+    keys = np.sort(part.keys(key_table))
+    part.boundaries = keys[[k * rows_per_shard for k in range(1, count)]]
+    return part
+
+
+def split_by_shard(table: pa.Table, shard_of_row: Sequence[int] | np.ndarray) -> dict[int, pa.Table]:
+    """Group the rows of `table` by shard index (row order within a group kept)."""
+    shard_of_row = np.asarray(shard_of_row)
+    if not len(shard_of_row):
+        return {}
+    first = int(shard_of_row[0])
+    if (shard_of_row == first).all():
+        return {first: table}
+    order = np.argsort(shard_of_row, kind="stable")
+    ordered = table.take(pa.array(order))
+    shards, starts = np.unique(shard_of_row[order], return_index=True)
+    ends = list(starts[1:]) + [len(order)]
+    return {int(s): ordered.slice(int(a), int(b - a)) for s, a, b in zip(shards, starts, ends, strict=True)}
+
+
+def as_manifest(shards: Iterable[ShardInfo]) -> list[dict[str, Any]]:
+    return [s.as_manifest() for s in shards]

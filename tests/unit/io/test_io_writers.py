@@ -1,0 +1,192 @@
+"""Finalize's external sort into range-partitioned shards (JSONL and Parquet), manifest sha256 of Parquet shards,
+flattened Parquet columns, and local output targets."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import random
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import pytest
+
+from pipeline.io.staging import StagedRow, StagingArea
+from pipeline.io.writers import PARQUET_OUTPUT_SCHEMA, flatten_records, output_target, remote_staging_base
+from pipeline.runtime import finalize as finalize_module
+from pipeline.runtime.finalize import AccountingError, write_outputs
+
+
+def result_row(custom_id: str, line: int = 1, source: str = "in.jsonl") -> StagedRow:
+    body = {
+        "object": "chat.completion",
+        "choices": [
+            {
+                "index": 0,
+                "message": {"role": "assistant", "content": f"answer {custom_id}"},
+                "finish_reason": "stop",
+            }
+        ],
+        "usage": {"prompt_tokens": 3, "completion_tokens": 5, "total_tokens": 8},
+    }
+    record = {
+        "id": f"batch_req_{custom_id}",
+        "custom_id": custom_id,
+        "response": {"status_code": 200, "request_id": "r", "body": body},
+        "error": None,
+    }
+    return StagedRow(custom_id, line, source, None, 3, 5, "default", json.dumps(record, ensure_ascii=False))
+
+
+def error_row(line: int, source: str = "in.jsonl", custom_id: str | None = None) -> StagedRow:
+    record = {
+        "id": f"batch_req_{source}_{line}",
+        "custom_id": custom_id,
+        "response": None,
+        "error": {"code": "invalid_json", "message": "bad", "line": line, "source": source},
+    }
+    return StagedRow(custom_id, line, source, "invalid_json", 0, 0, "", json.dumps(record))
+
+
+def stage_randomly(staging: StagingArea, kind: str, rows: list[StagedRow], seed: int = 1) -> None:
+    rng = random.Random(seed)
+    rows = rows[:]
+    rng.shuffle(rows)
+    while rows:
+        size = rng.randint(1, 40)
+        staging.write_rows(kind, rows[:size])
+        rows = rows[size:]
+
+
+@pytest.fixture
+def staging(tmp_path: Path) -> StagingArea:
+    area = StagingArea(tmp_path / "out")
+    area.create()
+    return area
+
+
+def unicode_ids(n: int, seed: int = 2) -> list[str]:
+    rng = random.Random(seed)
+    alphabet = "abcXYZ019-_éß日😀\uffff"
+    ids: set[str] = set()
+    while len(ids) < n:
+        ids.add("".join(rng.choice(alphabet) for _ in range(rng.randint(1, 10))))
+    return list(ids)
+
+
+@pytest.mark.parametrize("max_open", [128, 3])  # 3: several routing passes over the staged parts
+def test_external_sort_matches_a_plain_sort(staging: StagingArea, monkeypatch, max_open: int):
+    monkeypatch.setattr(finalize_module, "MAX_OPEN_SPILLS", max_open)
+    monkeypatch.setattr(finalize_module, "SPILL_FLUSH_BYTES", 10_000)  # many small spill batches
+    ids = unicode_ids(1000)
+    stage_randomly(staging, "results", [result_row(cid) for cid in ids])
+    sources = ["b.jsonl", "a.jsonl", "s3://x/c.jsonl"]
+    errors = [error_row(line, sources[line % 3]) for line in range(1, 130)]
+    stage_randomly(staging, "errors", errors, seed=3)
+    output = staging.root.parent
+
+    summary = write_outputs(output, staging, rows_per_shard=97, expected_rows=1000 + 129)
+
+    shards = summary["shards"]["results"]
+    assert [s["rows"] for s in shards] == [97] * 10 + [30]
+    written = []
+    for shard in shards:
+        data = (output / shard["name"]).read_bytes()
+        assert hashlib.sha256(data).hexdigest() == shard["sha256"] and len(data) == shard["bytes"]
+        ids_in_shard = [json.loads(x)["custom_id"] for x in data.decode().splitlines()]
+        assert (ids_in_shard[0], ids_in_shard[-1]) == (shard["first_custom_id"], shard["last_custom_id"])
+        written.extend(ids_in_shard)
+    assert written == sorted(ids, key=lambda s: s.encode())  # UTF-8 byte order across shard boundaries
+    error_records = [
+        json.loads(x)
+        for s in summary["shards"]["errors"]
+        for x in (output / s["name"]).read_text().splitlines()
+    ]
+    assert [(e["error"]["source"], e["error"]["line"]) for e in error_records] == sorted(
+        (e.source, e.line) for e in errors
+    )
+    assert not (staging.root / "finalize-results").exists()  # spill files cleaned up
+
+
+def test_parquet_shards_range_partitioned_with_manifest_sha256(staging: StagingArea):
+    ids = [f"id-{i:04d}" for i in range(250)]
+    stage_randomly(staging, "results", [result_row(cid) for cid in ids])
+    staging.write_rows("errors", [error_row(7, custom_id="bad"), error_row(2)])
+    output = staging.root.parent
+
+    summary = write_outputs(output, staging, rows_per_shard=100, expected_rows=252, format="parquet")
+
+    names = [s["name"] for s in summary["shards"]["results"]]
+    assert names == [f"results-{k:05d}-of-00003.parquet" for k in range(3)]
+    previous_last = None
+    for shard in summary["shards"]["results"]:
+        data = (output / shard["name"]).read_bytes()
+        assert hashlib.sha256(data).hexdigest() == shard["sha256"] and len(data) == shard["bytes"]
+        table = pq.read_table(output / shard["name"])
+        assert table.schema == PARQUET_OUTPUT_SCHEMA
+        got = table.column("custom_id").to_pylist()
+        assert got == sorted(got) and len(got) == shard["rows"]
+        assert (got[0], got[-1]) == (shard["first_custom_id"], shard["last_custom_id"])
+        if previous_last is not None:
+            assert previous_last < got[0]
+        previous_last = got[-1]
+        row = table.slice(0, 1).to_pylist()[0]
+        assert row["content"] == f"answer {row['custom_id']}" and row["finish_reason"] == "stop"
+        assert (row["status_code"], row["prompt_tokens"], row["completion_tokens"]) == (200, 3, 5)
+        assert json.loads(row["response"])["body"]["usage"]["total_tokens"] == 8 and row["error"] is None
+    (errors,) = summary["shards"]["errors"]
+    table = pq.read_table(output / errors["name"])
+    assert [json.loads(e)["line"] for e in table.column("error").to_pylist()] == [2, 7]
+    assert table.column("status_code").to_pylist() == [None, None]
+
+
+def test_empty_parquet_output_is_one_readable_empty_shard(staging: StagingArea):
+    summary = write_outputs(
+        staging.root.parent, staging, rows_per_shard=10, expected_rows=0, format="parquet"
+    )
+    (shard,) = summary["shards"]["results"]
+    table = pq.read_table(staging.root.parent / shard["name"])
+    assert table.num_rows == 0 and table.schema == PARQUET_OUTPUT_SCHEMA
+    assert shard["sha256"] == hashlib.sha256((staging.root.parent / shard["name"]).read_bytes()).hexdigest()
+
+
+def test_duplicate_result_across_many_shards_commits_nothing(staging: StagingArea):
+    rows = [result_row(f"r{i:03d}") for i in range(50)] + [result_row("r025")]
+    stage_randomly(staging, "results", rows)
+    output = staging.root.parent
+    (output / "results-00000-of-00001.jsonl").write_text("previous job\n")
+    with pytest.raises(AccountingError, match="r025"):
+        write_outputs(output, staging, rows_per_shard=7, expected_rows=51)
+    assert (output / "results-00000-of-00001.jsonl").read_text() == "previous job\n"  # nothing touched
+
+
+def test_flatten_records_shapes():
+    completion = {
+        "id": "x",
+        "custom_id": "c",
+        "response": {"status_code": 200, "body": {"choices": [{"text": "t", "finish_reason": "length"}]}},
+        "error": None,
+    }
+    failed = {
+        "id": "y",
+        "custom_id": "d",
+        "response": {"status_code": 400, "body": {"error": {"code": "context_length_exceeded"}}},
+        "error": None,
+    }
+    table = flatten_records([json.dumps(completion), json.dumps(failed)])
+    rows = table.to_pylist()
+    assert rows[0]["content"] == "t" and rows[0]["prompt_tokens"] is None
+    assert rows[1]["status_code"] == 400 and rows[1]["content"] is None
+    assert json.loads(rows[1]["response"])["body"]["error"]["code"] == "context_length_exceeded"
+
+
+def test_remote_targets_stage_locally_by_url(monkeypatch, tmp_path: Path):
+    monkeypatch.setenv("NIGHTSHIFT_HOME", str(tmp_path))
+    a = output_target("https://h/out?sig=1")
+    b = output_target("https://h/out?sig=1")
+    assert a.staging_dir == b.staging_dir == remote_staging_base("https://h/out?sig=1") / "_staging"
+    assert a.staging_dir.is_relative_to(tmp_path / "jobs")
+    assert output_target("https://h/other").staging_dir != a.staging_dir
+    assert a.describe() == "https://h/out?…"
+    local = output_target(str(tmp_path / "o"))
+    assert local.is_local and local.staging_dir == tmp_path / "o" / "_staging"
