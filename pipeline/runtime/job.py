@@ -30,7 +30,7 @@ from pipeline.models import ResolvedModel, resolve_model
 from pipeline.observe.progress import JobCounters, ProgressDisplay
 from pipeline.runtime.finalize import FORMAT_VERSION, commit, write_outputs
 from pipeline.runtime.ingest import ingest
-from pipeline.runtime.monitor import summarize_engines
+from pipeline.runtime.monitor import preemption_remedy, summarize_engines
 from pipeline.runtime.preflight import PreflightError, check_input_source, check_output_target
 
 log = structlog.get_logger(__name__)
@@ -370,6 +370,9 @@ def run_job(config: JobConfig, show_progress: bool = True, resume: bool = False)
     }
     wall = time.monotonic() - t0
     engines = summarize_engines(run.snapshot)
+    remedy = preemption_remedy(engines.get("num_preemptions", 0), engines.get("effective_args", {}))
+    if remedy:
+        log.warning(remedy)
     manifest = {
         "format_version": FORMAT_VERSION,
         "nightshift_version": __version__,

@@ -71,3 +71,24 @@ def summarize_engines(snapshot: dict[str, dict[str, Any]]) -> dict[str, Any]:
         "effective_args": first.get("effective_args", {}),
         "sampling_defaults": first.get("sampling_defaults", {}),
     }
+
+
+def preemption_remedy(preemptions: int, effective_args: dict[str, Any]) -> str | None:
+    """The warning for a KV cache that ran full, with settings that would have fitted (None if it did not).
+
+    vLLM preempts and recomputes when running sequences outgrow the KV cache: throughput drops while the engine
+    looks merely slow. Concurrency that fits = KV tokens / context length.
+    """
+    if preemptions <= 0:
+        return None
+    kv_tokens = effective_args.get("kv_cache_tokens") or 0
+    context = effective_args.get("max_model_len") or 0
+    seqs = effective_args.get("max_num_seqs") or 0
+    if not kv_tokens or not context or not seqs:
+        return f"KV cache full: {preemptions} preemptions; lower max_num_seqs or max_model_len"
+    fitting_seqs = max(1, kv_tokens // context)
+    fitting_context = max(16, kv_tokens // seqs)
+    return (
+        f"KV cache full: {preemptions} preemptions; lower max_num_seqs to {min(fitting_seqs, seqs - 1) or 1} "
+        f"or max_model_len to {fitting_context} (KV cache: {kv_tokens} tokens)"
+    )
