@@ -67,7 +67,9 @@ line_strategy = st.one_of(
     st.builds(lambda seed, i: hostile_corpus(1, seed)[0], st.integers(0, 10_000), st.integers()),
     st.recursive(
         st.none() | st.booleans() | st.floats(allow_nan=True) | st.text(max_size=20) | st.integers(),
-        lambda children: st.lists(children, max_size=4) | st.dictionaries(st.text(max_size=10), children, max_size=4),
+        lambda children: (
+            st.lists(children, max_size=4) | st.dictionaries(st.text(max_size=10), children, max_size=4)
+        ),
         max_leaves=20,
     ).map(lambda obj: json.dumps(obj)),
 ).map(lambda line: line.replace("\n", " "))

@@ -23,6 +23,8 @@ QUESTIONS = ["What is 2+2?", "Name a color.", "Who wrote Hamlet?", "What do bees
 def private_ray():
     import ray
 
+    if ray.is_initialized():  # a job earlier in this process left its local Ray running
+        ray.shutdown()
     ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
     yield
     ray.shutdown()
@@ -32,7 +34,9 @@ def test_engine_actor_killed_mid_job(private_ray, tmp_path):
     import ray
 
     n = 40
-    lines = [chat_line(f"k-{i:03d}", QUESTIONS[i % len(QUESTIONS)], max_tokens=48, temperature=0) for i in range(n)]
+    lines = [
+        chat_line(f"k-{i:03d}", QUESTIONS[i % len(QUESTIONS)], max_tokens=48, temperature=0) for i in range(n)
+    ]
     path = write_lines(tmp_path / "in.jsonl", lines)
     config = JobConfig.model_validate(
         {

@@ -16,6 +16,8 @@ def tagged_ray():
     import ray
 
     # One machine pretending to be two kinds of node: the tags `nightshift node start` would set.
+    if ray.is_initialized():  # a job earlier in this process left its local Ray running
+        ray.shutdown()
     ray.init(
         address="local",
         num_cpus=2,
@@ -39,7 +41,10 @@ def test_real_engines_in_two_pools(tagged_ray, tmp_path):
         {
             "input": str(path),
             "output": str(tmp_path / "out"),
-            "engine": {"backend": "vllm", "vllm": {"max_model_len": 512, "max_num_seqs": 4, "cpu_kvcache_space_gib": 1}},
+            "engine": {
+                "backend": "vllm",
+                "vllm": {"max_model_len": 512, "max_num_seqs": 4, "cpu_kvcache_space_gib": 1},
+            },
             "resources": {"rows_per_task": 2},
             "pools": [
                 {**pool, "name": "cuda", "resources_per_engine": {"accelerator:cuda": 1}},

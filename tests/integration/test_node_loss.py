@@ -21,6 +21,8 @@ def three_node_cluster():
     from ray.cluster_utils import Cluster
 
     # Each node offers one engine slot; two engines run, the third slot is where a lost engine comes back.
+    if ray.is_initialized():  # a job earlier in this process left its local Ray running
+        ray.shutdown()
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "resources": {"engine_slot": 1}})
     workers = [cluster.add_node(num_cpus=1, resources={"engine_slot": 1}) for _ in range(2)]
     ray.init(address=cluster.address, log_to_driver=False)

@@ -28,6 +28,8 @@ def mixed():
         NodeSpec.tagged("cuda-node", "cuda", gpus=2, model="NVIDIA H100 80GB HBM3", memory_mib=81559),
         NodeSpec.tagged("rocm-node", "rocm", gpus=2, model="AMD Instinct MI300X", memory_mib=196592),
     ]
+    if ray.is_initialized():  # a job earlier in this process left its local Ray running
+        ray.shutdown()
     with mixed_cluster(specs) as cluster:
         ray.init(address=cluster.address, log_to_driver=False)
         try:
@@ -52,7 +54,10 @@ def test_two_pools_share_the_work_by_speed(mixed, tmp_path):
         {
             "input": str(path),
             "output": str(tmp_path / "out"),
-            "engine": {"backend": "fake", "fake": {"output_tokens": OUTPUT_TOKENS, "max_concurrency": CONCURRENCY}},
+            "engine": {
+                "backend": "fake",
+                "fake": {"output_tokens": OUTPUT_TOKENS, "max_concurrency": CONCURRENCY},
+            },
             "resources": {"rows_per_task": 16},
             "pools": [
                 pool("cuda", "accelerator:cuda", FAST_DECODE),
@@ -77,5 +82,7 @@ def test_two_pools_share_the_work_by_speed(mixed, tmp_path):
     finish = max(p["last_result_s"] for p in pools.values())
     assert finish - start < 1.2 * ideal + 2.0, (finish - start, ideal, pools)
     # Neither pool is the tail: both stop within a couple of slow requests of each other.
-    assert abs(pools["cuda"]["last_result_s"] - pools["rocm"]["last_result_s"]) < 4 * FAST_DECODE * OUTPUT_TOKENS
+    assert (
+        abs(pools["cuda"]["last_result_s"] - pools["rocm"]["last_result_s"]) < 4 * FAST_DECODE * OUTPUT_TOKENS
+    )
     assert pools["cuda"]["output_tokens_per_s"] > pools["rocm"]["output_tokens_per_s"]

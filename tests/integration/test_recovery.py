@@ -46,7 +46,9 @@ def test_poison_request_is_isolated_and_the_job_finishes(tmp_path):
     lines[17] = chat_line("row-017-POISON", "this request kills the engine")
     path = write_lines(tmp_path / "in.jsonl", lines)
     calls = tmp_path / "calls.log"
-    outcome = run_job(fake_job(path, tmp_path / "out", crash_on=["POISON"], call_log=str(calls)), show_progress=False)
+    outcome = run_job(
+        fake_job(path, tmp_path / "out", crash_on=["POISON"], call_log=str(calls)), show_progress=False
+    )
 
     results, errors = check_exactly_once(outcome.output, 60)
     assert len(results) == 59
@@ -82,8 +84,12 @@ def test_driver_killed_half_way_then_resume(tmp_path):
                 "job_id": "resume-test",
                 "engine": {
                     "backend": "fake",
-                    "fake": {"output_tokens": 4, "decode_seconds_per_token": 0.05, "max_concurrency": 64,
-                             "call_log": str(calls)},
+                    "fake": {
+                        "output_tokens": 4,
+                        "decode_seconds_per_token": 0.05,
+                        "max_concurrency": 64,
+                        "call_log": str(calls),
+                    },
                 },
                 "resources": {"cpus_per_engine": 0.5, "rows_per_task": 16},
                 "output_options": {"rows_per_shard": 700, "staging_rows": 100},
@@ -91,7 +97,17 @@ def test_driver_killed_half_way_then_resume(tmp_path):
         )
     )
     output = tmp_path / "out"
-    cmd = [sys.executable, "-m", "pipeline", "run", str(path), str(output), "-c", str(config), "--no-progress"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "pipeline",
+        "run",
+        str(path),
+        str(output),
+        "-c",
+        str(config),
+        "--no-progress",
+    ]
     driver = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 300
     while len(_staged_ids(output)) < n // 2:
@@ -107,7 +123,9 @@ def test_driver_killed_half_way_then_resume(tmp_path):
 
     resumed = subprocess.run(
         [sys.executable, "-m", "pipeline", "resume", str(output), "--no-progress"],
-        capture_output=True, text=True, timeout=600,
+        capture_output=True,
+        text=True,
+        timeout=600,
     )
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     check_exactly_once(output, n)
@@ -121,7 +139,9 @@ def test_driver_killed_half_way_then_resume(tmp_path):
     clean = tmp_path / "clean"
     uninterrupted = subprocess.run(
         [sys.executable, "-m", "pipeline", "run", str(path), str(clean), "-c", str(config), "--no-progress"],
-        capture_output=True, text=True, timeout=600,
+        capture_output=True,
+        text=True,
+        timeout=600,
     )
     assert uninterrupted.returncode == 0, uninterrupted.stderr[-3000:]
     names = sorted(p.name for p in clean.glob("*-of-*.jsonl"))
@@ -158,7 +178,9 @@ def test_run_into_unfinished_output_points_at_resume(tmp_path):
     (tmp_path / "out" / "_staging").mkdir(parents=True)
     proc = subprocess.run(
         [sys.executable, "-m", "pipeline", "run", str(path), str(tmp_path / "out")],
-        capture_output=True, text=True, timeout=120,
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert proc.returncode == 2
     assert "nightshift resume" in proc.stderr and "--resume" in proc.stderr

@@ -232,4 +232,3 @@ def test_stats_and_effective_args():
     assert engine.stats().kv_cache_tokens == 400
     assert engine.effective_args() == {"max_model_len": 100, "max_concurrency": 4}
     assert engine.sampling_defaults() == {}
-

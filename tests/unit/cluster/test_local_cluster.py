@@ -16,9 +16,11 @@ def three_nodes():
         NodeSpec.tagged("cuda-node", "cuda", model="NVIDIA H100 80GB HBM3", memory_mib=81559),
         NodeSpec.tagged("rocm-node", "rocm", model="AMD Instinct MI300X", memory_mib=196592),
     ]
-    with mixed_cluster(specs) as cluster:
-        import ray
+    import ray
 
+    if ray.is_initialized():  # a job earlier in this process left its local Ray running
+        ray.shutdown()
+    with mixed_cluster(specs) as cluster:
         ray.init(address=cluster.address)
         try:
             yield cluster
