@@ -765,6 +765,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--nightshift-rev",
         help="time this committed revision of nightshift (extracted under OUT_DIR) instead of the working tree",
     )
+    p.add_argument(
+        "--nightshift-src",
+        type=Path,
+        help="time the nightshift in this directory (one holding pipeline/), e.g. a patched copy; overrides --nightshift-rev",
+    )
     p.add_argument("--raw-worker", help=argparse.SUPPRESS)  # internal: the raw-offline subprocess
     return p.parse_args(argv)
 
@@ -787,6 +792,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     work.mkdir(parents=True, exist_ok=True)
     requests = work / "requests.jsonl"
     src = snapshot_source(ns.nightshift_rev, ns.out_dir.resolve() / "src") if ns.nightshift_rev else None
+    if ns.nightshift_src:
+        src = ns.nightshift_src.resolve()
+        if not (src / "pipeline" / "__main__.py").exists():
+            raise SystemExit(f"--nightshift-src {src}: no pipeline/__main__.py there")
     write_jsonl(requests, make_requests(ns.n, ns.max_tokens, model.name, ignore_eos=not ns.natural_stops))
     ctx = {
         "work": work,
