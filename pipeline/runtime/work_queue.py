@@ -53,15 +53,23 @@ class WorkQueue:
         async with self._changed:
             limit = self._credit.get(taker, rows)
             await self._changed.wait_for(lambda: self._outstanding.get(taker, 0) + rows <= max(limit, rows))
-            if not self._refill():
+            # Fill the chunk across read-batch and file boundaries: the job sizes its read tasks as
+            # ceil(rows / chunk size), so a short chunk mid-stream would leave rows that nobody pulls.
+            pieces: list[pa.RecordBatch] = []
+            wanted = rows
+            while wanted > 0 and self._refill():
+                piece = self._current.slice(self._offset, wanted)
+                self._offset += piece.num_rows
+                wanted -= piece.num_rows
+                pieces.append(piece)
+            if not pieces:
                 self._changed.notify_all()  # wake the other waiters: they will see the queue is empty too
                 return None
-            chunk = self._current.slice(self._offset, rows)
-            self._offset += chunk.num_rows
+            chunk = pa.Table.from_batches(pieces)
             self._outstanding[taker] = self._outstanding.get(taker, 0) + chunk.num_rows
         self.served_rows += chunk.num_rows
         self.served_by[taker] = self.served_by.get(taker, 0) + chunk.num_rows
-        return pa.Table.from_batches([chunk])
+        return chunk
 
     async def done(self, taker: str, rows: int) -> None:
         """An engine of pool `taker` finished `rows` requests: that much credit comes back."""
