@@ -9,10 +9,14 @@ two engines would time each other's contention, not themselves):
   run-batch    `python -m vllm.entrypoints.openai.run_batch -i IN -o OUT ...` (whole process)
 
 Output tokens are counted from each path's own outputs (usage.completion_tokens, or len(token_ids) offline), never
-assumed from max_tokens. The table (and the raw per-run numbers) go to OUT_DIR/engines.json.
+assumed from max_tokens. Each run also records where its wall time went (phases from vLLM's own log timestamps),
+CPU seconds per process of ours, and any CPU taken by other processes or the hypervisor: on a shared 2-core box a
+timing with someone else's job in it is re-taken (--foreign-retries). The table and the per-run details go to
+OUT_DIR/engines.json.
 
-    python bench/engines.py --n 32            # quick validation
-    python bench/engines.py                   # 512 requests x 64 tokens, once
+    python bench/engines.py --n 32                       # quick validation
+    python bench/engines.py                              # 512 requests x 64 tokens, once
+    python bench/engines.py --nightshift-rev HEAD        # time the last commit, not a tree being edited
 """
 
 from __future__ import annotations
@@ -91,6 +95,7 @@ class RunResult:
     cores_used: float  # busy core-seconds / wall during the run (whole box)
     waited_for_idle_s: float
     foreign_cores: float  # CPU used during the run by processes that are not ours (another job on the box)
+    steal_share: float  # CPU time taken by the hypervisor's other guests during the run
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -132,9 +137,14 @@ def read_jsonl(path: Path) -> list[dict]:
 # ---------------------------------------------------------------------------------------------------- machine load
 
 
+def _cpu_fields() -> list[int]:
+    """The aggregate `cpu` line of /proc/stat: user nice system idle iowait irq softirq steal ..."""
+    return [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+
+
 def _cpu_jiffies() -> tuple[int, int]:
     """(busy, total) jiffies over all cores since boot."""
-    fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    fields = _cpu_fields()
     idle = fields[3] + (fields[4] if len(fields) > 4 else 0)  # idle + iowait
     total = sum(fields[:8])  # guest time is already counted in user
     return total - idle, total
@@ -304,6 +314,8 @@ def bench_env(args: EngineArgs) -> dict[str, str]:
 class Timed:
     wall_s: float
     cores_used: float  # busy core-seconds of the whole box / wall
+    # Share of the box's CPU time the hypervisor gave to someone else: invisible load that no process list shows.
+    steal_share: float
     started: float  # epoch seconds, to place the engine's own log lines in the run
     ended: float
 
@@ -312,6 +324,7 @@ def timed_subprocess(
     cmd: list[str], env: dict[str, str], log: Path, timeout_s: float, cwd: Path = REPO
 ) -> Timed:
     """Run `cmd` to completion and time it. Raises with the log's tail on failure."""
+    f0 = _cpu_fields()
     b0, _ = _cpu_jiffies()
     started = time.time()
     start = time.perf_counter()
@@ -320,11 +333,13 @@ def timed_subprocess(
     wall = time.perf_counter() - start
     ended = time.time()
     b1, _ = _cpu_jiffies()
+    f1 = _cpu_fields()
     if proc.returncode != 0:
         tail = "\n".join(log.read_text(errors="replace").splitlines()[-30:])
         raise RuntimeError(f"{cmd[:3]}... exited {proc.returncode}; last lines of {log}:\n{tail}")
     hz = os.sysconf("SC_CLK_TCK")
-    return Timed(wall, (b1 - b0) / hz / wall, started, ended)
+    steal = (f1[7] - f0[7]) / max(1, sum(f1[:8]) - sum(f0[:8])) if len(f0) > 7 else 0.0
+    return Timed(wall, (b1 - b0) / hz / wall, round(steal, 4), started, ended)
 
 
 def _openai_outputs(records: list[dict]) -> dict[str, dict[str, Any]]:
@@ -639,9 +654,19 @@ def run_one(path: str, repeat: int, ctx: dict[str, Any]) -> tuple[RunResult, dic
         cores_used=round(cores, 2),
         waited_for_idle_s=round(waited, 1),
         foreign_cores=foreign["foreign_cores"],
+        steal_share=timed.steal_share,
         extra=extra,
     )
     return result, outputs
+
+
+def _median_phases(phases: list[dict[str, float | None]]) -> dict[str, float | None]:
+    keys = {k for p in phases for k in p}
+    out: dict[str, float | None] = {}
+    for key in sorted(keys):
+        values = [p[key] for p in phases if p.get(key) is not None]
+        out[key] = round(statistics.median(values), 1) if values else None
+    return out
 
 
 def summarize(runs: list[RunResult], texts: dict[str, dict]) -> dict[str, Any]:
@@ -658,7 +683,9 @@ def summarize(runs: list[RunResult], texts: dict[str, dict]) -> dict[str, Any]:
             "cores_used": round(statistics.median(r.cores_used for r in mine), 2),
             "foreign_cores": max(r.foreign_cores for r in mine),
             "rows_failed": max(r.rows_failed for r in mine),
+            "steal_share": max(r.steal_share for r in mine),
             "runs": len(mine),
+            "phases": _median_phases([r.extra.get("phases") or {} for r in mine]),
         }
         if path == "raw-offline":
             row["generate_s"] = round(statistics.median(r.extra["generate_s"] for r in mine), 3)
@@ -704,6 +731,18 @@ def format_table(summary: dict[str, Any]) -> str:
             f"{path:<12} {row['wall_s']:>8.1f} {row['output_tokens']:>11} {row['tok_per_s']:>8.1f} "
             f"{row['cores_used']:>6.2f} {row['foreign_cores']:>7.2f} {row['rows_failed']:>6}  {note}"
         )
+    # Where the wall time went, from vLLM's own log timestamps (1 s resolution): the engine phases are the same
+    # work on every path, so a difference there is the path's; "before engine" is process + imports (+ Ray).
+    lines.append("")
+    lines.append(
+        f"{'phases, s':<12} {'before engine':>14} {'engine start':>13} {'generation':>11} {'after':>7}"
+    )
+    for path, row in summary["table"].items():
+        ph = row.get("phases") or {}
+        cells = [ph.get(k) for k in ("before_engine_s", "engine_start_s", "generation_s", "after_s")]
+        shown = ["-" if c is None else f"{c:.1f}" for c in cells]
+        lines.append(f"{path:<12} {shown[0]:>14} {shown[1]:>13} {shown[2]:>11} {shown[3]:>7}")
+    lines.append("")
     for name, value in summary["ratios"].items():
         target = summary["targets"][name]
         verdict = "ok" if value >= target else "BELOW TARGET"
