@@ -71,6 +71,13 @@ class Engine(ABC):
         """Reject unusable engine args on the driver, before any work starts (raise ValueError)."""
         return None
 
+    @classmethod
+    def rows_per_second(cls, spec: EngineSpec) -> float | None:
+        """How many rows one engine finishes per second, when the backend knows it without running (the fake
+        engine's time model); None when only running tells (real engines). The runtime sizes work chunks by it:
+        per-chunk overhead is fixed, so a fast engine gets large chunks and a slow one small, frequent ones."""
+        return None
+
     @abstractmethod
     async def start(self) -> None: ...
 

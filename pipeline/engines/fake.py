@@ -21,6 +21,9 @@ _WORDS = (
 ).split()
 
 
+_TYPICAL_PROMPT_TOKENS = 32
+
+
 def _prompt_text(url: str, body: dict[str, Any]) -> str:
     if url == "/v1/chat/completions":
         parts = []
@@ -51,6 +54,14 @@ class FakeEngine(Engine):
         self._slots = asyncio.Semaphore(int(self.args.get("max_concurrency", 256)))
         # Fixed, so fake outputs are byte-for-byte reproducible (real engines stamp the wall clock).
         self._created = 1_700_000_000
+
+    @classmethod
+    def rows_per_second(cls, spec: EngineSpec) -> float | None:
+        # Prompt lengths are unknown before the rows are read; a short chat prompt is a fair guess for sizing.
+        seconds = spec.args.get("prefill_seconds_per_token", 0.0) * _TYPICAL_PROMPT_TOKENS + spec.args.get(
+            "decode_seconds_per_token", 0.0
+        ) * int(spec.args.get("output_tokens", 16))
+        return float("inf") if seconds <= 0 else int(spec.args.get("max_concurrency", 256)) / seconds
 
     async def start(self) -> None:
         pass

@@ -134,12 +134,18 @@ class StagingArea:
     # -- finished rows ----------------------------------------------------------------------------------------
     def write_rows(self, kind: str, rows: list[StagedRow], prefix: str | None = None) -> None:
         """Persist finished rows as one sorted part; after this returns they survive any crash."""
-        if not rows:
+        if rows:
+            self.write_table(kind, pa.Table.from_pylist([r.__dict__ for r in rows], schema=STAGED_SCHEMA), prefix)
+
+    def write_table(self, kind: str, table: pa.Table, prefix: str | None = None) -> None:
+        """`write_rows` for rows already in Arrow (the engines' output): sorted in Arrow, no per-row Python.
+
+        Arrow orders strings by their UTF-8 bytes, which is code point order: the same order as result_sort_key."""
+        if not table.num_rows:
             return
-        key = result_sort_key if kind == "results" else error_sort_key
-        rows = sorted(rows, key=key)
-        table = pa.Table.from_pylist([r.__dict__ for r in rows], schema=STAGED_SCHEMA)
-        _write_parquet_atomic(table, self._dir(kind) / self._next_name(prefix or kind))
+        table = table.select(STAGED_SCHEMA.names).cast(STAGED_SCHEMA)
+        keys = [("custom_id", "ascending")] if kind == "results" else [("source", "ascending"), ("line", "ascending")]
+        _write_parquet_atomic(table.sort_by(keys), self._dir(kind) / self._next_name(prefix or kind))
 
     def finished_ids(self) -> Iterator[str]:
         """custom_ids that already have their final row from an engine (results and engine-side errors)."""

@@ -17,6 +17,8 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+import pyarrow as pa
+import pyarrow.compute as pc
 import structlog
 
 from pipeline import __version__
@@ -24,7 +26,7 @@ from pipeline.config import JobConfig, PoolConfig, effective_pools
 from pipeline.engines.base import EngineSpec, engine_class
 from pipeline.io.locations import RetryStats
 from pipeline.io.readers import InputSource
-from pipeline.io.staging import StagedRow, StagingArea
+from pipeline.io.staging import StagingArea
 from pipeline.io.writers import OutputTarget, output_target
 from pipeline.models import ResolvedModel, resolve_model
 from pipeline.observe.progress import JobCounters, ProgressDisplay
@@ -97,23 +99,80 @@ class _StagingBuffer:
         self.staging = staging
         self.max_rows = max_rows
         self.max_age_s = max_age_s
-        self.results: list[StagedRow] = []
-        self.errors: list[StagedRow] = []
+        self.tables: list[pa.Table] = []
+        self.rows = 0
         self._since = time.monotonic()
 
-    def add(self, row: StagedRow) -> None:
-        (self.errors if row.error_code else self.results).append(row)
-        if (
-            len(self.results) + len(self.errors) >= self.max_rows
-            or time.monotonic() - self._since > self.max_age_s
-        ):
+    def add(self, table: pa.Table) -> None:
+        self.tables.append(table)
+        self.rows += table.num_rows
+        if self.rows >= self.max_rows or time.monotonic() - self._since > self.max_age_s:
             self.flush()
 
     def flush(self) -> None:
-        self.staging.write_rows("results", self.results)
-        self.staging.write_rows("errors", self.errors)
-        self.results, self.errors = [], []
+        if self.tables:
+            rows = pa.concat_tables(self.tables, promote_options="permissive")
+            failed = pc.is_valid(rows.column("error_code"))
+            self.staging.write_table("results", rows.filter(pc.invert(failed)))
+            self.staging.write_table("errors", rows.filter(failed))
+        self.tables, self.rows = [], 0
         self._since = time.monotonic()
+
+
+class _ResultSink:
+    """Takes the engines' output blocks on the driver: drops re-deliveries, stages the rest, counts them.
+
+    Works on whole Arrow blocks: a million-row job must not cost a Python object per row here."""
+
+    def __init__(self, staging: StagingArea, staging_rows: int, finished: set[str], counters: JobCounters) -> None:
+        self.buffer = _StagingBuffer(staging, staging_rows)
+        # A re-executed Ray task (lost node, lineage reconstruction) could hand back rows already seen; the
+        # contract is exactly-once, so the driver keeps the ids it staged and drops repeats.
+        self.staged = set(finished)
+        self.counters = counters
+        self.pools: dict[str, dict[str, float]] = {}
+        self.duplicates_dropped = 0
+        self._started = time.monotonic()
+
+    def add(self, block: pa.Table) -> None:
+        ids = block.column("custom_id").to_pylist()
+        staged = self.staged
+        if not staged.isdisjoint(ids) or len(set(ids)) != len(ids):
+            keep = []
+            for custom_id in ids:
+                keep.append(custom_id not in staged)
+                staged.add(custom_id)
+            block = block.filter(pa.array(keep))
+            self.duplicates_dropped += len(ids) - block.num_rows
+        else:
+            staged.update(ids)
+        if not block.num_rows:
+            return
+        self.buffer.add(block)
+        self.counters.add(
+            block.num_rows,
+            block.num_rows - block.column("error_code").null_count,
+            _sum(block, "prompt_tokens"),
+            _sum(block, "completion_tokens"),
+        )
+        elapsed = round(time.monotonic() - self._started, 3)
+        pools = block.column("pool")
+        names = pc.unique(pools).to_pylist()
+        for name in names:
+            rows = block if len(names) == 1 else block.filter(pc.equal(pools, name))
+            stats = self.pools.setdefault(
+                name, {"rows": 0, "prompt_tokens": 0, "completion_tokens": 0, "first_result_s": None}
+            )
+            stats["rows"] += rows.num_rows
+            stats["prompt_tokens"] += _sum(rows, "prompt_tokens")
+            stats["completion_tokens"] += _sum(rows, "completion_tokens")
+            if stats["first_result_s"] is None:
+                stats["first_result_s"] = elapsed
+            stats["last_result_s"] = elapsed
+
+
+def _sum(table: pa.Table, column: str) -> int:
+    return int(pc.sum(table.column(column)).as_py() or 0)
 
 
 def _pending_work(staging: StagingArea, finished: set[str]) -> list[str]:
@@ -122,8 +181,6 @@ def _pending_work(staging: StagingArea, finished: set[str]) -> list[str]:
     files = staging.request_files()
     if not finished:
         return files
-    import pyarrow as pa
-    import pyarrow.compute as pc
     import pyarrow.parquet as pq
 
     done = pa.array(sorted(finished), type=pa.string())
@@ -140,19 +197,26 @@ def _pending_work(staging: StagingArea, finished: set[str]) -> list[str]:
     return pending
 
 
+# Chunk sizing for engines whose speed is known up front: each read task and actor call costs tens of ms of Ray
+# Data scheduling, so a chunk should carry seconds of work; the cap bounds what one chunk holds in memory.
+CHUNK_SECONDS = 2.0
+MAX_CHUNK_ROWS = 16384
+
+
 @dataclass(frozen=True)
 class PoolPlan:
-    """How one pool runs: its engine spec and how much work its engines keep in flight."""
+    """How one pool runs: its engine spec, the size of its work chunks and how much work its engines hold."""
 
     pool: PoolConfig
     spec: EngineSpec
-    batch_size: int  # rows per Ray Data batch (one queue chunk)
-    calls_per_actor: int  # batches each engine actor works on at once
+    batch_size: int  # rows per chunk (one Ray Data batch, one actor call)
+    calls_per_actor: int  # chunks each engine actor works on at once
+    in_flight: int  # requests each engine actor keeps inside the engine at once
     max_engines: int
 
     @property
     def credit(self) -> int:
-        """Rows the pool may hold at once: what its engines can work on, plus a batch each to hide the latency."""
+        """Rows the pool may hold at once: what its engines can work on, plus a chunk each to hide the latency."""
         return self.max_engines * (self.calls_per_actor + 1) * self.batch_size
 
 
@@ -160,12 +224,19 @@ def plan_pool(config: JobConfig, spec: EngineSpec, pool: PoolConfig) -> PoolPlan
     spec = replace(spec, args={**spec.args, **pool.engine_overrides})
     limit = spec.args.get("max_num_seqs") or spec.args.get("max_concurrency") or 64
     in_flight = config.engine.max_in_flight or 2 * int(limit)
-    # Chunks are one batch each, because Ray Data hands a task's output on only when the task ends: small chunks
-    # keep finished rows flowing back. Enough overlapping calls per actor that `in_flight` requests are always
-    # with the engine, so its continuous batching stays full across batch boundaries.
-    batch_size = max(1, min(config.resources.rows_per_task, in_flight))
+    # A chunk comes back only when all its rows are done (Ray Data hands a task's output on at its end), so for a
+    # real engine chunks stay small — half the in-flight window — and finished rows flow back steadily. An engine
+    # that can say how fast it is gets chunks of about CHUNK_SECONDS of work instead.
+    batch_size = config.resources.rows_per_task
+    if batch_size is None:
+        batch_size = max(1, -(-in_flight // 2))
+        speed = engine_class(spec.backend).rows_per_second(spec)
+        if speed:
+            batch_size = int(min(MAX_CHUNK_ROWS, max(batch_size, speed * CHUNK_SECONDS)))
+    # Enough overlapping chunks per actor that `in_flight` requests are always with the engine, so its
+    # continuous batching stays full across chunk boundaries.
     calls_per_actor = max(2, -(-in_flight // batch_size))
-    return PoolPlan(pool, spec, batch_size, calls_per_actor, pool.max_engines or pool.min_engines)
+    return PoolPlan(pool, spec, batch_size, calls_per_actor, in_flight, pool.max_engines or pool.min_engines)
 
 
 def _pool_dataset(plan: PoolPlan, queue: Any, monitor: Any, job_id: str, pending_rows: int):
@@ -191,6 +262,7 @@ def _pool_dataset(plan: PoolPlan, queue: Any, monitor: Any, job_id: str, pending
             "monitor": monitor,
             "job_id": job_id,
             "queue": queue,
+            "max_in_flight": plan.in_flight,
         },
         batch_size=plan.batch_size,
         compute=ray.data.ActorPoolStrategy(
@@ -243,41 +315,14 @@ def _run_engines(
     datasets = [_pool_dataset(plan, queue, monitor, job_id, pending_rows) for plan in plans]
     ds = datasets[0].union(*datasets[1:]) if len(datasets) > 1 else datasets[0]
 
-    buffer = _StagingBuffer(staging, config.output_options.staging_rows)
-    run = EngineRun()
-    # A re-executed Ray task (lost node, lineage reconstruction) could hand back rows already seen; the contract
-    # is exactly-once, so the driver keeps the ids it staged and drops repeats.
-    staged = set(finished)
-    started = time.monotonic()
+    sink = _ResultSink(staging, config.output_options.staging_rows, finished, counters)
     with ProgressDisplay(counters, enabled=show_progress) as progress:
-        for batch in ds.iter_batches(batch_format="pyarrow", batch_size=None):
-            columns = batch.to_pydict()
-            rows = failed = prompt = completion = 0
-            for values in zip(*(columns[name] for name in columns), strict=True):
-                row = StagedRow(**dict(zip(columns, values, strict=True)))
-                if row.custom_id in staged:
-                    run.duplicates_dropped += 1
-                    continue
-                staged.add(row.custom_id)
-                buffer.add(row)
-                rows += 1
-                failed += bool(row.error_code)
-                prompt += row.prompt_tokens
-                completion += row.completion_tokens
-                pool = run.pools.setdefault(
-                    row.pool, {"rows": 0, "prompt_tokens": 0, "completion_tokens": 0, "first_result_s": None}
-                )
-                pool["rows"] += 1
-                pool["prompt_tokens"] += row.prompt_tokens
-                pool["completion_tokens"] += row.completion_tokens
-                elapsed = round(time.monotonic() - started, 3)
-                if pool["first_result_s"] is None:
-                    pool["first_result_s"] = elapsed
-                pool["last_result_s"] = elapsed
-            counters.add(rows, failed, prompt, completion)
-            progress.update(pools=run.pools)
-        buffer.flush()
-        progress.update(force=True, pools=run.pools)
+        for block in ds.iter_batches(batch_format="pyarrow", batch_size=None):
+            sink.add(block)
+            progress.update(pools=sink.pools)
+        sink.buffer.flush()
+        progress.update(force=True, pools=sink.pools)
+    run = EngineRun(pools=sink.pools, duplicates_dropped=sink.duplicates_dropped)
     for name, stats in run.pools.items():
         stats["engines"] = sum(
             1 for info in ray.get(monitor.snapshot.remote()).values() if info["pool"] == name

@@ -33,17 +33,20 @@ class JobMonitor:
 
     # -- attempt ledger ---------------------------------------------------------------------------------------
     def begin(self, custom_ids: list[str]) -> dict[str, str]:
-        """Register a batch about to run; returns how to run each request: "normal", "solo" or "isolate"."""
+        """Register a chunk about to run; returns the requests that must not run normally: "solo" or "isolate".
+
+        Only the exceptions travel back: a chunk can hold thousands of rows and nearly all of them are normal."""
+        attempts = self._attempts
         plan: dict[str, str] = {}
         for custom_id in custom_ids:
-            attempts = self._attempts.get(custom_id, 0) + 1
-            self._attempts[custom_id] = attempts
+            count = attempts.get(custom_id, 0) + 1
+            attempts[custom_id] = count
+            if count == 1:
+                continue
             if custom_id in self._solo_running:
                 plan[custom_id] = "isolate"  # it ran alone and the engine died: it is the poison
-            elif attempts >= SOLO_FROM_ATTEMPT:
+            elif count >= SOLO_FROM_ATTEMPT:
                 plan[custom_id] = "solo"
-            else:
-                plan[custom_id] = "normal"
         return plan
 
     def solo_started(self, custom_id: str) -> None:

@@ -80,6 +80,7 @@ class EngineWorker:
         monitor: Any = None,
         job_id: str | None = None,
         queue: Any = None,
+        max_in_flight: int | None = None,
     ) -> None:
         self.spec = spec
         self.pool = pool
@@ -89,6 +90,8 @@ class EngineWorker:
         self.engine: Engine | None = None
         self._starting: asyncio.Lock | None = None
         self._gate: asyncio.Condition | None = None
+        self._max_in_flight = max_in_flight
+        self._slots: asyncio.Semaphore | None = None
         self._in_flight = 0
         self._solo = False
         self._last_report = 0.0
@@ -121,30 +124,55 @@ class EngineWorker:
             }
             self.monitor.report.remote(self.actor_id, info)
 
-    async def _run(self, engine: Engine, request: EngineRequest, mode: str) -> EngineResult:
-        """Run one request; "solo" waits until the engine is otherwise idle and keeps it so while it runs."""
+    def _conditions(self) -> asyncio.Condition:
+        # Created lazily: asyncio primitives bind to the actor's event loop, which does not exist in __init__.
         if self._gate is None:
             self._gate = asyncio.Condition()
+            if self._max_in_flight:
+                self._slots = asyncio.Semaphore(self._max_in_flight)
+        return self._gate
+
+    async def _run_normal(self, engine: Engine, requests: list[EngineRequest]) -> list[EngineResult]:
+        """Run a chunk's ordinary requests together, at most `max_in_flight` inside the engine at once.
+
+        The chunk is admitted as a whole (one wait, not one per row): it waits only while a request runs alone."""
+        gate = self._conditions()
+        async with gate:
+            await gate.wait_for(lambda: not self._solo)
+            self._in_flight += len(requests)
+        try:
+            return list(await asyncio.gather(*(self._generate_limited(engine, r) for r in requests)))
+        finally:
+            async with gate:
+                self._in_flight -= len(requests)
+                gate.notify_all()
+
+    async def _generate_limited(self, engine: Engine, request: EngineRequest) -> EngineResult:
+        if self._slots is None:
+            return await self._generate_or_die(engine, request)
+        async with self._slots:
+            return await self._generate_or_die(engine, request)
+
+    async def _run_alone(self, engine: Engine, request: EngineRequest, mode: str) -> EngineResult:
+        """A suspect request: "solo" waits until the engine is otherwise idle and keeps it so while it runs;
+        "isolate" does not run it at all (it already killed an engine while running alone)."""
         if mode == "isolate":
             log.warning("request isolated after repeated engine deaths", custom_id=request.custom_id)
             return isolated_result(request.custom_id)
-        async with self._gate:
-            if mode == "solo":
-                await self._gate.wait_for(lambda: not self._solo and self._in_flight == 0)
-                self._solo = True
-                await self.monitor.solo_started.remote(request.custom_id)
-            else:
-                await self._gate.wait_for(lambda: not self._solo)
+        gate = self._conditions()
+        async with gate:
+            await gate.wait_for(lambda: not self._solo and self._in_flight == 0)
+            self._solo = True
             self._in_flight += 1
+            await self.monitor.solo_started.remote(request.custom_id)
         try:
             return await self._generate_or_die(engine, request)
         finally:
-            async with self._gate:
+            async with gate:
                 self._in_flight -= 1
-                if mode == "solo":
-                    self._solo = False
-                    self.monitor.solo_finished.remote(request.custom_id)
-                self._gate.notify_all()
+                self._solo = False
+                self.monitor.solo_finished.remote(request.custom_id)
+                gate.notify_all()
 
     async def _generate_or_die(self, engine: Engine, request: EngineRequest) -> EngineResult:
         try:
@@ -173,13 +201,17 @@ class EngineWorker:
         rows = [dict(zip(batch.keys(), values, strict=True)) for values in zip(*batch.values(), strict=True)]
         requests = [EngineRequest(str(r["custom_id"]), str(r["url"]), json.loads(r["body"])) for r in rows]
         plan = await self._plan([r.custom_id for r in requests])
-        results = await asyncio.gather(
-            *(self._run(engine, r, plan.get(r.custom_id, "normal")) for r in requests)
+        normal = [r for r in requests if plan.get(r.custom_id, "normal") == "normal"]
+        suspects = [r for r in requests if plan.get(r.custom_id, "normal") != "normal"]
+        outcomes = await asyncio.gather(
+            self._run_normal(engine, normal),
+            *(self._run_alone(engine, r, plan[r.custom_id]) for r in suspects),
         )
+        by_id = {result.custom_id: result for result in [*outcomes[0], *outcomes[1:]]}
         if self.queue is not None:
             self.queue.done.remote(self.pool, len(requests))
         self._report()
-        return result_columns(list(results), rows, self.pool, self.job_id)
+        return result_columns([by_id[r.custom_id] for r in requests], rows, self.pool, self.job_id)
 
     def __del__(self) -> None:
         if self.engine is not None:
