@@ -168,19 +168,36 @@ def run(
 
 @app.command("resume")
 def resume_command(
-    output: Annotated[str, typer.Argument(help="Output directory of the interrupted job.")],
+    output: Annotated[
+        str,
+        typer.Argument(help="OUTPUT of the interrupted job: a directory, s3://bucket/prefix or http(s)://."),
+    ],
+    s3_endpoint_url: Annotated[
+        str | None,
+        typer.Option(
+            help="S3-compatible endpoint, as for `run` (default: AWS_ENDPOINT_URL_S3 / AWS_ENDPOINT_URL); "
+            "given, it replaces the interrupted job's."
+        ),
+    ] = None,
+    s3_region: Annotated[
+        str | None, typer.Option(help="S3 region (default: AWS_REGION); given, it replaces the job's.")
+    ] = None,
     log_format: Annotated[str, typer.Option(help="Logs: console or json.")] = "console",
     progress: Annotated[bool, typer.Option("--progress/--no-progress", help="Live progress display.")] = True,
 ) -> None:
-    """Continue an interrupted job from OUTPUT/_staging/: same spec, same input (checked), finished rows kept."""
+    """Continue an interrupted job from OUTPUT/_staging/: same spec, same input (checked), finished rows kept.
+
+    An s3:// OUTPUT keeps its checkpoint in the bucket, so any machine that reaches it can resume the job; an
+    http(s):// OUTPUT keeps it on the disk of the machine that started the job.
+    """
     from pipeline.observe.logs import configure_logging
     from pipeline.runtime.job import load_resumable
     from pipeline.runtime.preflight import PreflightError
 
     configure_logging(log_format)
     try:
-        job = load_resumable(output)
-    except PreflightError as exc:
+        job = load_resumable(output, {"s3_endpoint_url": s3_endpoint_url, "s3_region": s3_region})
+    except (PreflightError, ConfigError) as exc:
         _fail(str(exc))
     _run(job, progress, resume=True)
 

@@ -1,14 +1,23 @@
 """`OUTPUT/_staging/`: the job's checkpoint.
 
-Finished rows (results and error records) are written here in small sorted Parquet parts, each one atomically
-(temp file + rename), as the job runs. Finalize reads only this directory, so whatever reached staging survives a
-crash of the driver and `resume` can skip it.
+Finished rows (results and error records) are written here in small sorted Parquet parts, each one atomically, as
+the job runs. Finalize reads only this directory, so whatever reached staging survives a crash of the driver and
+`resume` can skip it.
 
     _staging/
-      job.json             the job spec + input fingerprint (what `resume` re-reads)
-      requests/part-*.parquet   validated requests, the engines' work list
-      results/*.parquet    finished result rows, each part sorted by custom_id
-      errors/*.parquet     error records, each part sorted by source position
+      job.json                   the job spec + input fingerprint (what `resume` re-reads)
+      requests/part-*.parquet    validated requests, the engines' work list
+      pending/part-*.parquet     on resume: the requests that still have no staged row
+      results/*.parquet          finished result rows, each part sorted by custom_id
+      errors/*.parquet           error records, each part sorted by source position
+
+One `StagingArea` works over a base path on one of two kinds of storage, chosen by the output location:
+- `LocalFiles` (a local OUTPUT, and the local stand-in for an http(s):// OUTPUT, which cannot be listed): each part
+  is written under a temporary name and renamed into place — atomic on POSIX.
+- `ObjectStoreFiles` (s3://): an object is either whole or absent, so each part is one whole-object PUT — no temp
+  name, no rename; every request is retried on transient errors. The checkpoint lives in the bucket, so `resume`
+  works from any machine. Parts are immutable (every name is unique), so the ones this machine wrote or read are
+  kept in a local read cache under the job's scratch directory: finalize reads each part from S3 at most once.
 """
 
 from __future__ import annotations
@@ -16,14 +25,20 @@ from __future__ import annotations
 import heapq
 import json
 import os
+import shutil
 import uuid
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol, TypeVar
 
 import pyarrow as pa
 import pyarrow.parquet as pq
+
+from pipeline.config import StorageConfig
+from pipeline.io.locations import RetryPolicy, s3_filesystem, with_retries
+
+T = TypeVar("T")
 
 INGEST_PREFIX = "validate"  # error parts written by the validation pass (redone whole if it was interrupted)
 
@@ -72,6 +87,28 @@ def error_sort_key(row: StagedRow) -> tuple[str, int]:
     return (row.source, row.line)
 
 
+def _is_part(name: str) -> bool:
+    return name.endswith(".parquet") and not name.startswith(".")
+
+
+# -- the storage under a staging area ---------------------------------------------------------------------------------
+
+
+class PartFiles(Protocol):
+    """The few file operations staging needs; paths are plain strings (`/abs/path` or `bucket/key`)."""
+
+    def url(self, path: str) -> str: ...
+    def makedirs(self, path: str) -> None: ...
+    def exists(self, path: str) -> bool: ...
+    def list_parts(self, directory: str) -> list[str]: ...
+    def write_parquet(self, table: pa.Table, path: str) -> None: ...
+    def write_bytes(self, path: str, data: bytes) -> None: ...
+    def read_bytes(self, path: str) -> bytes: ...
+    def parquet(self, path: str) -> pq.ParquetFile: ...
+    def delete(self, paths: list[str]) -> None: ...
+    def delete_tree(self, path: str) -> None: ...
+
+
 def _write_parquet_atomic(table: pa.Table, path: Path) -> None:
     tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex}.tmp")
     try:
@@ -82,41 +119,208 @@ def _write_parquet_atomic(table: pa.Table, path: Path) -> None:
         raise
 
 
+def _parquet_bytes(table: pa.Table) -> bytes:
+    sink = pa.BufferOutputStream()
+    pq.write_table(table, sink, compression="zstd")
+    return sink.getvalue().to_pybytes()
+
+
+class LocalFiles:
+    """Local disk: parts are written under a temporary name, then renamed into place (atomic on POSIX)."""
+
+    def url(self, path: str) -> str:
+        return path
+
+    def makedirs(self, path: str) -> None:
+        os.makedirs(path, exist_ok=True)
+
+    def exists(self, path: str) -> bool:
+        return os.path.exists(path)
+
+    def list_parts(self, directory: str) -> list[str]:
+        try:
+            names = os.listdir(directory)
+        except FileNotFoundError:
+            return []
+        return sorted(os.path.join(directory, name) for name in names if _is_part(name))
+
+    def write_parquet(self, table: pa.Table, path: str) -> None:
+        _write_parquet_atomic(table, Path(path))
+
+    def write_bytes(self, path: str, data: bytes) -> None:
+        from pipeline.io.files import atomic_write_bytes
+
+        atomic_write_bytes(Path(path), data)
+
+    def read_bytes(self, path: str) -> bytes:
+        return Path(path).read_bytes()
+
+    def parquet(self, path: str) -> pq.ParquetFile:
+        return pq.ParquetFile(path)
+
+    def delete(self, paths: list[str]) -> None:
+        for path in paths:
+            Path(path).unlink(missing_ok=True)
+
+    def delete_tree(self, path: str) -> None:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+class ObjectStoreFiles:
+    """S3 (s3fs): every part is one whole-object PUT, atomic by itself; every request is retried with backoff.
+
+    Staged objects are immutable (unique names), so what this machine wrote or fetched is kept in `cache_dir` on
+    local disk and read from there: scratch, not checkpoint — the bucket stays the truth (listings always ask it).
+    Pickles without its client (Ray ships it to the work-queue actor), which is rebuilt from `storage` on use.
+    """
+
+    def __init__(self, storage: StorageConfig, cache_dir: Path, fs: Any = None) -> None:
+        self.storage = storage
+        self.policy = RetryPolicy.from_config(storage)
+        self.cache_dir = cache_dir
+        self._fs = fs
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {**self.__dict__, "_fs": None}
+
+    @property
+    def fs(self) -> Any:
+        if self._fs is None:
+            self._fs = s3_filesystem(self.storage)
+        return self._fs
+
+    def url(self, path: str) -> str:
+        return f"s3://{path}"
+
+    def _call(self, op: str, path: str, fn: Callable[[], T]) -> T:
+        return with_retries(fn, f"{op} {self.url(path)}", self.policy)
+
+    def _cached(self, path: str) -> Path:
+        return self.cache_dir / path
+
+    def _remember(self, path: str, data: bytes) -> None:
+        from pipeline.io.files import atomic_write_bytes
+
+        try:
+            atomic_write_bytes(self._cached(path), data)
+        except OSError:  # a cache that cannot be written (disk full) only costs a GET later
+            pass
+
+    def makedirs(self, path: str) -> None:
+        pass  # a prefix exists once an object is under it
+
+    def exists(self, path: str) -> bool:
+        return bool(self._ls(path))
+
+    def _ls(self, path: str) -> list[str]:
+        def listing() -> list[str]:
+            try:
+                return self.fs.ls(path, detail=False)
+            except FileNotFoundError:
+                return []
+
+        return self._call("LIST", path, listing)
+
+    def list_parts(self, directory: str) -> list[str]:
+        return sorted(p for p in self._ls(directory) if _is_part(p.rsplit("/", 1)[-1]))
+
+    def write_parquet(self, table: pa.Table, path: str) -> None:
+        data = _parquet_bytes(table)
+        self.write_bytes(path, data)
+        self._remember(path, data)
+
+    def write_bytes(self, path: str, data: bytes) -> None:
+        self._call("PUT", path, lambda: self.fs.pipe_file(path, data))
+
+    def read_bytes(self, path: str) -> bytes:
+        return self._call("GET", path, lambda: self.fs.cat_file(path))
+
+    def parquet(self, path: str) -> pq.ParquetFile:
+        cached = self._cached(path)
+        if not cached.exists():
+            data = self.read_bytes(path)
+            self._remember(path, data)
+            if not cached.exists():
+                return pq.ParquetFile(pa.BufferReader(data))
+        return pq.ParquetFile(cached)
+
+    def delete(self, paths: list[str]) -> None:
+        if paths:
+            self._call("DELETE", paths[0], lambda: self._rm(paths))
+            for path in paths:
+                self._cached(path).unlink(missing_ok=True)
+
+    def delete_tree(self, path: str) -> None:
+        self._call("DELETE", path, lambda: self._rm(path, recursive=True))
+        shutil.rmtree(self._cached(path), ignore_errors=True)
+
+    def _rm(self, what: str | list[str], recursive: bool = False) -> None:
+        try:
+            self.fs.rm(what, recursive=recursive)
+        except FileNotFoundError:  # already gone (e.g. a retried delete that had gone through)
+            pass
+
+
+# -- the staging area -------------------------------------------------------------------------------------------------
+
+
 class StagingArea:
-    def __init__(self, output_dir: Path) -> None:
-        self.root = output_dir / "_staging"
-        self.job_file = self.root / "job.json"
-        self.requests_dir = self.root / "requests"
-        self.results_dir = self.root / "results"
-        self.errors_dir = self.root / "errors"
+    """`<output>/_staging/` on `files` (local disk unless told otherwise).
+
+    `scratch` is local disk for temporary files that are not part of the checkpoint (the final sort's spills); by
+    default the staging directory itself.
+    """
+
+    def __init__(
+        self, output_dir: Path | str, files: PartFiles | None = None, scratch: Path | None = None
+    ) -> None:
+        self.files: PartFiles = files or LocalFiles()
+        self.root = f"{str(output_dir).rstrip('/')}/_staging"
+        self.scratch = scratch or Path(self.root)
+        self.job_file = f"{self.root}/job.json"
+        self.requests_dir = f"{self.root}/requests"
+        self.pending_dir = f"{self.root}/pending"
+        self.results_dir = f"{self.root}/results"
+        self.errors_dir = f"{self.root}/errors"
         self._writer_id = uuid.uuid4().hex[:8]
         self._seq = 0
 
+    def describe(self) -> str:
+        """Where the checkpoint is, for messages: a local path or an s3:// URL."""
+        return self.files.url(self.root)
+
     def create(self) -> None:
         for d in (self.requests_dir, self.results_dir, self.errors_dir):
-            d.mkdir(parents=True, exist_ok=True)
+            self.files.makedirs(d)
 
     def exists(self) -> bool:
-        return self.root.exists()
+        return self.files.exists(self.root)
+
+    def discard(self) -> None:
+        """Remove the whole checkpoint (after the commit)."""
+        self.files.delete_tree(self.root)
 
     # -- the job spec -----------------------------------------------------------------------------------------
     def write_job(self, job: dict[str, Any]) -> None:
-        from pipeline.io.files import atomic_write_json
-
-        atomic_write_json(self.job_file, job)
+        self.files.write_bytes(self.job_file, (json.dumps(job, indent=2, ensure_ascii=False) + "\n").encode())
 
     def read_job(self) -> dict[str, Any]:
-        if not self.job_file.exists():
-            raise FileNotFoundError(f"{self.job_file} is missing: this is not a resumable nightshift job")
-        return json.loads(self.job_file.read_text())
+        try:
+            data = self.files.read_bytes(self.job_file)
+        except FileNotFoundError:
+            raise FileNotFoundError(
+                f"{self.files.url(self.job_file)} is missing: this is not a resumable nightshift job"
+            ) from None
+        return json.loads(data)
 
     def discard_ingest(self) -> None:
         """Drop a partial validation pass (its work list and its error parts) so it can be redone whole."""
-        for part in [
-            *self.requests_dir.glob("*.parquet"),
-            *self.errors_dir.glob(f"{INGEST_PREFIX}-*.parquet"),
-        ]:
-            part.unlink()
+        self.files.delete(
+            [
+                *self.files.list_parts(self.requests_dir),
+                *(p for p in self.parts("errors") if _name(p).startswith(f"{INGEST_PREFIX}-")),
+            ]
+        )
 
     def _next_name(self, prefix: str) -> str:
         self._seq += 1
@@ -126,16 +330,42 @@ class StagingArea:
     def write_requests(self, rows: list[dict[str, Any]]) -> None:
         if rows:
             table = pa.Table.from_pylist(rows, schema=REQUEST_SCHEMA)
-            _write_parquet_atomic(table, self.requests_dir / self._next_name("part"))
+            self.files.write_parquet(table, f"{self.requests_dir}/{self._next_name('part')}")
 
     def request_files(self) -> list[str]:
-        return sorted(str(p) for p in self.requests_dir.glob("*.parquet"))
+        return self.files.list_parts(self.requests_dir)
+
+    def pending_requests(self, finished: set[str]) -> list[str]:
+        """The request parts still to run: all of them on a fresh job; on resume, filtered copies (under
+        `pending/`) without the requests that already have a staged row, so finished work is never recomputed."""
+        files = self.request_files()
+        if not finished:
+            return files
+        import pyarrow.compute as pc
+
+        self.files.delete_tree(self.pending_dir)  # an earlier resume's list, now out of date
+        done = pa.array(sorted(finished), type=pa.string())
+        pending = []
+        for path in files:
+            table = self.files.parquet(path).read()
+            left = table.filter(pc.invert(pc.is_in(table.column("custom_id"), value_set=done)))
+            if left.num_rows:
+                target = f"{self.pending_dir}/{self._next_name('part')}"
+                self.files.makedirs(self.pending_dir)
+                self.files.write_parquet(left, target)
+                pending.append(target)
+        return pending
+
+    def num_rows(self, paths: Iterable[str]) -> int:
+        return sum(self.files.parquet(p).metadata.num_rows for p in paths)
 
     # -- finished rows ----------------------------------------------------------------------------------------
     def write_rows(self, kind: str, rows: list[StagedRow], prefix: str | None = None) -> None:
         """Persist finished rows as one sorted part; after this returns they survive any crash."""
         if rows:
-            self.write_table(kind, pa.Table.from_pylist([r.__dict__ for r in rows], schema=STAGED_SCHEMA), prefix)
+            self.write_table(
+                kind, pa.Table.from_pylist([r.__dict__ for r in rows], schema=STAGED_SCHEMA), prefix
+            )
 
     def write_table(self, kind: str, table: pa.Table, prefix: str | None = None) -> None:
         """`write_rows` for rows already in Arrow (the engines' output): sorted in Arrow, no per-row Python.
@@ -144,24 +374,33 @@ class StagingArea:
         if not table.num_rows:
             return
         table = table.select(STAGED_SCHEMA.names).cast(STAGED_SCHEMA)
-        keys = [("custom_id", "ascending")] if kind == "results" else [("source", "ascending"), ("line", "ascending")]
-        _write_parquet_atomic(table.sort_by(keys), self._dir(kind) / self._next_name(prefix or kind))
+        keys = (
+            [("custom_id", "ascending")]
+            if kind == "results"
+            else [("source", "ascending"), ("line", "ascending")]
+        )
+        self.files.write_parquet(table.sort_by(keys), f"{self._dir(kind)}/{self._next_name(prefix or kind)}")
 
     def finished_ids(self) -> Iterator[str]:
         """custom_ids that already have their final row from an engine (results and engine-side errors)."""
         yield from self.iter_column("results", "custom_id")
         for part in self.parts("errors"):
-            if not part.name.startswith(f"{INGEST_PREFIX}-"):
-                yield from pq.read_table(part, columns=["custom_id"]).column("custom_id").to_pylist()
+            if not _name(part).startswith(f"{INGEST_PREFIX}-"):
+                yield from self.read_part(part, ["custom_id"]).column("custom_id").to_pylist()
 
-    def _dir(self, kind: str) -> Path:
+    def _dir(self, kind: str) -> str:
         return self.results_dir if kind == "results" else self.errors_dir
 
-    def parts(self, kind: str) -> list[Path]:
-        return sorted(self._dir(kind).glob("*.parquet"))
+    def parts(self, kind: str) -> list[str]:
+        return self.files.list_parts(self._dir(kind))
+
+    def read_part(self, path: str, columns: list[str] | None = None) -> pa.Table:
+        # ParquetFile.read is several times cheaper per small file than read_table (no dataset machinery), and the
+        # parts are too small for threads to pay.
+        return self.files.parquet(path).read(columns=columns, use_threads=False)
 
     def count(self, kind: str) -> int:
-        return sum(pq.ParquetFile(p).metadata.num_rows for p in self.parts(kind))
+        return self.num_rows(self.parts(kind))
 
     def column_sum(self, column: str) -> int:
         """Sum of a numeric column over every staged row (results and errors) — e.g. tokens across resumes."""
@@ -170,12 +409,12 @@ class StagingArea:
         total = 0
         for kind in ("results", "errors"):
             for part in self.parts(kind):
-                total += pc.sum(pq.read_table(part, columns=[column]).column(column)).as_py() or 0
+                total += pc.sum(self.read_part(part, [column]).column(column)).as_py() or 0
         return total
 
     def iter_column(self, kind: str, column: str) -> Iterator[Any]:
         for part in self.parts(kind):
-            yield from pq.read_table(part, columns=[column]).column(column).to_pylist()
+            yield from self.read_part(part, [column]).column(column).to_pylist()
 
     def merged(self, kind: str) -> Iterator[StagedRow]:
         """All staged rows of `kind` in final order: a k-way merge of the sorted parts, streaming.
@@ -183,11 +422,14 @@ class StagingArea:
         Memory is one read batch per part, not the whole output — this is what keeps finalize bounded.
         """
         key = result_sort_key if kind == "results" else error_sort_key
-        return heapq.merge(*(_iter_part(p) for p in self.parts(kind)), key=key)
+        return heapq.merge(*(self._iter_part(p) for p in self.parts(kind)), key=key)
+
+    def _iter_part(self, path: str, batch_size: int = 2048) -> Iterable[StagedRow]:
+        for batch in self.files.parquet(path).iter_batches(batch_size=batch_size):
+            columns = batch.to_pydict()
+            for values in zip(*(columns[name] for name in STAGED_SCHEMA.names), strict=True):
+                yield StagedRow(*values)
 
 
-def _iter_part(path: Path, batch_size: int = 2048) -> Iterable[StagedRow]:
-    for batch in pq.ParquetFile(path).iter_batches(batch_size=batch_size):
-        columns = batch.to_pydict()
-        for values in zip(*(columns[name] for name in STAGED_SCHEMA.names), strict=True):
-            yield StagedRow(*values)
+def _name(path: str) -> str:
+    return path.rsplit("/", 1)[-1]

@@ -1,15 +1,18 @@
 """Output targets (a local directory, `s3://bucket/prefix`, an `http(s)://` URL) and the Parquet shard encoder.
 
     target = output_target("s3://bucket/run-1/", storage)
-    area = target.staging_area()          # always on local disk (the checkpoint)
+    area = target.staging_area()          # the checkpoint: OUTPUT/_staging/ (see below for http(s)://)
     with target.open_write("results-00000-of-00001.jsonl") as fh: ...   # published when closed
     target.put_bytes("manifest.json", data)                            # last: the commit marker
 
-Staging stays local. For a local OUTPUT it is `OUTPUT/_staging/`; for a remote one it lives under
-`$NIGHTSHIFT_HOME/jobs/<sha256(output url)[:16]>/_staging/`, so `resume` finds it from the URL alone. Remote shards
-are spooled to local disk and sent as whole objects — one PUT per shard (s3fs switches to a multipart upload, which
-is equally atomic, above ~100 MB), or one HTTP PUT per file to `OUTPUT_URL/<name>` — each retried with backoff;
-`manifest.json` goes last.
+Where the checkpoint lives is the target's choice. A local OUTPUT stages in `OUTPUT/_staging/`, an s3:// OUTPUT in
+`s3://…/OUTPUT/_staging/` (whole-object PUTs), so `nightshift resume` works from any machine. An http(s):// OUTPUT
+cannot be listed, so its staging stays on the driver's disk, under `$NIGHTSHIFT_HOME/jobs/<sha256(url)[:16]>/`, and
+such a job can only be resumed on the machine that started it. That per-job local directory is also every remote
+target's scratch: upload spools, the final sort's spill files and the S3 read cache — never needed to resume.
+Remote shards are spooled to local disk and sent as whole objects — one PUT per shard (s3fs switches to a multipart
+upload, which is equally atomic, above ~100 MB), or one HTTP PUT per file to `OUTPUT_URL/<name>` — each retried
+with backoff; `manifest.json` goes last.
 """
 
 from __future__ import annotations
@@ -46,7 +49,7 @@ from pipeline.io.locations import (
     s3_problem,
     with_retries,
 )
-from pipeline.io.staging import StagingArea
+from pipeline.io.staging import ObjectStoreFiles, StagingArea
 from pipeline.stages.finalize import WRITE_BATCH_ROWS, HashingSink
 
 log = structlog.get_logger(__name__)
@@ -165,7 +168,8 @@ def shard_encoder(fmt: str) -> tuple[Callable[[HashingSink], Any], str]:
 # -- targets ---------------------------------------------------------------------------------------------------------
 
 
-def remote_staging_base(url: str) -> Path:
+def local_job_dir(url: str) -> Path:
+    """A remote output's directory on this machine's disk: scratch (and, for http(s)://, the staging)."""
     from pipeline.models import nightshift_home
 
     key = hashlib.sha256(url.rstrip("/").encode()).hexdigest()[:16]
@@ -217,17 +221,17 @@ class OutputTarget(ABC):
         """What to show the user: the local directory, or the (redacted) URL."""
         return Path(self.location.path) if self.is_local else self.describe()
 
+    # Whether `_staging/` lives in OUTPUT itself (so any machine that reaches OUTPUT can resume the job).
+    stages_in_output: bool = True
+
     @property
     @abstractmethod
-    def staging_base(self) -> Path:
-        """The local directory that holds `_staging/`."""
+    def scratch_dir(self) -> Path:
+        """Local disk for temporary files of this output (upload spools); never needed to resume."""
 
-    @property
-    def staging_dir(self) -> Path:
-        return self.staging_base / "_staging"
-
+    @abstractmethod
     def staging_area(self) -> StagingArea:
-        return StagingArea(self.staging_base)
+        """The job's checkpoint (`_staging/`)."""
 
     @abstractmethod
     def describe(self) -> str: ...
@@ -245,7 +249,7 @@ class OutputTarget(ABC):
     def put_bytes(self, name: str, data: bytes) -> None: ...
 
     def open_write(self, name: str) -> BinaryIO:
-        spool = self.staging_base / "upload" / name
+        spool = self.scratch_dir / "upload" / name
         return _SpoolUpload(spool, lambda path: self.put_file(path, name))  # type: ignore[return-value]
 
     @abstractmethod
@@ -256,10 +260,10 @@ class OutputTarget(ABC):
     def check_writable(self) -> None:
         """Raise LocationError when the target cannot take writes (where that can be known in advance)."""
 
-    def discard_staging(self) -> None:
-        shutil.rmtree(self.staging_dir, ignore_errors=True)
+    def discard_scratch(self) -> None:
+        """After the commit: drop this output's local scratch (a local OUTPUT has none outside `_staging/`)."""
         if not self.is_local:
-            shutil.rmtree(self.staging_base, ignore_errors=True)
+            shutil.rmtree(self.scratch_dir, ignore_errors=True)
 
 
 class LocalTarget(OutputTarget):
@@ -270,8 +274,11 @@ class LocalTarget(OutputTarget):
         return Path(self.location.path)
 
     @property
-    def staging_base(self) -> Path:
-        return self.path
+    def scratch_dir(self) -> Path:
+        return self.path / "_staging"
+
+    def staging_area(self) -> StagingArea:
+        return StagingArea(self.path)
 
     def describe(self) -> str:
         return str(self.path)
@@ -315,8 +322,13 @@ class S3Target(OutputTarget):
         self.prefix = location.path.rstrip("/")
 
     @property
-    def staging_base(self) -> Path:
-        return remote_staging_base(self.describe())
+    def scratch_dir(self) -> Path:
+        return local_job_dir(self.describe())
+
+    def staging_area(self) -> StagingArea:
+        """`s3://…/OUTPUT/_staging/`: parts are whole-object PUTs, read back through a local cache in scratch."""
+        files = ObjectStoreFiles(self.storage, self.scratch_dir / "cache", fs=self.fs)
+        return StagingArea(self.prefix, files, scratch=self.scratch_dir)
 
     def describe(self) -> str:
         return f"s3://{self.prefix}"
@@ -385,10 +397,16 @@ class HttpTarget(OutputTarget):
     """PUT per file to OUTPUT_URL/<name> (a query string, e.g. a token, is kept on every URL)."""
 
     kind = "http"
+    # Staging needs listing, which plain HTTP does not have: an http(s):// job stages on the driver's disk and can
+    # be resumed only on that machine.
+    stages_in_output = False
 
     @property
-    def staging_base(self) -> Path:
-        return remote_staging_base(self.location.url)
+    def scratch_dir(self) -> Path:
+        return local_job_dir(self.location.url)
+
+    def staging_area(self) -> StagingArea:
+        return StagingArea(self.scratch_dir)
 
     def describe(self) -> str:
         return redact_url(self.location.url)

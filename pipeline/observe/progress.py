@@ -105,7 +105,9 @@ class ProgressDisplay:
                 transient=False,
             )
             self._progress.__enter__()
-            self._task = self._progress.add_task("run", total=self.counters.total, tps=0.0, failed=0, pools="")
+            self._task = self._progress.add_task(
+                "run", total=self.counters.total, tps=0.0, failed=0, pools=""
+            )
         return self
 
     def update(self, force: bool = False, pools: dict[str, dict] | None = None) -> None:

@@ -4,7 +4,8 @@
 The sort is external, with memory bounded by one shard (rows_per_shard rows) plus the sort keys:
 1. read only the key columns of every staged part (custom_id, or source + line) and derive exact shard
    boundaries — shard k holds rows [k*rows_per_shard, (k+1)*rows_per_shard) of the sorted order;
-2. stream the staged parts once, routing every row to a per-shard spill file (Arrow IPC, under `_staging/`);
+2. stream the staged parts once, routing every row to a per-shard spill file (Arrow IPC, on local disk: under
+   `_staging/` for a local OUTPUT, in the job's local scratch directory for a remote one);
 3. per shard: load its spill file, sort it, write the shard through the format's encoder, delete the spill.
 All of it runs in Arrow (C++); no Python object per row except for Parquet output's flattened columns.
 """
@@ -19,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import pyarrow as pa
-import pyarrow.parquet as pq
+import structlog
 
 from pipeline.io.files import atomic_write_json
 from pipeline.io.staging import StagingArea
@@ -32,6 +33,8 @@ from pipeline.stages.finalize import (
     split_by_shard,
     write_table_shards,
 )
+
+log = structlog.get_logger(__name__)
 
 __all__ = ["MANIFEST_NAME", "FORMAT_VERSION", "AccountingError", "write_outputs", "commit"]
 
@@ -56,14 +59,8 @@ def remove_previous_outputs(output: Path | str | OutputTarget) -> None:
     _as_target(output).remove_previous_outputs()
 
 
-def _read_part(path: Path, columns: list[str]) -> pa.Table:
-    # ParquetFile.read is several times cheaper per small file than read_table (no dataset machinery), and the
-    # parts are too small for threads to pay.
-    return pq.ParquetFile(path).read(columns=columns, use_threads=False)
-
-
-def _read_columns(parts: list[Path], columns: list[str]) -> pa.Table:
-    tables = [_read_part(p, columns) for p in parts]
+def _read_columns(staging: StagingArea, parts: list[str], columns: list[str]) -> pa.Table:
+    tables = [staging.read_part(p, columns) for p in parts]
     if not tables:
         return pa.table({c: pa.array([], pa.int64() if c == "line" else pa.string()) for c in columns})
     return pa.concat_tables(tables)
@@ -106,10 +103,11 @@ class _SpillSet:
 
 
 def sorted_shard_tables(
-    parts: list[Path], kind: str, rows_per_shard: int, spill_dir: Path
+    staging: StagingArea, kind: str, rows_per_shard: int, spill_dir: Path
 ) -> tuple[int, Iterator[pa.Table]]:
     """(row count, one sorted table per shard in order). Raises AccountingError on a result id staged twice."""
-    keys = _read_columns(parts, KEY_COLUMNS[kind])
+    parts = staging.parts(kind)
+    keys = _read_columns(staging, parts, KEY_COLUMNS[kind])
     try:
         plan: Partitioning = plan_partitioning(keys, kind, rows_per_shard)
     except ValueError as exc:
@@ -118,7 +116,7 @@ def sorted_shard_tables(
     del keys
 
     def single() -> Iterator[pa.Table]:
-        yield sort_table(_read_columns(parts, READ_COLUMNS), kind)
+        yield sort_table(_read_columns(staging, parts, READ_COLUMNS), kind)
 
     def spilled() -> Iterator[pa.Table]:
         spill_dir.mkdir(parents=True, exist_ok=True)
@@ -127,7 +125,7 @@ def sorted_shard_tables(
                 last = min(plan.count, first + MAX_OPEN_SPILLS)
                 spills: _SpillSet | None = None
                 for part in parts:
-                    table = _read_part(part, READ_COLUMNS)
+                    table = staging.read_part(part, READ_COLUMNS)
                     if spills is None:
                         spills = _SpillSet(spill_dir, first, last, table.schema)
                     for shard, rows in split_by_shard(table, plan.assign(table)).items():
@@ -173,9 +171,7 @@ def write_outputs(
     # Plan both sorts before touching OUTPUT: a duplicate result id fails here, with nothing removed or written.
     written: dict[str, list[ShardInfo]] = {}
     plans = {
-        kind: sorted_shard_tables(
-            staging.parts(kind), kind, rows_per_shard, staging.root / f"finalize-{kind}"
-        )
+        kind: sorted_shard_tables(staging, kind, rows_per_shard, staging.scratch / f"finalize-{kind}")
         for kind in ("results", "errors")
     }
     target.remove_previous_outputs()
@@ -195,12 +191,19 @@ def write_outputs(
 
 
 def commit(output: Path | str | OutputTarget, staging: StagingArea, manifest: dict[str, Any]) -> None:
-    """The manifest is written last and atomically: its presence means every shard is complete."""
+    """The manifest is written last and atomically: its presence means every shard is complete. Then `_staging/`
+    goes (wherever it lives: OUTPUT, the bucket, or this machine's disk for an http(s):// output)."""
     target = _as_target(output)
     if target.is_local:
-        atomic_write_json(Path(target.staging_base) / MANIFEST_NAME, manifest)
-        shutil.rmtree(staging.root, ignore_errors=True)
-        return
-    target.put_bytes(MANIFEST_NAME, (json.dumps(manifest, indent=2, ensure_ascii=False) + "\n").encode())
-    shutil.rmtree(staging.root, ignore_errors=True)
-    target.discard_staging()
+        atomic_write_json(Path(target.location.path) / MANIFEST_NAME, manifest)
+    else:
+        target.put_bytes(MANIFEST_NAME, (json.dumps(manifest, indent=2, ensure_ascii=False) + "\n").encode())
+    try:
+        staging.discard()
+    except Exception as exc:  # noqa: BLE001 - committed all the same: a leftover checkpoint is clutter, not harm
+        log.warning(
+            "the job is committed, but its staging could not be removed; delete it by hand",
+            staging=staging.describe(),
+            error=f"{type(exc).__name__}: {exc}",
+        )
+    target.discard_scratch()

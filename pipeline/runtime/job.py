@@ -22,7 +22,7 @@ import pyarrow.compute as pc
 import structlog
 
 from pipeline import __version__
-from pipeline.config import JobConfig, PoolConfig, effective_pools
+from pipeline.config import JobConfig, PoolConfig, StorageConfig, effective_pools, merge_overrides
 from pipeline.engines.base import EngineSpec, engine_class
 from pipeline.io.locations import RetryStats
 from pipeline.io.readers import InputSource
@@ -33,7 +33,12 @@ from pipeline.observe.progress import JobCounters, ProgressDisplay
 from pipeline.runtime.finalize import FORMAT_VERSION, commit, write_outputs
 from pipeline.runtime.ingest import ingest
 from pipeline.runtime.monitor import preemption_remedy, summarize_engines
-from pipeline.runtime.preflight import PreflightError, check_input_source, check_output_target
+from pipeline.runtime.preflight import (
+    PreflightError,
+    check_input_source,
+    check_output_target,
+    output_problem,
+)
 
 log = structlog.get_logger(__name__)
 
@@ -124,7 +129,9 @@ class _ResultSink:
 
     Works on whole Arrow blocks: a million-row job must not cost a Python object per row here."""
 
-    def __init__(self, staging: StagingArea, staging_rows: int, finished: set[str], counters: JobCounters) -> None:
+    def __init__(
+        self, staging: StagingArea, staging_rows: int, finished: set[str], counters: JobCounters
+    ) -> None:
         self.buffer = _StagingBuffer(staging, staging_rows)
         # A re-executed Ray task (lost node, lineage reconstruction) could hand back rows already seen; the
         # contract is exactly-once, so the driver keeps the ids it staged and drops repeats.
@@ -173,28 +180,6 @@ class _ResultSink:
 
 def _sum(table: pa.Table, column: str) -> int:
     return int(pc.sum(table.column(column)).as_py() or 0)
-
-
-def _pending_work(staging: StagingArea, finished: set[str]) -> list[str]:
-    """The request parts still to run: all of them on a fresh job; on resume, filtered copies without the
-    requests that already have a staged row (so finished work is never recomputed)."""
-    files = staging.request_files()
-    if not finished:
-        return files
-    import pyarrow.parquet as pq
-
-    done = pa.array(sorted(finished), type=pa.string())
-    pending_dir = staging.root / f"pending-{uuid.uuid4().hex[:8]}"
-    pending_dir.mkdir()
-    pending = []
-    for i, path in enumerate(files):
-        table = pq.read_table(path)
-        left = table.filter(pc.invert(pc.is_in(table.column("custom_id"), value_set=done)))
-        if left.num_rows:
-            target = pending_dir / f"part-{i:06d}.parquet"
-            pq.write_table(left, target)
-            pending.append(str(target))
-    return pending
 
 
 # Chunk sizing for engines whose speed is known up front: each read task and actor call costs tens of ms of Ray
@@ -288,19 +273,19 @@ def _run_engines(
     job_id: str,
     finished: set[str],
 ) -> EngineRun:
-    import pyarrow.parquet as pq
     import ray
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
     from pipeline.runtime.monitor import JobMonitor
     from pipeline.runtime.work_queue import WorkQueue
 
-    files = _pending_work(staging, finished)
+    files = staging.pending_requests(finished)
     if not files:
         return EngineRun()
     pools = effective_pools(config)
     # The monitor and the queue are pinned to the driver's node: they must not go down with a worker node (that
-    # is what they help survive), and the queue reads the staged work list from this node's disk.
+    # is what they help survive), and the queue reads the staged work list where the driver wrote it (a local
+    # staging directory is on this node's disk).
     # The monitor is named so operators (and tests) can find a job's engines: ray.get_actor(name).snapshot().
     here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
     monitor = (
@@ -310,8 +295,12 @@ def _run_engines(
     )
     plans = [plan_pool(config, spec, pool) for pool in pools]
     credit = {plan.pool.name: plan.credit for plan in plans}
-    queue = ray.remote(num_cpus=0)(WorkQueue).options(scheduling_strategy=here).remote(files, credit)
-    pending_rows = sum(pq.ParquetFile(f).metadata.num_rows for f in files)
+    queue = (
+        ray.remote(num_cpus=0)(WorkQueue)
+        .options(scheduling_strategy=here)
+        .remote(files, credit, files_on=staging.files)
+    )
+    pending_rows = staging.num_rows(files)
     datasets = [_pool_dataset(plan, queue, monitor, job_id, pending_rows) for plan in plans]
     ds = datasets[0].union(*datasets[1:]) if len(datasets) > 1 else datasets[0]
 
@@ -456,14 +445,25 @@ def run_job(config: JobConfig, show_progress: bool = True, resume: bool = False)
     return JobOutcome(output.where, manifest, counters, run.pools)
 
 
-def load_resumable(output: str) -> JobConfig:
-    """The job spec stored in OUTPUT/_staging/job.json, for `nightshift resume OUTPUT`."""
-    staging = output_target(output).staging_area()
-    if not staging.exists():
-        raise PreflightError(f"{output} holds no unfinished job (no _staging/): nothing to resume")
+def load_resumable(output: str, storage: dict[str, Any] | None = None) -> JobConfig:
+    """The job spec stored in OUTPUT/_staging/job.json, for `nightshift resume OUTPUT`.
+
+    `storage`: StorageConfig fields given on this machine's command line (e.g. the S3 endpoint), needed to reach
+    OUTPUT before its stored spec can be read; they win over the stored ones.
+    """
+    given = {k: v for k, v in (storage or {}).items() if v is not None}
+    reach = StorageConfig(**given)
+    staging = output_target(output, reach).staging_area()
     try:
+        if not staging.exists():
+            raise PreflightError(f"{output} holds no unfinished job (no _staging/): nothing to resume")
         state = staging.read_job()
+    except PreflightError:
+        raise
     except FileNotFoundError as exc:
         raise PreflightError(str(exc)) from exc
+    except Exception as exc:  # noqa: BLE001 - an unreachable or denied OUTPUT: say what to change
+        raise PreflightError(output_problem(exc, output, reach, "resume from")) from exc
     config = JobConfig.model_validate(state["config"])
+    config = merge_overrides(config, {f"storage.{k}": v for k, v in given.items()})
     return config.model_copy(update={"output": output, "job_id": state["job_id"]})

@@ -53,11 +53,12 @@ def check_input(location: str | None, storage: StorageConfig | None = None) -> P
 
 
 def _check_no_job(target: OutputTarget, location: str, overwrite: bool, resume: bool) -> None:
-    if target.staging_dir.exists() and not resume:
-        where = "" if target.is_local else f" (staged locally in {target.staging_dir})"
+    staging = target.staging_area()
+    if not resume and staging.exists():
+        where = "" if target.stages_in_output else f" (staged locally in {staging.describe()})"
         raise PreflightError(
             f"output {location} holds an unfinished job (_staging/){where}: continue it with "
-            f"`nightshift resume {location}` (or `run ... --resume`), or remove {target.staging_dir} to start over"
+            f"`nightshift resume {location}` (or `run ... --resume`), or remove {staging.describe()} to start over"
         )
     if not overwrite and target.exists(MANIFEST_NAME):
         raise PreflightError(
@@ -98,18 +99,20 @@ def check_output_target(
     except PreflightError:
         raise
     except Exception as exc:  # noqa: BLE001 - e.g. S3 HEAD of manifest.json denied: still a location problem
-        from pipeline.io.locations import http_problem, s3_problem
-
-        kind = parse_location(location).kind
-        message = (
-            s3_problem(exc, location, storage, "write output to")
-            if kind == "s3"
-            else http_problem(exc, location, "write output to")
-            if kind == "http"
-            else f"output {location}: {exc}"
-        )
-        raise PreflightError(message) from exc
+        raise PreflightError(output_problem(exc, location, storage, "write output to")) from exc
     return target
+
+
+def output_problem(exc: BaseException, location: str, storage: StorageConfig | None, action: str) -> str:
+    """What went wrong reaching OUTPUT, and what to change."""
+    from pipeline.io.locations import http_problem, s3_problem
+
+    kind = parse_location(location).kind
+    if kind == "s3":
+        return s3_problem(exc, location, storage, action)
+    if kind == "http":
+        return http_problem(exc, location, action)
+    return f"output {location}: {exc}"
 
 
 def check_output(

@@ -1,6 +1,7 @@
 """Work is pulled, not split up front: one queue of request chunks that every accelerator pool draws from.
 
-A `WorkQueue` actor (pinned to the driver's node, where the staged work list lives) hands out chunks of requests.
+A `WorkQueue` actor (pinned to the driver's node) hands out chunks of requests, reading the staged work list
+through the staging area's storage (local disk, or the bucket of an s3:// OUTPUT).
 Each pool's Ray Data pipeline starts with a `QueueDatasource` whose read tasks keep pulling chunks until the queue
 is empty. Pulling alone is not enough: Ray Data would let a pool's readers run far ahead of its engines and
 buffer half the job. So the queue gives each pool credit — at most as many rows outstanding as its engines can
@@ -23,7 +24,11 @@ import pyarrow.parquet as pq
 class WorkQueue:
     """Serves the pending requests in chunks, streaming through the staged Parquet parts (bounded memory)."""
 
-    def __init__(self, files: list[str], credit: dict[str, int], read_rows: int = 8192) -> None:
+    def __init__(
+        self, files: list[str], credit: dict[str, int], read_rows: int = 8192, files_on: Any = None
+    ) -> None:
+        """`files_on`: the staging area's storage (`pipeline.io.staging.PartFiles`); default: local paths."""
+        self._open = files_on.parquet if files_on is not None else pq.ParquetFile
         self._files = list(files)
         self._read_rows = read_rows
         self._batches: Iterator[pa.RecordBatch] = iter(())
@@ -41,7 +46,7 @@ class WorkQueue:
             if batch is None:
                 if not self._files:
                     return False
-                self._batches = pq.ParquetFile(self._files.pop(0)).iter_batches(batch_size=self._read_rows)
+                self._batches = self._open(self._files.pop(0)).iter_batches(batch_size=self._read_rows)
                 continue
             self._current, self._offset = batch, 0
         return True

@@ -1,8 +1,12 @@
-"""Failures during a job: a poison request, a killed driver followed by `resume`. Each asserts exactly-once
-output and full accounting. (Node loss: test_node_loss.py; a killed real engine: tests/e2e.)"""
+"""Failures during a job: a poison request, a killed driver followed by `resume` (local output; S3 output resumed
+from another machine). Each asserts exactly-once output and full accounting. (Node loss: test_node_loss.py; a killed
+real engine: tests/e2e.)"""
+
+# ruff: noqa: F811 - pytest fixtures imported from storage_fixtures are re-bound as test arguments
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import signal
@@ -17,6 +21,7 @@ import pytest
 from pipeline.config import JobConfig
 from pipeline.runtime.job import run_job
 from tests.conftest import chat_line, read_jsonl, write_lines
+from tests.integration.storage_fixtures import moto_s3  # noqa: F401
 
 
 def fake_job(input_path, output, **fake_args) -> JobConfig:
@@ -184,3 +189,128 @@ def test_run_into_unfinished_output_points_at_resume(tmp_path):
     )
     assert proc.returncode == 2
     assert "nightshift resume" in proc.stderr and "--resume" in proc.stderr
+
+
+def _staged_ids_s3(moto_s3, bucket: str, prefix: str) -> set[str]:
+    ids: set[str] = set()
+    for key in moto_s3.keys(bucket, f"{prefix}/_staging/"):
+        kind, name = key.split("/")[-2:]
+        if kind in ("results", "errors") and not name.startswith("validate-"):
+            table = pq.read_table(io.BytesIO(moto_s3.get(bucket, key)), columns=["custom_id"])
+            ids.update(table.column("custom_id").to_pylist())
+    return ids
+
+
+def _machine(tmp_path: Path, name: str) -> dict[str, str]:
+    """The environment of another machine: its own NIGHTSHIFT_HOME (sharing only the prepared model)."""
+    from pipeline.models import nightshift_home, prepare_embedded_model
+
+    prepare_embedded_model()
+    home = tmp_path / name
+    home.mkdir()
+    (home / "models").symlink_to(nightshift_home() / "models")
+    return {**os.environ, "NIGHTSHIFT_HOME": str(home)}
+
+
+@pytest.mark.slow
+def test_s3_driver_killed_half_way_then_resumed_on_another_machine(moto_s3, tmp_path):
+    n = 2000
+    lines = [chat_line(f"id-{(i * 7919) % n:05d}", f"question {i}") for i in range(n)]
+    lines[5] = "{not json"
+    bucket = moto_s3.bucket("resume")
+    moto_s3.put(bucket, "in/batch.jsonl", "".join(line + "\n" for line in lines).encode())
+    output = f"s3://{bucket}/out"
+    calls = tmp_path / "calls.log"
+    config = tmp_path / "job.yaml"
+    config.write_text(
+        json.dumps(
+            {
+                "job_id": "s3-resume-test",
+                "engine": {
+                    "backend": "fake",
+                    "fake": {
+                        "output_tokens": 4,
+                        "decode_seconds_per_token": 0.05,
+                        "max_concurrency": 64,
+                        "call_log": str(calls),
+                    },
+                },
+                "resources": {"cpus_per_engine": 0.5, "rows_per_task": 16},
+                "output_options": {"rows_per_shard": 700, "staging_rows": 100},
+            }
+        )
+    )
+    machine_a, machine_b = _machine(tmp_path, "home-a"), _machine(tmp_path, "home-b")
+    endpoint = ["--s3-endpoint-url", moto_s3.url]
+    run = [
+        sys.executable,
+        "-m",
+        "pipeline",
+        "run",
+        f"s3://{bucket}/in/batch.jsonl",
+        output,
+        "-c",
+        str(config),
+    ]
+    driver = subprocess.Popen(
+        [*run, *endpoint, "--no-progress"],
+        env=machine_a,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    deadline = time.monotonic() + 300
+    while len(_staged_ids_s3(moto_s3, bucket, "out")) < n // 2:
+        assert driver.poll() is None, driver.stderr.read()[-2000:]
+        assert time.monotonic() < deadline, "the job never got half way"
+        time.sleep(0.3)
+    driver.send_signal(signal.SIGKILL)
+    driver.wait()
+
+    # The checkpoint is in the bucket, not on machine A's disk.
+    staged_keys = moto_s3.keys(bucket, "out/_staging/")
+    assert "out/_staging/job.json" in staged_keys
+    assert any(k.startswith("out/_staging/requests/") for k in staged_keys)
+    assert "out/manifest.json" not in moto_s3.keys(bucket)
+    assert not [p for p in Path(machine_a["NIGHTSHIFT_HOME"]).rglob("job.json")]
+    staged_before = _staged_ids_s3(moto_s3, bucket, "out")
+    calls_before = len(calls.read_text().split())
+    assert n // 2 <= len(staged_before) < n
+
+    resumed = subprocess.run(
+        [sys.executable, "-m", "pipeline", "resume", output, *endpoint, "--no-progress"],
+        env=machine_b,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+
+    keys = moto_s3.keys(bucket, "out/")
+    assert not [k for k in keys if k.startswith("out/_staging/")]  # the checkpoint is gone after the commit
+    results, errors = [], []
+    for key in keys:
+        rows = (
+            [json.loads(line) for line in moto_s3.get(bucket, key).splitlines()]
+            if key.endswith(".jsonl")
+            else []
+        )
+        (results if "/results-" in key else errors).extend(rows)
+    assert len(results) + len(errors) == n  # accounting
+    ids = [r["custom_id"] for r in results + errors if r["custom_id"] is not None]
+    assert len(ids) == len(set(ids))  # no row twice
+    assert len(errors) == 1 and errors[0]["error"]["code"] == "invalid_json"
+    recomputed = set(calls.read_text().split()[calls_before:]) & staged_before
+    assert recomputed == set(), f"{len(recomputed)} staged rows were run again"
+    manifest = json.loads(moto_s3.get(bucket, "out/manifest.json"))
+    assert manifest["recovery"]["resumed"] is True
+    assert manifest["recovery"]["rows_from_earlier_runs"] == len(staged_before)
+    assert manifest["counts"] == {
+        "total": n,
+        "succeeded": n - 1,
+        "failed": 1,
+        "by_error_code": {"invalid_json": 1},
+    }
+    assert not (Path(machine_b["NIGHTSHIFT_HOME"]) / "jobs").exists() or not any(
+        (Path(machine_b["NIGHTSHIFT_HOME"]) / "jobs").iterdir()
+    )  # machine B's scratch (read cache, spills, upload spools) is gone too

@@ -20,7 +20,7 @@ import pytest
 
 from pipeline.config import JobConfig, StorageConfig
 from pipeline.io.readers import ReadStats, input_source
-from pipeline.io.writers import remote_staging_base
+from pipeline.io.writers import local_job_dir
 from pipeline.runtime.job import run_job
 from pipeline.runtime.preflight import PreflightError
 from tests.conftest import MODEL_NAME, chat_line, completion_line
@@ -130,7 +130,10 @@ def test_s3_to_s3_jsonl_large_input(moto_s3):
         len(_jsonl(lines[k * chunk : (k + 1) * chunk if k < 2 else None])) for k in range(3)
     )
     assert outcome.output == output
-    assert not remote_staging_base(output).exists()  # local staging dropped after the commit
+    assert not [
+        k for k in keys if "/_staging/" in k
+    ]  # the checkpoint (in the bucket) dropped after the commit
+    assert not local_job_dir(output).exists()  # and the local scratch (spools, spills, read cache) too
 
 
 def _parquet_bytes(table: pa.Table) -> bytes:
@@ -390,22 +393,30 @@ def test_denied_credentials_fail_before_engines_start(side, moto_s3, tmp_path: P
     assert not call_log.exists()
 
 
-def test_unfinished_remote_job_is_refused_with_its_local_staging(moto_s3, tmp_path: Path):
+def test_unfinished_s3_job_is_refused_with_its_staging_in_the_bucket(moto_s3, tmp_path: Path):
     bucket = moto_s3.bucket("stg")
     local_in = tmp_path / "in.jsonl"
     local_in.write_bytes(_jsonl(_lines(5, seed=11)[0]))
     output = f"s3://{bucket}/out"
-    staging = remote_staging_base(output) / "_staging"
+    moto_s3.put(bucket, "out/_staging/job.json", b"{}")
+    with pytest.raises(PreflightError, match="unfinished job") as info:
+        run_job(_job(str(local_in), output, storage={"s3_endpoint_url": moto_s3.url}), show_progress=False)
+    assert f"{output}/_staging" in str(info.value) and f"nightshift resume {output}" in str(info.value)
+    assert moto_s3.keys(bucket) == ["out/_staging/job.json"]  # nothing touched
+
+
+def test_unfinished_http_job_is_refused_with_its_local_staging(http_files, tmp_path: Path, monkeypatch):
+    monkeypatch.setenv("NIGHTSHIFT_HOME", str(tmp_path / "home"))
+    local_in = tmp_path / "in.jsonl"
+    local_in.write_bytes(_jsonl(_lines(5, seed=11)[0]))
+    output = f"{http_files.url}/unfinished"
+    staging = local_job_dir(output) / "_staging"
     staging.mkdir(parents=True)
-    try:
-        with pytest.raises(PreflightError, match="unfinished job") as info:
-            run_job(
-                _job(str(local_in), output, storage={"s3_endpoint_url": moto_s3.url}), show_progress=False
-            )
-        assert str(staging) in str(info.value) and f"nightshift resume {output}" in str(info.value)
-    finally:
-        staging.parent.joinpath("_staging").rmdir()
-        staging.parent.rmdir()
+    with pytest.raises(PreflightError, match="unfinished job") as info:
+        run_job(_job(str(local_in), output), show_progress=False)
+    assert f"staged locally in {staging}" in str(info.value) and f"nightshift resume {output}" in str(
+        info.value
+    )
 
 
 def test_overwrite_replaces_a_remote_output_without_stale_shards(moto_s3, tmp_path: Path):

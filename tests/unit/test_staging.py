@@ -72,8 +72,8 @@ def all_files(root: Path) -> list[Path]:
 
 def test_create_layout(staging: StagingArea):
     assert staging.exists()
-    assert staging.root.name == "_staging"
-    assert {p.name for p in staging.root.iterdir()} == {"requests", "results", "errors"}
+    assert Path(staging.root).name == "_staging"
+    assert {p.name for p in Path(staging.root).iterdir()} == {"requests", "results", "errors"}
     assert staging.count("results") == staging.count("errors") == 0
     assert list(staging.merged("results")) == []
 
@@ -121,7 +121,7 @@ def test_parts_written_atomically_leave_no_temp_files(staging: StagingArea):
         [{"custom_id": "q", "url": "/v1/completions", "body": "{}", "line": 1, "source": "s"}]
     )
     staging.write_rows("results", [])  # nothing to write: no empty part
-    files = all_files(staging.root)
+    files = all_files(Path(staging.root))
     assert len(files) == 41
     assert all(p.suffix == ".parquet" and not p.name.startswith(".") for p in files)
     assert len(set(p.name for p in files)) == len(files)  # part names never collide
@@ -150,7 +150,7 @@ def test_failed_part_write_removes_its_temp_file(staging: StagingArea, monkeypat
     monkeypatch.setattr(staging_module.pq, "write_table", broken_write_table)
     with pytest.raises(OSError):
         staging.write_rows("errors", [error_row(1)])
-    assert all_files(staging.root) == []
+    assert all_files(Path(staging.root)) == []
 
 
 def test_two_writers_share_a_directory(tmp_path: Path):
@@ -170,7 +170,7 @@ def output_files(output: Path) -> set[str]:
 
 
 def test_write_outputs_and_commit(staging: StagingArea, monkeypatch):
-    output = staging.root.parent
+    output = Path(staging.root).parent
     rng = random.Random(3)
     ids = [f"req-{i:04d}" for i in range(23)]
     write_in_random_parts(staging, "results", [result_row(cid) for cid in ids], rng)
@@ -230,7 +230,7 @@ def test_write_outputs_and_commit(staging: StagingArea, monkeypatch):
 
 @pytest.mark.parametrize("expected_rows", [3, 5, 0])
 def test_accounting_mismatch_commits_nothing(staging: StagingArea, expected_rows: int):
-    output = staging.root.parent
+    output = Path(staging.root).parent
     staging.write_rows("results", [result_row("a"), result_row("b"), result_row("c")])
     staging.write_rows("errors", [error_row(4)])
     with pytest.raises(AccountingError, match="output not committed"):
@@ -240,7 +240,7 @@ def test_accounting_mismatch_commits_nothing(staging: StagingArea, expected_rows
 
 
 def test_duplicate_result_staged_twice_is_an_accounting_error(staging: StagingArea):
-    output = staging.root.parent
+    output = Path(staging.root).parent
     staging.write_rows("results", [result_row("a"), result_row("dup")])
     staging.write_rows("results", [result_row("dup"), result_row("z")])  # e.g. a retried batch staged again
     with pytest.raises(AccountingError, match="dup"):
@@ -250,7 +250,7 @@ def test_duplicate_result_staged_twice_is_an_accounting_error(staging: StagingAr
 
 
 def test_rerun_removes_stale_shards_of_another_count(staging: StagingArea):
-    output = staging.root.parent
+    output = Path(staging.root).parent
     stale = [f"results-{k:05d}-of-00004.jsonl" for k in range(4)] + ["errors-00000-of-00002.jsonl"]
     stale += ["errors-00001-of-00002.jsonl", "results-00000-of-00001.parquet"]
     for name in stale:

@@ -12,7 +12,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from pipeline.io.staging import StagedRow, StagingArea
-from pipeline.io.writers import PARQUET_OUTPUT_SCHEMA, flatten_records, output_target, remote_staging_base
+from pipeline.io.writers import PARQUET_OUTPUT_SCHEMA, flatten_records, local_job_dir, output_target
 from pipeline.runtime import finalize as finalize_module
 from pipeline.runtime.finalize import AccountingError, write_outputs
 
@@ -83,7 +83,7 @@ def test_external_sort_matches_a_plain_sort(staging: StagingArea, monkeypatch, m
     sources = ["b.jsonl", "a.jsonl", "s3://x/c.jsonl"]
     errors = [error_row(line, sources[line % 3]) for line in range(1, 130)]
     stage_randomly(staging, "errors", errors, seed=3)
-    output = staging.root.parent
+    output = Path(staging.root).parent
 
     summary = write_outputs(output, staging, rows_per_shard=97, expected_rows=1000 + 129)
 
@@ -105,14 +105,14 @@ def test_external_sort_matches_a_plain_sort(staging: StagingArea, monkeypatch, m
     assert [(e["error"]["source"], e["error"]["line"]) for e in error_records] == sorted(
         (e.source, e.line) for e in errors
     )
-    assert not (staging.root / "finalize-results").exists()  # spill files cleaned up
+    assert not (staging.scratch / "finalize-results").exists()  # spill files cleaned up
 
 
 def test_parquet_shards_range_partitioned_with_manifest_sha256(staging: StagingArea):
     ids = [f"id-{i:04d}" for i in range(250)]
     stage_randomly(staging, "results", [result_row(cid) for cid in ids])
     staging.write_rows("errors", [error_row(7, custom_id="bad"), error_row(2)])
-    output = staging.root.parent
+    output = Path(staging.root).parent
 
     summary = write_outputs(output, staging, rows_per_shard=100, expected_rows=252, format="parquet")
 
@@ -142,18 +142,21 @@ def test_parquet_shards_range_partitioned_with_manifest_sha256(staging: StagingA
 
 def test_empty_parquet_output_is_one_readable_empty_shard(staging: StagingArea):
     summary = write_outputs(
-        staging.root.parent, staging, rows_per_shard=10, expected_rows=0, format="parquet"
+        Path(staging.root).parent, staging, rows_per_shard=10, expected_rows=0, format="parquet"
     )
     (shard,) = summary["shards"]["results"]
-    table = pq.read_table(staging.root.parent / shard["name"])
+    table = pq.read_table(Path(staging.root).parent / shard["name"])
     assert table.num_rows == 0 and table.schema == PARQUET_OUTPUT_SCHEMA
-    assert shard["sha256"] == hashlib.sha256((staging.root.parent / shard["name"]).read_bytes()).hexdigest()
+    assert (
+        shard["sha256"]
+        == hashlib.sha256((Path(staging.root).parent / shard["name"]).read_bytes()).hexdigest()
+    )
 
 
 def test_duplicate_result_across_many_shards_commits_nothing(staging: StagingArea):
     rows = [result_row(f"r{i:03d}") for i in range(50)] + [result_row("r025")]
     stage_randomly(staging, "results", rows)
-    output = staging.root.parent
+    output = Path(staging.root).parent
     (output / "results-00000-of-00001.jsonl").write_text("previous job\n")
     with pytest.raises(AccountingError, match="r025"):
         write_outputs(output, staging, rows_per_shard=7, expected_rows=51)
@@ -180,13 +183,19 @@ def test_flatten_records_shapes():
     assert json.loads(rows[1]["response"])["body"]["error"]["code"] == "context_length_exceeded"
 
 
-def test_remote_targets_stage_locally_by_url(monkeypatch, tmp_path: Path):
+def test_http_targets_stage_locally_by_url_s3_targets_in_the_bucket(monkeypatch, tmp_path: Path):
     monkeypatch.setenv("NIGHTSHIFT_HOME", str(tmp_path))
     a = output_target("https://h/out?sig=1")
     b = output_target("https://h/out?sig=1")
-    assert a.staging_dir == b.staging_dir == remote_staging_base("https://h/out?sig=1") / "_staging"
-    assert a.staging_dir.is_relative_to(tmp_path / "jobs")
-    assert output_target("https://h/other").staging_dir != a.staging_dir
+    assert not a.stages_in_output
+    staged = a.staging_area().root
+    assert staged == b.staging_area().root == f"{local_job_dir('https://h/out?sig=1')}/_staging"
+    assert Path(staged).is_relative_to(tmp_path / "jobs")
+    assert output_target("https://h/other").staging_area().root != staged
     assert a.describe() == "https://h/out?…"
     local = output_target(str(tmp_path / "o"))
-    assert local.is_local and local.staging_dir == tmp_path / "o" / "_staging"
+    assert local.is_local and local.staging_area().root == str(tmp_path / "o" / "_staging")
+    s3 = output_target("s3://bkt/runs/one/")
+    assert s3.stages_in_output
+    assert s3.staging_area().describe() == "s3://bkt/runs/one/_staging"
+    assert s3.staging_area().scratch == local_job_dir("s3://bkt/runs/one")  # spills stay on local disk
