@@ -42,8 +42,10 @@ def _count_tokens(text: str) -> int:
 
 
 def _fake_text(seed_text: str, tokens: int) -> str:
+    """`tokens` words cycling through 32 chosen by the prompt's digest (built once per call, then repeated)."""
     digest = hashlib.sha256(seed_text.encode()).digest()
-    return " ".join(_WORDS[digest[i % len(digest)] % len(_WORDS)] for i in range(tokens))
+    cycle = [_WORDS[byte % len(_WORDS)] for byte in digest]
+    return " ".join((cycle * (tokens // len(cycle) + 1))[:tokens])
 
 
 class FakeEngine(Engine):
@@ -101,8 +103,8 @@ class FakeEngine(Engine):
             self.args.get("prefill_seconds_per_token", 0.0) * prompt_tokens
             + self.args.get("decode_seconds_per_token", 0.0) * completion_tokens
         )
-        async with self._slots:
-            if cost > 0:
+        if cost > 0:  # a request that costs no time holds no slot: nothing could wait for it
+            async with self._slots:
                 await asyncio.sleep(cost)
         text = _fake_text(prompt, completion_tokens)
         usage = {
