@@ -11,6 +11,7 @@ requests that have no staged row yet.
 from __future__ import annotations
 
 import datetime as dt
+import threading
 import time
 import uuid
 from dataclasses import dataclass, field, replace
@@ -95,6 +96,31 @@ def _start_ray(address: str | None) -> None:
     ctx.execution_options.preserve_order = False
     # Without this, engines asking for resources no node has would wait forever in silence.
     ctx.wait_for_min_actors_s = 300
+
+
+class _InBackground:
+    """Run a function on a daemon thread (a Ctrl-C must not wait for it); `result()` joins and re-raises."""
+
+    def __init__(self, fn: Any, *args: Any, **kwargs: Any) -> None:
+        self._value: Any = None
+        self._error: BaseException | None = None
+
+        def target() -> None:
+            try:
+                self._value = fn(*args, **kwargs)
+            except BaseException as exc:  # noqa: BLE001 - handed to the caller by result()
+                self._error = exc
+
+        self._thread = threading.Thread(
+            target=target, name=getattr(fn, "__name__", "background"), daemon=True
+        )
+        self._thread.start()
+
+    def result(self) -> Any:
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
+        return self._value
 
 
 class _StagingBuffer:
@@ -372,7 +398,13 @@ def run_job(config: JobConfig, show_progress: bool = True, resume: bool = False)
         staging.discard_ingest()
         state["model"] = model.model_dump()
         staging.write_job(state)
-        report = ingest(source, model.name, staging, job_id=job_id)
+        # Ray's start-up (seconds of process launches, mostly waiting) overlaps the validation pass instead of
+        # following it; engines are needed only if some row is valid, which is near-certain.
+        validation = _InBackground(ingest, source, model.name, staging, job_id=job_id)
+        try:
+            _start_ray(config.resources.address)
+        finally:
+            report = validation.result()
         state["input"] = {
             "location": source.describe(),
             "fingerprint": report.fingerprint,
