@@ -107,6 +107,26 @@ def _has_lone_surrogate(raw: str | bytes | dict[str, Any], obj: Any) -> bool:
     return False
 
 
+try:  # a JSON decoder several times faster than the stdlib's (it comes with vLLM); optional
+    import msgspec
+
+    _fast_decode = msgspec.json.Decoder().decode
+except ImportError:  # pragma: no cover - depends on the install
+    _fast_decode = None
+
+
+def _loads(raw: str | bytes) -> Any:
+    """json.loads semantics, fast on the common line. msgspec refuses what the stdlib accepts (NaN/Infinity
+    literals, integers beyond 64 bits, lone surrogates): such a line, and any line msgspec rejects, is decoded
+    again by the stdlib, so acceptance and error messages are exactly json.loads'."""
+    if _fast_decode is not None:
+        try:
+            return _fast_decode(raw)
+        except (msgspec.DecodeError, UnicodeDecodeError, ValueError):
+            pass
+    return json.loads(raw)
+
+
 def _pydantic_message(error: ValidationError) -> str:
     first = error.errors()[0]
     where = ".".join(str(p) for p in first["loc"]) or "line"
@@ -138,7 +158,7 @@ class LineValidator:
             obj: Any = raw
         else:
             try:
-                obj = json.loads(raw)
+                obj = _loads(raw)
             except (ValueError, UnicodeDecodeError) as exc:
                 return invalid(ErrorCode.INVALID_JSON, f"line is not valid JSON: {exc}")
         if not isinstance(obj, dict):

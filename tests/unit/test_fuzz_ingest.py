@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -29,3 +30,25 @@ def test_ingest_accounts_for_every_line(tmp_path_factory, lines):
         parsed = json.loads(record)  # every error record is valid JSON, encodable as UTF-8
         record.encode("utf-8")
         assert parsed["error"]["code"] and parsed["error"]["line"] >= 1
+
+
+_JSON_BITS = st.sampled_from(
+    ['{"a":', "}", "[", "]", ",", '"x"', '"\\ud800"', '"\\u00e9"', "NaN", "-Infinity", "1e400", "12345678901234567890",
+     "-0.0", "true", "null", " ", "\t", '"\t"', "\ufeff", "\udcff", "é"]
+)  # fmt: skip
+
+
+@given(st.lists(_JSON_BITS, max_size=12).map("".join))
+def test_the_fast_decoder_accepts_and_decodes_exactly_what_json_loads_does(text):
+    from pipeline.stages.validate import _loads
+
+    raw = text.encode(
+        "utf-8", "surrogatepass"
+    )  # lone surrogates become the CESU-8 bytes some writers produce
+    try:
+        expected = json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as exc:
+        with pytest.raises(type(exc)):
+            _loads(raw)
+        return
+    assert repr(_loads(raw)) == repr(expected)  # repr: NaN compares unequal to itself, its repr does not
