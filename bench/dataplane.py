@@ -360,6 +360,9 @@ def main() -> None:
     parser.add_argument(
         "--rows-per-task", type=int, default=None, help="resources.rows_per_task for nightshift"
     )
+    parser.add_argument(
+        "--engines", type=int, default=1, help="fake engine actors (1 CPU each); one per core is the natural setup"
+    )
     parser.add_argument("--skip-parquet", action="store_true")
     parser.add_argument(
         "--profile", action="store_true", help="also py-spy the nightshift driver (JSONL input)"
@@ -381,8 +384,9 @@ def main() -> None:
     config = args.work / "job.yaml"
     fake = {"output_tokens": 16, "prefill_seconds_per_token": 0.0, "decode_seconds_per_token": 0.0}
     job: dict[str, Any] = {"engine": {"fake": fake}}
+    job["resources"] = {"num_engines": args.engines, "cpus_per_engine": 1}
     if args.rows_per_task:
-        job["resources"] = {"rows_per_task": args.rows_per_task}
+        job["resources"]["rows_per_task"] = args.rows_per_task
     config.write_text(json.dumps(job))  # JSON is YAML
 
     runs: list[Run] = []
