@@ -38,3 +38,13 @@ def make_input(tmp_path):
         return write_lines(tmp_path / name, lines)
 
     return make
+
+
+def pytest_terminal_summary(terminalreporter):
+    """Print what the failure tests measured (see tests/failure_figures.py)."""
+    from tests.failure_figures import FIGURES, summary_lines
+
+    if FIGURES:
+        terminalreporter.write_sep("-", "failure figures (rows lost and duplicated must be 0)")
+        for line in summary_lines():
+            terminalreporter.write_line(line)

@@ -13,6 +13,7 @@ import pytest
 from pipeline.config import JobConfig
 from pipeline.runtime.job import run_job
 from tests.conftest import chat_line, read_jsonl, write_lines
+from tests.failure_figures import record
 
 pytestmark = pytest.mark.slow
 
@@ -70,6 +71,12 @@ def test_engine_actor_killed_mid_job(private_ray, tmp_path):
     result = outcome["result"]
     rows = read_jsonl(result.output.glob("results-*.jsonl"))
     errors = read_jsonl(result.output.glob("errors-*.jsonl"))
+    record(
+        "real vLLM engine actor SIGKILLed mid-job",
+        injected=1,
+        input_lines=n,
+        output_ids=[r["custom_id"] for r in rows + errors],
+    )
     assert len(rows) + len(errors) == n
     assert errors == []
     assert sorted(r["custom_id"] for r in rows) == [f"k-{i:03d}" for i in range(n)]

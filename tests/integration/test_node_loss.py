@@ -11,6 +11,7 @@ import pytest
 from pipeline.config import JobConfig
 from pipeline.runtime.job import run_job
 from tests.conftest import chat_line, read_jsonl, write_lines
+from tests.failure_figures import record
 
 pytestmark = pytest.mark.slow
 
@@ -80,6 +81,13 @@ def test_worker_node_removed_mid_job(three_node_cluster, tmp_path):
     assert not thread.is_alive()
     result = outcome["result"]
     rows = read_jsonl(result.output.glob("results-*.jsonl"))
+    errors = read_jsonl(result.output.glob("errors-*.jsonl"))
+    record(
+        "worker node removed from a 3-node cluster",
+        injected=1,
+        input_lines=n,
+        output_ids=[r["custom_id"] for r in rows + errors],
+    )
     assert len(rows) == n
     assert len({r["custom_id"] for r in rows}) == n
     assert result.manifest["counts"]["total"] == n

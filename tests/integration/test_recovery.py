@@ -21,6 +21,7 @@ import pytest
 from pipeline.config import JobConfig
 from pipeline.runtime.job import run_job
 from tests.conftest import chat_line, read_jsonl, write_lines
+from tests.failure_figures import record
 from tests.integration.storage_fixtures import moto_s3  # noqa: F401
 
 
@@ -55,6 +56,14 @@ def test_poison_request_is_isolated_and_the_job_finishes(tmp_path):
         fake_job(path, tmp_path / "out", crash_on=["POISON"], call_log=str(calls)), show_progress=False
     )
 
+    crashes = calls.read_text().split().count("row-017-POISON")
+    output = read_jsonl(outcome.output.glob("*-of-*.jsonl"))
+    record(
+        "poison request (crashes its engine every time)",
+        injected=crashes,
+        input_lines=60,
+        output_ids=[r["custom_id"] for r in output],
+    )
     results, errors = check_exactly_once(outcome.output, 60)
     assert len(results) == 59
     (poison,) = errors
@@ -133,8 +142,16 @@ def test_driver_killed_half_way_then_resume(tmp_path):
         timeout=600,
     )
     assert resumed.returncode == 0, resumed.stderr[-3000:]
-    check_exactly_once(output, n)
     recomputed = set(calls.read_text().split()[calls_before:]) & staged_before
+    record(
+        "driver SIGKILLed half way, then `resume`",
+        injected=1,
+        input_lines=n,
+        output_ids=[r["custom_id"] for r in read_jsonl(output.glob("*-of-*.jsonl"))],
+        finished_before=len(staged_before),
+        recomputed=len(recomputed),
+    )
+    check_exactly_once(output, n)
     assert recomputed == set(), f"{len(recomputed)} staged rows were run again"
     manifest = json.loads((output / "manifest.json").read_text())
     assert manifest["recovery"]["resumed"] is True
@@ -296,6 +313,15 @@ def test_s3_driver_killed_half_way_then_resumed_on_another_machine(moto_s3, tmp_
             else []
         )
         (results if "/results-" in key else errors).extend(rows)
+    recomputed = set(calls.read_text().split()[calls_before:]) & staged_before
+    record(
+        "driver SIGKILLed, S3 output resumed on another machine",
+        injected=1,
+        input_lines=n,
+        output_ids=[r["custom_id"] for r in results + errors],
+        finished_before=len(staged_before),
+        recomputed=len(recomputed),
+    )
     assert len(results) + len(errors) == n  # accounting
     ids = [r["custom_id"] for r in results + errors if r["custom_id"] is not None]
     assert len(ids) == len(set(ids))  # no row twice

@@ -1,0 +1,41 @@
+"""The figures the failure tests measure — failures injected, rows lost, rows duplicated, share of finished rows
+recomputed on resume — collected while they run and printed at the end of the session, so every CI log carries
+them (the README's failure-model figures quote such a run). Each test still asserts lost = duplicated = 0 itself."""
+
+from __future__ import annotations
+
+FIGURES: list[dict] = []
+
+
+def record(
+    failure: str,
+    *,
+    injected: int,
+    input_lines: int,
+    output_ids: list[str | None],
+    finished_before: int | None = None,
+    recomputed: int | None = None,
+) -> None:
+    """One failure test's outcome. `output_ids`: the custom_id of every output line (None for lines without one)."""
+    named = [i for i in output_ids if i is not None]
+    duplicated = len(named) - len(set(named))
+    FIGURES.append(
+        {
+            "failure": failure,
+            "injected": injected,
+            "input_lines": input_lines,
+            "lost": max(0, input_lines - (len(output_ids) - duplicated)),
+            "duplicated": duplicated,
+            "recomputed": None if finished_before is None else f"{recomputed or 0}/{finished_before}",
+        }
+    )
+
+
+def summary_lines() -> list[str]:
+    header = f"{'failure':<56} {'injected':>8} {'lines':>6} {'lost':>5} {'dup':>4}  recomputed on resume"
+    rows = [
+        f"{f['failure']:<56} {f['injected']:>8} {f['input_lines']:>6} {f['lost']:>5} {f['duplicated']:>4}  "
+        f"{f['recomputed'] or '-'}"
+        for f in FIGURES
+    ]
+    return [header, *rows]
