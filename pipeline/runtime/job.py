@@ -263,7 +263,7 @@ def _pool_dataset(plan: PoolPlan, queue: Any, monitor: Any, job_id: str, pending
     tasks = max(1, -(-pending_rows // plan.batch_size))
     source = queue_datasource(queue, pool.name, read_tasks=tasks, chunk_rows=plan.batch_size)
     ds = ray.data.read_datasource(
-        source, num_cpus=0, override_num_blocks=tasks, concurrency=2 * plan.max_engines
+        source, num_cpus=0, override_num_blocks=tasks, concurrency=min(tasks, 2 * plan.max_engines)
     )
     return ds.map_batches(
         EngineWorker,
