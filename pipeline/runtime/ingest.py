@@ -95,19 +95,19 @@ except ImportError:  # pragma: no cover - depends on the install
 def body_json(body: dict, payload: bytes | dict | BadRow) -> str:
     """The request body as compact JSON for the work list.
 
-    The fast encoder is used only where it gives the same JSON as the stdlib: it writes non-finite floats as null,
-    and json.loads produces those only from the literals NaN / Infinity, so a raw line without them is safe.
+    The fast encoder is used only where it gives the same JSON as the stdlib: it writes non-finite floats as null.
+    From a raw line, json.loads produces those only from the literals NaN / Infinity, so a line without them is
+    safe; from an already-parsed row (Parquet), an output without any null cannot have come from one.
     """
-    if (
-        _fast_encode is not None
-        and isinstance(payload, bytes)
-        and b"NaN" not in payload
-        and b"Infinity" not in payload
-    ):
-        try:
-            return _fast_encode(body).decode()
-        except (TypeError, OverflowError, ValueError):  # e.g. an integer beyond 64 bits
-            pass
+    if _fast_encode is not None:
+        raw_line = isinstance(payload, bytes)
+        if not raw_line or (b"NaN" not in payload and b"Infinity" not in payload):
+            try:
+                encoded = _fast_encode(body)
+                if raw_line or b"null" not in encoded:
+                    return encoded.decode()
+            except (TypeError, OverflowError, ValueError):  # e.g. an integer beyond 64 bits
+                pass
     return json.dumps(body, ensure_ascii=False, separators=(",", ":"))
 
 

@@ -97,6 +97,16 @@ def _has_lone_surrogate(raw: str | bytes | dict[str, Any], obj: Any) -> bool:
         marker = raw if isinstance(raw, bytes) else raw.encode("utf-8", "surrogatepass")
         if b"\\u" not in marker and b"\xed" not in marker:
             return False
+    if (
+        _fast_encode is not None
+    ):  # the same verdict as the stdlib's below, several times faster (Parquet rows)
+        try:
+            _fast_encode(obj)
+            return False
+        except UnicodeEncodeError:
+            return True
+        except (TypeError, ValueError, OverflowError):
+            pass
     try:
         json.dumps(obj, ensure_ascii=False).encode("utf-8")
     except UnicodeEncodeError:
@@ -108,8 +118,9 @@ try:  # a JSON decoder several times faster than the stdlib's (it comes with vLL
     import msgspec
 
     _fast_decode = msgspec.json.Decoder().decode
+    _fast_encode = msgspec.json.Encoder().encode
 except ImportError:  # pragma: no cover - depends on the install
-    _fast_decode = None
+    _fast_decode = _fast_encode = None
 
 
 def _loads(raw: str | bytes) -> Any:

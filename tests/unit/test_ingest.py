@@ -168,3 +168,22 @@ def test_ingest_lone_surrogate_becomes_error_record(tmp_path: Path, staging: Sta
     report = ingest(path, MODEL, staging)
     assert (report.lines, report.valid, report.invalid) == (3, 2, 1)
     assert [e["error"]["line"] for e in read_errors(staging)] == [2]
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        {"messages": [{"role": "user", "content": "é 😀"}], "max_tokens": 4},
+        {"messages": [], "logit_bias": {"7": float("nan")}},  # only the stdlib writes NaN back as NaN
+        {"messages": [], "stop": None, "n": 2**70},
+    ],
+)
+def test_work_list_bodies_are_the_stdlib_json_of_the_parsed_body(body):
+    import json as stdlib_json
+
+    from pipeline.runtime.ingest import body_json
+
+    expected = stdlib_json.dumps(body, ensure_ascii=False, separators=(",", ":"))
+    assert body_json(body, {"parquet": "row"}) == expected  # an already-parsed row
+    raw = expected.encode()
+    assert body_json(stdlib_json.loads(raw), raw) == expected  # a raw JSONL line
