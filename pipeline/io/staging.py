@@ -131,15 +131,46 @@ class StagingArea:
     def request_files(self) -> list[str]:
         return sorted(str(p) for p in self.requests_dir.glob("*.parquet"))
 
+    def drop_requests(self, path: str | Path, custom_ids: set[str]) -> None:
+        """Rewrite one request part without the given requests (atomically; an emptied part is removed).
+
+        Streams the part a read batch at a time, so memory stays one batch whatever the part's size.
+        """
+        import pyarrow.compute as pc
+
+        path = Path(path)
+        drop = pa.array(sorted(custom_ids), type=pa.string())
+        tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex}.tmp")
+        kept = 0
+        try:
+            with pq.ParquetWriter(tmp, REQUEST_SCHEMA, compression="zstd") as writer:
+                for batch in pq.ParquetFile(path).iter_batches(batch_size=4096):
+                    left = batch.filter(pc.invert(pc.is_in(batch.column("custom_id"), value_set=drop)))
+                    kept += left.num_rows
+                    writer.write_batch(left)
+            if kept:
+                os.replace(tmp, path)
+            else:
+                tmp.unlink()
+                path.unlink()
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
+
     # -- finished rows ----------------------------------------------------------------------------------------
-    def write_rows(self, kind: str, rows: list[StagedRow], prefix: str | None = None) -> None:
-        """Persist finished rows as one sorted part; after this returns they survive any crash."""
+    def write_rows(
+        self, kind: str, rows: list[StagedRow], prefix: str | None = None, name: str | None = None
+    ) -> None:
+        """Persist finished rows as one sorted part; after this returns they survive any crash.
+
+        `name` fixes the part's file name, so a pass that is redone replaces its part instead of adding a copy.
+        """
         if not rows:
             return
         key = result_sort_key if kind == "results" else error_sort_key
         rows = sorted(rows, key=key)
         table = pa.Table.from_pylist([r.__dict__ for r in rows], schema=STAGED_SCHEMA)
-        _write_parquet_atomic(table, self._dir(kind) / self._next_name(prefix or kind))
+        _write_parquet_atomic(table, self._dir(kind) / (name or self._next_name(prefix or kind)))
 
     def finished_ids(self) -> Iterator[str]:
         """custom_ids that already have their final row from an engine (results and engine-side errors)."""

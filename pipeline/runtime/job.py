@@ -29,6 +29,7 @@ from pipeline.io.writers import OutputTarget, output_target
 from pipeline.models import ResolvedModel, resolve_model
 from pipeline.observe.progress import JobCounters, ProgressDisplay
 from pipeline.runtime.finalize import FORMAT_VERSION, commit, write_outputs
+from pipeline.runtime.fit import fit_job
 from pipeline.runtime.ingest import ingest
 from pipeline.runtime.monitor import preemption_remedy, summarize_engines
 from pipeline.runtime.preflight import PreflightError, check_input_source, check_output_target
@@ -349,6 +350,9 @@ def run_job(config: JobConfig, show_progress: bool = True, resume: bool = False)
         }
         state["ingested"] = True
         staging.write_job(state)
+    # Engine args fitted to the data, too-long prompts failed before any engine (runtime/fit.py; kept in state).
+    config = fit_job(config, model, staging, state)
+    spec = engine_spec(config, model)
     lines = state["input"]["lines"]
     log.info("input validated", lines=lines, valid=state["input"]["valid"], invalid=state["input"]["invalid"])
 
@@ -387,6 +391,7 @@ def run_job(config: JobConfig, show_progress: bool = True, resume: bool = False)
             "sampling_defaults": engines.get("sampling_defaults", {}),
             "engines": engines.get("engines", 0),
             "kv_cache_tokens_per_engine": engines.get("kv_cache_tokens_per_engine"),
+            "fitted": state.get("fit"),
         },
         **outputs,
         # From staging, not from this run's counters: a resumed job's totals include the rows of earlier runs.
