@@ -31,7 +31,7 @@ from pipeline.observe.progress import JobCounters, ProgressDisplay
 from pipeline.runtime.finalize import FORMAT_VERSION, commit, write_outputs
 from pipeline.runtime.fit import fit_job
 from pipeline.runtime.ingest import ingest
-from pipeline.runtime.monitor import preemption_remedy, summarize_engines
+from pipeline.runtime.monitor import EngineWatch, preemption_remedy, summarize_engines
 from pipeline.runtime.preflight import PreflightError, check_input_source, check_output_target
 
 log = structlog.get_logger(__name__)
@@ -53,6 +53,7 @@ class EngineRun:
     pools: dict[str, dict[str, float]] = field(default_factory=dict)
     retried_requests: int = 0
     duplicates_dropped: int = 0
+    preemption_warned: bool = False  # the live warning went out already
 
 
 def engine_spec(config: JobConfig, model: ResolvedModel) -> EngineSpec:
@@ -250,7 +251,9 @@ def _run_engines(
     # is exactly-once, so the driver keeps the ids it staged and drops repeats.
     staged = set(finished)
     started = time.monotonic()
-    with ProgressDisplay(counters, enabled=show_progress) as progress:
+    # Live engine numbers (KV usage, preemptions, prefix hits) in the display and logs; warns once on preemptions.
+    watch = EngineWatch.of_monitor(monitor)
+    with ProgressDisplay(counters, enabled=show_progress, engines=watch.poll) as progress:
         for batch in ds.iter_batches(batch_format="pyarrow", batch_size=None):
             columns = batch.to_pydict()
             rows = failed = prompt = completion = 0
@@ -287,6 +290,7 @@ def _run_engines(
         stats["output_tokens_per_s"] = round(stats["completion_tokens"] / span, 2) if span else 0.0
     run.snapshot = ray.get(monitor.snapshot.remote())
     run.retried_requests = len(ray.get(monitor.retries.remote()))
+    run.preemption_warned = watch.warned
     for actor in (monitor, queue):
         ray.kill(actor)
     if run.duplicates_dropped:
@@ -375,7 +379,7 @@ def run_job(config: JobConfig, show_progress: bool = True, resume: bool = False)
     wall = time.monotonic() - t0
     engines = summarize_engines(run.snapshot)
     remedy = preemption_remedy(engines.get("num_preemptions", 0), engines.get("effective_args", {}))
-    if remedy:
+    if remedy and not run.preemption_warned:
         log.warning(remedy)
     manifest = {
         "format_version": FORMAT_VERSION,
@@ -391,6 +395,7 @@ def run_job(config: JobConfig, show_progress: bool = True, resume: bool = False)
             "sampling_defaults": engines.get("sampling_defaults", {}),
             "engines": engines.get("engines", 0),
             "kv_cache_tokens_per_engine": engines.get("kv_cache_tokens_per_engine"),
+            "kv_cache_usage_peak": engines.get("kv_cache_usage_peak"),
             "fitted": state.get("fit"),
         },
         **outputs,
@@ -402,6 +407,7 @@ def run_job(config: JobConfig, show_progress: bool = True, resume: bool = False)
             "output_tokens_per_s": round(counters.completion_tokens / wall, 2) if wall else 0.0,
         },
         "preemptions": engines.get("num_preemptions", 0),
+        "preemption_warning": remedy,
         "prefix_cache_hit_rate": engines.get("prefix_cache_hit_rate"),
         "recovery": {
             "resumed": bool(resume),
