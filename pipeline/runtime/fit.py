@@ -7,8 +7,9 @@ chat template for vLLM, see `pipeline.tokens`). From the measurements:
 - max_model_len, unless given: the longest prompt + its output budget, rounded up to a KV block, capped at the
   model's limit. Halving an oversized context doubles the sequences that fit. No request can need more than the
   fitted length by construction; only requests over the model's own limit can, and vLLM cuts their output there.
-- max_num_seqs, unless given: the sequences the KV cache holds when every one grows to max_model_len (at most 256),
-  so the engine never has to preempt. A given max_num_seqs above that is kept, with a warning that names the number.
+- max_num_seqs, unless given: the sequences the KV cache holds when every one grows as long as it can (its prompt +
+  output budget, at most max_model_len; at most 256), so the engine never has to preempt. A given max_num_seqs
+  above that is kept, with a warning that names the number. Requests are measured even when max_model_len is given.
 - A request whose prompt alone reaches the model's limit (no room for one output token) can never run: it becomes a
   `context_length_exceeded` error record here and is dropped from the work list, so it never reaches an engine.
 
@@ -402,65 +403,71 @@ def _decide(
     given_len = config.engine.vllm.max_model_len
 
     record: dict[str, Any] = {"enabled": True, "counted_by": target.counted_by}
-    if given_len is None:
-        lengths = measure(staging, target, limit, job_id)
-        context, why = fit_max_model_len(lengths, block, limit)
-        record["measured"] = lengths.summary()
-        record["context_length_exceeded"] = lengths.too_long
-        record["max_model_len"] = {
-            "value": context or limit,
-            "source": "fitted" if context else "model limit",
-            "model_limit": limit,
-            "block_size": block,
-            "why": why,
-        }
-        if lengths.too_long:
-            warnings.append(
-                f"{lengths.too_long} request(s) have a prompt of {limit} tokens or more (the model's limit, with no "
-                f"room for output): recorded as context_length_exceeded, not run"
+    # Measured even when max_model_len is given: too-long prompts still fail early, and the KV checks below use
+    # what the requests need, not only the worst case the given length allows.
+    lengths = measure(staging, target, limit, job_id)
+    needed, why = fit_max_model_len(lengths, block, limit)
+    record["measured"] = lengths.summary()
+    record["context_length_exceeded"] = lengths.too_long
+    context = given_len or needed or limit
+    record["max_model_len"] = {
+        "value": context,
+        "source": "given" if given_len else "fitted" if needed else "model limit",
+        "model_limit": limit,
+        "block_size": block,
+        "needed": needed,
+        "why": why,
+    }
+    # The longest a sequence can grow: what it needs, when every request bounds its output (a chat without
+    # max_tokens may run on to the end of whatever context it is given).
+    bound = needed if needed and not lengths.assumed_output else None
+    record["longest_sequence"] = bound
+    if lengths.too_long:
+        warnings.append(
+            f"{lengths.too_long} request(s) have a prompt of {limit} tokens or more (the model's limit, with no "
+            f"room for output): recorded as context_length_exceeded, not run"
+        )
+    if given_len and needed and given_len < needed:
+        warnings.append(
+            f"max_model_len {given_len} is less than these requests need ({needed}: {why}): outputs stop at "
+            f"{given_len} tokens, and prompts that long are rejected"
+        )
+    if lengths.assumed_output:
+        notes.append(
+            f"{lengths.assumed_output} chat request(s) set no max_tokens: budgeted "
+            f"{config.engine.fit.default_max_tokens} output tokens each (engine.fit.default_max_tokens); vLLM "
+            f"lets them generate up to max_model_len − prompt, so "
+            + (
+                "at the fitted length their output may stop there (finish_reason 'length'); set max_tokens, "
+                "--max-model-len or --no-fit to keep the model's limit"
+                if not given_len and needed
+                else "max_num_seqs is sized for sequences of the whole max_model_len"
             )
-        if lengths.assumed_output:
-            notes.append(
-                f"{lengths.assumed_output} chat request(s) set no max_tokens: budgeted "
-                f"{config.engine.fit.default_max_tokens} output tokens each (engine.fit.default_max_tokens); vLLM "
-                f"lets them generate up to max_model_len − prompt, so at the fitted length their output may stop "
-                f"there (finish_reason 'length'); set max_tokens, --max-model-len or --no-fit to keep the model's limit"
-            )
-        if lengths.output_capped:
-            notes.append(
-                f"{lengths.output_capped} request(s) need more than the model's limit ({limit}) for prompt + "
-                f"max_tokens: vLLM cuts their output at the end of the context"
-            )
-        if lengths.untokenizable:
-            warnings.append(
-                f"{lengths.untokenizable} request(s) could not be measured (chat template error) and were left to "
-                f"the engine, which reports its own error for them"
-            )
-        context = context or limit
-    else:
-        context = given_len
-        record["max_model_len"] = {
-            "value": given_len,
-            "source": "given",
-            "model_limit": limit,
-            "block_size": block,
-        }
-        notes.append("max_model_len given: requests not measured")
+        )
+    if lengths.output_capped:
+        notes.append(
+            f"{lengths.output_capped} request(s) need more than the model's limit ({limit}) for prompt + "
+            f"max_tokens: vLLM cuts their output at the end of the context"
+        )
+    if lengths.untokenizable:
+        warnings.append(
+            f"{lengths.untokenizable} request(s) could not be measured (chat template error) and were left to "
+            f"the engine, which reports its own error for them"
+        )
 
     record["max_num_seqs"] = {}
     if config.engine.backend == "vllm":
         for name, (args, device) in pool_args.items():
             pool_context = args.get("max_model_len") or context
+            sized_for = min(pool_context, bound) if bound else pool_context
             capacity = target.capacity(args, device)
-            value, source, why, warning = choose_max_num_seqs(
-                args.get("max_num_seqs"), capacity, pool_context
-            )
+            value, source, why, warning = choose_max_num_seqs(args.get("max_num_seqs"), capacity, sized_for)
             record["max_num_seqs"][name] = {
                 "value": value,
                 "source": source,
-                "max_model_len": pool_context,
+                "sized_for_tokens": sized_for,
                 "kv_cache_tokens": capacity.tokens if capacity else None,
-                "fits_at_max_model_len": capacity.sequences(pool_context) if capacity else None,
+                "fits": capacity.sequences(sized_for) if capacity else None,
                 "why": why,
             }
             if warning:

@@ -163,6 +163,7 @@ def test_fitted_engine_args_and_too_long_rows_reach_the_manifest(tmp_path):
         "source": "fitted",
         "model_limit": 8192,
         "block_size": 16,
+        "needed": 48,
         "why": "longest request 'r-19': 25 prompt + 10 output tokens = 35, rounded up to a 16-token KV block",
     }
     assert manifest["engine"]["args"]["max_model_len"] == 48  # what the engines ran with

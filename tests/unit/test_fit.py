@@ -211,13 +211,46 @@ def test_fit_job_with_the_fake_engine_fits_the_context_and_rejects_too_long_rows
     assert again.engine.vllm.max_model_len == 48
 
 
-def test_a_given_max_model_len_wins_and_nothing_is_measured(tmp_path):
-    staging = staged(tmp_path, [[chat("a", 3, 1), chat("huge", 9000, 2)]])
+def test_a_given_max_model_len_wins_and_is_checked_against_the_data(tmp_path):
+    staging = staged(
+        tmp_path, [[chat("a", 3, 1, max_tokens=4), chat("b", 60, 2, max_tokens=4), chat("huge", 9000, 3)]]
+    )
+    state = fake_state(3, 3)
+    config = fit_job(fake_job(tmp_path, vllm={"max_model_len": 32}), MODEL, staging, state)
+    assert config.engine.vllm.max_model_len == 32
+    record = state["fit"]
+    assert record["max_model_len"]["source"] == "given" and record["max_model_len"]["needed"] == 80
+    assert record["context_length_exceeded"] == 1  # over the model's own limit: rejected whatever was given
+    assert any("max_model_len 32 is less than these requests need (80" in w for w in record["warnings"])
+    assert request_ids(staging) == ["a", "b"]
+
+
+def test_max_num_seqs_is_sized_for_what_the_requests_need_under_a_given_max_model_len(tmp_path, monkeypatch):
+    from pipeline.runtime import fit as fit_module
+
+    target = word_target(limit=8192, block=16, capacity=capacity(100))  # 1,600 tokens of KV
+    monkeypatch.setitem(fit_module._TARGETS, "vllm", lambda config, model: target)
+    rows = [chat("a", 10, 1, max_tokens=20), chat("b", 70, 2, max_tokens=10)]  # b grows to 80 tokens
+    staging = staged(tmp_path, [rows])
+    config = JobConfig.model_validate({"engine": {"vllm": {"max_model_len": 4096, "max_num_seqs": 64}}})
     state = fake_state(2, 2)
-    config = fit_job(fake_job(tmp_path, vllm={"max_model_len": 4096}), MODEL, staging, state)
-    assert config.engine.vllm.max_model_len == 4096
-    assert state["fit"]["max_model_len"]["source"] == "given" and "measured" not in state["fit"]
-    assert request_ids(staging) == ["a", "huge"]  # left to the engine, which rejects it itself
+    fitted = fit_job(config, MODEL, staging, state)
+    seqs = state["fit"]["max_num_seqs"]["default"]
+    assert state["fit"]["longest_sequence"] == 80
+    assert (seqs["sized_for_tokens"], seqs["fits"], seqs["source"]) == (80, 20, "given")
+    assert fitted.engine.vllm.max_num_seqs == 64  # given: kept, with a warning naming the number that fits
+    assert any(
+        "max_num_seqs 64 is more than" in w and "lower --max-num-seqs to 20" in w
+        for w in state["fit"]["warnings"]
+    )
+
+    # Without max_num_seqs it is fitted; a chat without max_tokens could grow to the whole context instead.
+    open_ended = staged(tmp_path / "2", [[*rows, chat("c", 10, 3)]])
+    state = fake_state(3, 3)
+    config = JobConfig.model_validate({"engine": {"vllm": {"max_model_len": 160}}})
+    fitted = fit_job(config, MODEL, open_ended, state)
+    assert state["fit"]["longest_sequence"] is None
+    assert fitted.engine.vllm.max_num_seqs == 10  # 100 blocks / 10 blocks of 160 tokens
 
 
 def test_no_fit_turns_it_off(tmp_path):
