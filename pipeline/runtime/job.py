@@ -252,7 +252,7 @@ def _run_engines(
     staged = set(finished)
     started = time.monotonic()
     # Live engine numbers (KV usage, preemptions, prefix hits) in the display and logs; warns once on preemptions.
-    watch = EngineWatch.of_monitor(monitor)
+    watch = EngineWatch.of_monitor(monitor, staging.read_job().get("fit"))
     with ProgressDisplay(counters, enabled=show_progress, engines=watch.poll) as progress:
         for batch in ds.iter_batches(batch_format="pyarrow", batch_size=None):
             columns = batch.to_pydict()
@@ -378,7 +378,11 @@ def run_job(config: JobConfig, show_progress: bool = True, resume: bool = False)
     }
     wall = time.monotonic() - t0
     engines = summarize_engines(run.snapshot)
-    remedy = preemption_remedy(engines.get("num_preemptions", 0), engines.get("effective_args", {}))
+    remedy = preemption_remedy(
+        engines.get("num_preemptions", 0),
+        engines.get("effective_args", {}),
+        (state.get("fit") or {}).get("longest_sequence"),
+    )
     if remedy and not run.preemption_warned:
         log.warning(remedy)
     manifest = {
@@ -396,6 +400,7 @@ def run_job(config: JobConfig, show_progress: bool = True, resume: bool = False)
             "engines": engines.get("engines", 0),
             "kv_cache_tokens_per_engine": engines.get("kv_cache_tokens_per_engine"),
             "kv_cache_usage_peak": engines.get("kv_cache_usage_peak"),
+            "first_ready_at": _iso(engines.get("first_ready_at")),  # engine start ends, generation begins
             "fitted": state.get("fit"),
         },
         **outputs,
@@ -420,6 +425,10 @@ def run_job(config: JobConfig, show_progress: bool = True, resume: bool = False)
     }
     commit(output, staging, manifest)
     return JobOutcome(output.where, manifest, counters, run.pools)
+
+
+def _iso(epoch: float | None) -> str | None:
+    return dt.datetime.fromtimestamp(epoch, dt.timezone.utc).isoformat() if epoch else None
 
 
 def load_resumable(output: str) -> JobConfig:

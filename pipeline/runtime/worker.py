@@ -96,6 +96,7 @@ class EngineWorker:
         self._solo = False
         self._last_report = 0.0
         self._kv_usage_peak: float | None = None
+        self._ready_at: float | None = None  # wall clock: compared across processes
         self._reporter: asyncio.Task | None = None
         self.actor_id = f"{pool}-{os.getpid()}"
 
@@ -107,6 +108,7 @@ class EngineWorker:
                 if self.engine is None:
                     engine = build_engine(self.spec)
                     await engine.start()
+                    self._ready_at = time.time()
                     self.engine = engine
                     self._report(force=True)
                     if self.monitor is not None:
@@ -135,6 +137,7 @@ class EngineWorker:
             info = {
                 "pool": self.pool,
                 "pid": os.getpid(),
+                "ready_at": self._ready_at,
                 "stats": {**stats.__dict__, "kv_cache_usage_peak": self._kv_usage_peak},
                 "effective_args": self.engine.effective_args(),
                 "sampling_defaults": self.engine.sampling_defaults(),

@@ -15,6 +15,16 @@ def test_preemption_remedy_names_settings_that_fit():
     )
 
 
+def test_preemption_remedy_with_measured_requests_names_max_num_seqs_only():
+    args = {"kv_cache_tokens": 7680, "block_size": 128, "max_model_len": 2048, "max_num_seqs": 256}
+    message = preemption_remedy(48, args, longest_sequence=384)
+    # 59 usable blocks of 128 (one is vLLM's null block) hold 19 sequences of 384 tokens.
+    assert message.startswith(
+        "KV cache full: 48 preemptions; lower max_num_seqs to 19 (KV cache: 7680 tokens;"
+    )
+    assert "grow to 384 tokens each" in message and "max_model_len to" not in message
+
+
 def test_ledger_retries_then_runs_alone_then_isolates():
     ledger = JobMonitor()
     assert ledger.begin(["a", "b"]) == {"a": "normal", "b": "normal"}
