@@ -113,7 +113,7 @@ class ProgressDisplay:
     """A rich progress bar when stderr is a terminal; otherwise a log line every `log_every` seconds.
 
     With `engines` (a callable returning the engines' summary, see runtime.monitor.EngineWatch), a ticker thread
-    refreshes the display every `tick` seconds as well: results arrive a batch at a time, and a batch of long
+    calls it and refreshes the display every `tick` seconds: results arrive a batch at a time, and a batch of long
     generations can take minutes, during which the KV cache fills and preemptions start.
     """
 
@@ -137,10 +137,13 @@ class ProgressDisplay:
         self._stop = threading.Event()
         self._ticker: threading.Thread | None = None
         self._pools: dict[str, dict] | None = None
+        self._engines_summary: dict[str, Any] | None = None
 
     def _tick(self) -> None:
         while not self._stop.wait(self.tick):
             try:
+                # Polled here only, outside the display lock: the result loop never waits on the monitor.
+                self._engines_summary = self.engines()
                 self.update()
             except Exception:  # noqa: BLE001 - a display must never take the job down
                 log.debug("progress refresh failed", exc_info=True)
@@ -183,7 +186,7 @@ class ProgressDisplay:
         c = self.counters
         pools = self._pools
         per_pool = pool_line(pools, time.monotonic() - c.started) if pools and len(pools) > 1 else ""
-        engines = self.engines() if self.engines is not None else None
+        engines = self._engines_summary
         if self._progress is not None:
             tps = c.output_tokens_per_second()
             self._progress.update(
