@@ -183,6 +183,11 @@ def main() -> None:
     )
     parser.add_argument("--user-max-num-seqs", type=int, default=256)
     parser.add_argument("--user-max-model-len", type=int, default=2048)
+    parser.add_argument(
+        "--order",
+        default="user,planned",
+        help="which run goes first (default user,planned): swap to check bias",
+    )
     parser.add_argument("--keep", action="store_true", help="keep the work directory (inputs, outputs)")
     args = parser.parse_args()
 
@@ -198,7 +203,9 @@ def main() -> None:
     ]
     rows = []
     try:
-        for name, flags in (("user", user), ("planned", [])):
+        runs = {"user": user, "planned": []}
+        for name in args.order.split(","):
+            flags = runs[name]
             print(f"running {name}: nightshift run ... {' '.join(flags)}", file=sys.stderr, flush=True)
             rows.append(run(name, flags, input_path, config, work))
     finally:
