@@ -361,7 +361,10 @@ def main() -> None:
         "--rows-per-task", type=int, default=None, help="resources.rows_per_task for nightshift"
     )
     parser.add_argument(
-        "--engines", type=int, default=1, help="fake engine actors (1 CPU each); one per core is the natural setup"
+        "--engines",
+        type=int,
+        default=1,
+        help="fake engine actors (1 CPU each); one per core is the natural setup",
     )
     parser.add_argument("--skip-parquet", action="store_true")
     parser.add_argument(

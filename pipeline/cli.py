@@ -54,6 +54,8 @@ FLAG_FOR_KEY = {
     "engine.vllm.seed": "--seed",
     "engine.vllm.cpu_kvcache_space_gib": "--cpu-kvcache-space",
     "engine.max_in_flight": "--max-in-flight",
+    "engine.fit.enabled": "--fit/--no-fit",
+    "engine.fit.default_max_tokens": "--default-max-tokens",
     "overwrite": "--overwrite",
     "storage.s3_endpoint_url": "--s3-endpoint-url",
     "storage.s3_region": "--s3-region",
@@ -96,8 +98,13 @@ def run(
     num_engines: Annotated[int | None, typer.Option(help="Engine actors (replicas).")] = None,
     cpus_per_engine: Annotated[float | None, typer.Option(help="Ray CPUs reserved per engine actor.")] = None,
     gpus_per_engine: Annotated[float | None, typer.Option(help="Ray GPUs reserved per engine actor.")] = None,
-    max_model_len: Annotated[int | None, typer.Option(help="vLLM: context length.")] = None,
-    max_num_seqs: Annotated[int | None, typer.Option(help="vLLM: most sequences run at once.")] = None,
+    max_model_len: Annotated[
+        int | None, typer.Option(help="vLLM: context length. Default: fitted to the input (see --fit).")
+    ] = None,
+    max_num_seqs: Annotated[
+        int | None,
+        typer.Option(help="vLLM: most sequences run at once. Default: what the KV cache holds (see --fit)."),
+    ] = None,
     gpu_memory_utilization: Annotated[
         float | None, typer.Option(help="vLLM: share of GPU memory to use.")
     ] = None,
@@ -112,6 +119,20 @@ def run(
     seed: Annotated[int | None, typer.Option(help="vLLM: engine seed.")] = None,
     cpu_kvcache_space: Annotated[int | None, typer.Option(help="CPU engines: KV cache GiB.")] = None,
     max_in_flight: Annotated[int | None, typer.Option(help="Requests kept in flight per engine.")] = None,
+    fit: Annotated[
+        bool | None,
+        typer.Option(
+            "--fit/--no-fit",
+            help="Fit max_model_len to the input (longest prompt + max_tokens) and max_num_seqs to the KV cache, "
+            "unless given; prompts too long for the model become error records. Default: on.",
+        ),
+    ] = None,
+    default_max_tokens: Annotated[
+        int | None,
+        typer.Option(
+            help="Fitting: output tokens budgeted for chat requests without max_tokens (default 256)."
+        ),
+    ] = None,
     overwrite: Annotated[
         bool | None, typer.Option("--overwrite", help="Replace a completed job in OUTPUT.")
     ] = None,
@@ -155,6 +176,8 @@ def run(
             "engine.vllm.seed": seed,
             "engine.vllm.cpu_kvcache_space_gib": cpu_kvcache_space,
             "engine.max_in_flight": max_in_flight,
+            "engine.fit.enabled": fit,
+            "engine.fit.default_max_tokens": default_max_tokens,
             "overwrite": overwrite,
             "storage.s3_endpoint_url": s3_endpoint_url,
             "storage.s3_region": s3_region,

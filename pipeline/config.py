@@ -22,15 +22,29 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", protected_namespaces=())
 
 
+# max_num_seqs when it is neither given nor fitted to the KV capacity (fitting off, or the capacity unknown).
+DEFAULT_MAX_NUM_SEQS = 64
+
+
 class VllmEngineArgs(_Strict):
-    """Engine arguments passed to vLLM (names as in `vllm serve`)."""
+    """Engine arguments passed to vLLM (names as in `vllm serve`).
+
+    Unset (None) engine args are the ones `run` may fit to the data (see FitConfig); a value given in the config
+    file or by a flag is always used as is.
+    """
 
     max_model_len: int | None = Field(
         default=None,
         ge=16,
-        description="Context length (prompt + output tokens). Default: the model's own limit.",
+        description="Context length (prompt + output tokens). Default: fitted to the input (its longest prompt + "
+        "max_tokens, rounded up to a KV block, at most the model's limit); without fitting, the model's own limit.",
     )
-    max_num_seqs: int = Field(default=64, ge=1, description="Most sequences the engine runs at once.")
+    max_num_seqs: int | None = Field(
+        default=None,
+        ge=1,
+        description="Most sequences the engine runs at once. Default: as many as the KV cache holds at "
+        f"max_model_len (at most 256); when that is unknown or fitting is off, {DEFAULT_MAX_NUM_SEQS}.",
+    )
     gpu_memory_utilization: float = Field(
         default=0.9, gt=0, le=1, description="Share of accelerator memory vLLM may use (weights + KV cache)."
     )
@@ -81,6 +95,25 @@ class FakeEngineArgs(_Strict):
     )
 
 
+class FitConfig(_Strict):
+    """Fitting engine args to the data before the engines start (`nightshift plan --input`, applied)."""
+
+    enabled: bool = Field(
+        default=True,
+        description="Measure every request (tokenizer + chat template) after validation; set max_model_len to the "
+        "longest prompt + max_tokens and max_num_seqs to what the KV cache holds at that length, unless given; "
+        "requests whose prompt cannot fit even at the model's limit become context_length_exceeded error records. "
+        "--no-fit turns it off.",
+    )
+    default_max_tokens: int = Field(
+        default=256,
+        ge=1,
+        description="Output tokens budgeted for a chat request that sets no max_tokens (when the model's "
+        "generation_config sets no max_new_tokens either). vLLM lets such a request generate until the context "
+        "ends, so with a fitted max_model_len its output may be cut there (reported in the manifest).",
+    )
+
+
 class EngineConfig(_Strict):
     """Which engine backend runs the requests, and how."""
 
@@ -93,6 +126,9 @@ class EngineConfig(_Strict):
     fake: FakeEngineArgs = Field(
         default_factory=FakeEngineArgs, description="Arguments for the fake backend."
     )
+    fit: FitConfig = Field(
+        default_factory=FitConfig, description="Fitting max_model_len / max_num_seqs to the data."
+    )
     max_in_flight: int | None = Field(
         default=None,
         ge=1,
@@ -102,8 +138,9 @@ class EngineConfig(_Strict):
     def in_flight(self) -> int:
         if self.max_in_flight:
             return self.max_in_flight
-        limit = self.vllm.max_num_seqs if self.backend == "vllm" else self.fake.max_concurrency
-        return 2 * limit
+        if self.backend == "vllm":
+            return 2 * (self.vllm.max_num_seqs or DEFAULT_MAX_NUM_SEQS)
+        return 2 * self.fake.max_concurrency
 
 
 class ResourcesConfig(_Strict):

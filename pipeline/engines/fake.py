@@ -41,6 +41,15 @@ def _count_tokens(text: str) -> int:
     return max(1, len(text.split()))
 
 
+# The fake's context when none is given: its stand-in for a model's limit.
+FAKE_MAX_MODEL_LEN = 8192
+
+
+def prompt_tokens(url: str, body: dict[str, Any]) -> int:
+    """The fake's prompt token count (whitespace words of the rendered prompt): what fitting measures it by."""
+    return _count_tokens(_prompt_text(url, body))
+
+
 def _fake_text(seed_text: str, tokens: int) -> str:
     """`tokens` words cycling through 32 chosen by the prompt's digest (built once per call, then repeated)."""
     digest = hashlib.sha256(seed_text.encode()).digest()
@@ -52,7 +61,7 @@ class FakeEngine(Engine):
     def __init__(self, spec: EngineSpec) -> None:
         super().__init__(spec)
         self.args = spec.args
-        self.max_model_len = int(self.args.get("max_model_len") or 8192)
+        self.max_model_len = int(self.args.get("max_model_len") or FAKE_MAX_MODEL_LEN)
         self._slots = asyncio.Semaphore(int(self.args.get("max_concurrency", 256)))
         # Fixed, so fake outputs are byte-for-byte reproducible (real engines stamp the wall clock).
         self._created = 1_700_000_000

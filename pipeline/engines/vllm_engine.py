@@ -23,7 +23,8 @@ log = structlog.get_logger(__name__)
 
 # vLLM words its context-length rejections several ways (renderer, sampling-param fitting); all mean the same.
 _CONTEXT_LENGTH = re.compile(
-    r"maximum context length|exceeds model's maximum|context length \(", re.IGNORECASE
+    r"maximum context length|exceeds model's maximum|context length \(|longer than the maximum model length",
+    re.IGNORECASE,
 )
 
 # Our engine-arg names that are not vLLM fields and must not be set on its args namespace.

@@ -359,15 +359,34 @@ class StagingArea:
     def num_rows(self, paths: Iterable[str]) -> int:
         return sum(self.files.parquet(p).metadata.num_rows for p in paths)
 
-    # -- finished rows ----------------------------------------------------------------------------------------
-    def write_rows(self, kind: str, rows: list[StagedRow], prefix: str | None = None) -> None:
-        """Persist finished rows as one sorted part; after this returns they survive any crash."""
-        if rows:
-            self.write_table(
-                kind, pa.Table.from_pylist([r.__dict__ for r in rows], schema=STAGED_SCHEMA), prefix
-            )
+    def drop_requests(self, path: str, custom_ids: set[str]) -> None:
+        """Rewrite one request part without the given requests (one atomic write or whole-object put; an
+        emptied part is removed). Memory: one part of the work list."""
+        import pyarrow.compute as pc
 
-    def write_table(self, kind: str, table: pa.Table, prefix: str | None = None) -> None:
+        drop = pa.array(sorted(custom_ids), type=pa.string())
+        table = self.files.parquet(path).read()
+        left = table.filter(pc.invert(pc.is_in(table.column("custom_id"), value_set=drop)))
+        if left.num_rows:
+            self.files.write_parquet(left, path)
+        else:
+            self.files.delete([path])
+
+    # -- finished rows ----------------------------------------------------------------------------------------
+    def write_rows(
+        self, kind: str, rows: list[StagedRow], prefix: str | None = None, name: str | None = None
+    ) -> None:
+        """Persist finished rows as one sorted part; after this returns they survive any crash.
+
+        `name` fixes the part's file name, so a pass that is redone replaces its part instead of adding a copy.
+        """
+        if rows:
+            table = pa.Table.from_pylist([r.__dict__ for r in rows], schema=STAGED_SCHEMA)
+            self.write_table(kind, table, prefix, name)
+
+    def write_table(
+        self, kind: str, table: pa.Table, prefix: str | None = None, name: str | None = None
+    ) -> None:
         """`write_rows` for rows already in Arrow (the engines' output): sorted in Arrow, no per-row Python.
 
         Arrow orders strings by their UTF-8 bytes, which is code point order: the same order as result_sort_key."""
@@ -379,7 +398,8 @@ class StagingArea:
             if kind == "results"
             else [("source", "ascending"), ("line", "ascending")]
         )
-        self.files.write_parquet(table.sort_by(keys), f"{self._dir(kind)}/{self._next_name(prefix or kind)}")
+        target = f"{self._dir(kind)}/{name or self._next_name(prefix or kind)}"
+        self.files.write_parquet(table.sort_by(keys), target)
 
     def finished_ids(self) -> Iterator[str]:
         """custom_ids that already have their final row from an engine (results and engine-side errors)."""

@@ -41,23 +41,16 @@ class DryRunReport:
 def _prompt_token_counter(model: str | None):
     """Counts prompt tokens as the engine will (chat template applied); None when no tokenizer is at hand."""
     from pipeline.models import resolve_model
+    from pipeline.tokens import PromptCounter
 
     resolved = resolve_model(model)
-    try:
-        from transformers import AutoTokenizer
-    except ImportError:
+    counter = PromptCounter.for_model(resolved.path)
+    if counter is None:
         return None, None
-    tokenizer = AutoTokenizer.from_pretrained(resolved.path)
 
     def count(request: ValidRequest) -> int:
-        if request.url == "/v1/chat/completions":
-            ids = tokenizer.apply_chat_template(
-                request.body["messages"], add_generation_prompt=True, tokenize=True
-            )
-            # transformers 5 returns a BatchEncoding (a mapping), older versions a plain list of ids.
-            return len(ids["input_ids"] if hasattr(ids, "keys") else ids)
-        prompt = request.body.get("prompt")
-        return len(tokenizer.encode(prompt if isinstance(prompt, str) else str(prompt)))
+        # A completions prompt may start several sequences; its tokens are their sum.
+        return sum(counter.count(request.url, request.body))
 
     return count, resolved.name
 

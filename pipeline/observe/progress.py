@@ -1,11 +1,15 @@
-"""Live job progress: rows done/total, output tok/s, ETA — a rich bar on a terminal, periodic log lines otherwise."""
+"""Live job progress: rows done/total, output tok/s, ETA, and the engines' own numbers (KV cache usage,
+preemptions, prefix-cache hit rate) — a rich bar on a terminal, periodic log lines otherwise."""
 
 from __future__ import annotations
 
 import sys
+import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import structlog
 
@@ -75,16 +79,74 @@ def pool_line(pools: dict[str, dict], elapsed: float) -> str:
     return " | ".join(parts)
 
 
-class ProgressDisplay:
-    """A rich progress bar when stderr is a terminal; otherwise a log line every `log_every` seconds."""
+def engine_line(engines: dict[str, Any] | None) -> str:
+    """'KV 63% (peak 97%) · 12 preemptions · prefix hits 66%' — the engines' numbers, as far as they are known."""
+    if not engines:
+        return ""
+    parts = []
+    if engines.get("kv_cache_usage") is not None:
+        peak = engines.get("kv_cache_usage_peak")
+        parts.append(
+            f"KV {engines['kv_cache_usage']:.0%}" + (f" (peak {peak:.0%})" if peak is not None else "")
+        )
+    if engines.get("num_preemptions"):
+        parts.append(f"{engines['num_preemptions']} preemptions")
+    if engines.get("prefix_cache_hit_rate") is not None:
+        parts.append(f"prefix hits {engines['prefix_cache_hit_rate']:.0%}")
+    return " · ".join(parts)
 
-    def __init__(self, counters: JobCounters, enabled: bool = True, log_every: float = 10.0) -> None:
+
+def engine_fields(engines: dict[str, Any] | None) -> dict[str, Any]:
+    """The engines' numbers as log-line fields (only those known)."""
+    if not engines:
+        return {}
+    fields = {
+        "kv_cache_usage": engines.get("kv_cache_usage"),
+        "kv_cache_usage_peak": engines.get("kv_cache_usage_peak"),
+        "preemptions": engines.get("num_preemptions"),
+        "prefix_cache_hit_rate": engines.get("prefix_cache_hit_rate"),
+    }
+    return {k: v for k, v in fields.items() if v is not None}
+
+
+class ProgressDisplay:
+    """A rich progress bar when stderr is a terminal; otherwise a log line every `log_every` seconds.
+
+    With `engines` (a callable returning the engines' summary, see runtime.monitor.EngineWatch), a ticker thread
+    calls it and refreshes the display every `tick` seconds: results arrive a batch at a time, and a batch of long
+    generations can take minutes, during which the KV cache fills and preemptions start.
+    """
+
+    def __init__(
+        self,
+        counters: JobCounters,
+        enabled: bool = True,
+        log_every: float = 10.0,
+        engines: Callable[[], dict[str, Any]] | None = None,
+        tick: float = 2.0,
+    ) -> None:
         self.counters = counters
         self.interactive = enabled and sys.stderr.isatty()
         self.log_every = log_every
+        self.engines = engines
+        self.tick = tick
         self._last_log = 0.0
         self._progress = None
         self._task = None
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._ticker: threading.Thread | None = None
+        self._pools: dict[str, dict] | None = None
+        self._engines_summary: dict[str, Any] | None = None
+
+    def _tick(self) -> None:
+        while not self._stop.wait(self.tick):
+            try:
+                # Polled here only, outside the display lock: the result loop never waits on the monitor.
+                self._engines_summary = self.engines()
+                self.update()
+            except Exception:  # noqa: BLE001 - a display must never take the job down
+                log.debug("progress refresh failed", exc_info=True)
 
     def __enter__(self) -> ProgressDisplay:
         if self.interactive:
@@ -100,22 +162,41 @@ class ProgressDisplay:
                 TextColumn("failed {task.fields[failed]}"),
                 TextColumn("ETA"),
                 TimeRemainingColumn(),
+                TextColumn("{task.fields[engine]}"),
                 TextColumn("{task.fields[pools]}"),
                 console=Console(stderr=True),
                 transient=False,
             )
             self._progress.__enter__()
             self._task = self._progress.add_task(
-                "run", total=self.counters.total, tps=0.0, failed=0, pools=""
+                "run", total=self.counters.total, tps=0.0, failed=0, engine="", pools=""
             )
+        if self.engines is not None:
+            self._ticker = threading.Thread(target=self._tick, name="nightshift-progress", daemon=True)
+            self._ticker.start()
         return self
 
     def update(self, force: bool = False, pools: dict[str, dict] | None = None) -> None:
+        with self._lock:
+            if pools is not None:
+                self._pools = pools
+            self._update(force)
+
+    def _update(self, force: bool) -> None:
         c = self.counters
+        pools = self._pools
         per_pool = pool_line(pools, time.monotonic() - c.started) if pools and len(pools) > 1 else ""
+        engines = self._engines_summary
         if self._progress is not None:
             tps = c.output_tokens_per_second()
-            self._progress.update(self._task, completed=c.done, tps=tps, failed=c.failed, pools=per_pool)
+            self._progress.update(
+                self._task,
+                completed=c.done,
+                tps=tps,
+                failed=c.failed,
+                engine=engine_line(engines),
+                pools=per_pool,
+            )
             return
         now = time.monotonic()
         if force or now - self._last_log >= self.log_every:
@@ -128,10 +209,14 @@ class ProgressDisplay:
                 failed=c.failed,
                 output_tok_per_s=round(c.output_tokens_per_second(), 1),
                 eta_s=None if eta is None else round(eta, 1),
+                **engine_fields(engines),
                 **({"pools": per_pool} if per_pool else {}),
             )
 
     def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        if self._ticker is not None:
+            self._ticker.join(timeout=self.tick + 5)
         if self._progress is not None:
             self.update()
             self._progress.__exit__(*exc)

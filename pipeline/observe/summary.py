@@ -21,13 +21,37 @@ def summary_lines(manifest: dict[str, Any], output: Path) -> list[str]:
         f"time       {manifest['wall_time_s']:.1f} s wall, {throughput['output_tokens_per_s']:.1f} output tok/s, "
         f"{throughput['rows_per_s']:.1f} rows/s",
     ]
+    fitted = fitted_line(manifest.get("engine", {}).get("fitted"))
+    if fitted:
+        lines.append(f"engine     {fitted}")
     if manifest.get("preemptions"):
-        lines.append(f"engine     {manifest['preemptions']} preemptions (KV cache full)")
+        lines.append(
+            f"engine     {manifest.get('preemption_warning') or str(manifest['preemptions']) + ' preemptions'}"
+        )
     lines.append(
         f"output     {output}/ ({len(shards['results'])} result shard(s), {len(shards['errors'])} error shard(s), "
         "manifest.json)"
     )
     return lines
+
+
+def fitted_line(fitted: dict[str, Any] | None) -> str:
+    """'max_model_len 512 (fitted), max_num_seqs 22 (fitted), 1 request over the context' — empty when not fitted."""
+    if not fitted or not fitted.get("max_model_len"):
+        return ""
+    length = fitted["max_model_len"]
+    parts = [f"max_model_len {length['value']} ({length['source']})"]
+    seqs = fitted.get("max_num_seqs") or {}
+    if len(seqs) == 1:
+        (only,) = seqs.values()
+        parts.append(f"max_num_seqs {only['value']} ({only['source']})")
+    elif seqs:
+        parts.append(
+            "max_num_seqs " + ", ".join(f"{n} {s['value']} ({s['source']})" for n, s in seqs.items())
+        )
+    if fitted.get("context_length_exceeded"):
+        parts.append(f"{fitted['context_length_exceeded']} request(s) too long for the model, not run")
+    return ", ".join(parts)
 
 
 def print_summary(manifest: dict[str, Any], output: Path) -> None:

@@ -32,8 +32,9 @@ from pipeline.io.writers import OutputTarget, output_target
 from pipeline.models import ResolvedModel, resolve_model
 from pipeline.observe.progress import JobCounters, ProgressDisplay
 from pipeline.runtime.finalize import FORMAT_VERSION, commit, write_outputs
+from pipeline.runtime.fit import fit_job
 from pipeline.runtime.ingest import ingest
-from pipeline.runtime.monitor import preemption_remedy, summarize_engines
+from pipeline.runtime.monitor import EngineWatch, preemption_remedy, summarize_engines
 from pipeline.runtime.preflight import (
     PreflightError,
     check_input_source,
@@ -60,6 +61,7 @@ class EngineRun:
     pools: dict[str, dict[str, float]] = field(default_factory=dict)
     retried_requests: int = 0
     duplicates_dropped: int = 0
+    preemption_warned: bool = False  # the live warning went out already
 
 
 def engine_spec(config: JobConfig, model: ResolvedModel) -> EngineSpec:
@@ -331,7 +333,9 @@ def _run_engines(
     ds = datasets[0].union(*datasets[1:]) if len(datasets) > 1 else datasets[0]
 
     sink = _ResultSink(staging, config.output_options.staging_rows, finished, counters)
-    with ProgressDisplay(counters, enabled=show_progress) as progress:
+    # Live engine numbers (KV usage, preemptions, prefix hits) in the display and logs; warns once on preemptions.
+    watch = EngineWatch.of_monitor(monitor, staging.read_job().get("fit"))
+    with ProgressDisplay(counters, enabled=show_progress, engines=watch.poll) as progress:
         for block in ds.iter_batches(batch_format="pyarrow", batch_size=None):
             sink.add(block)
             progress.update(pools=sink.pools)
@@ -346,6 +350,7 @@ def _run_engines(
         stats["output_tokens_per_s"] = round(stats["completion_tokens"] / span, 2) if span else 0.0
     run.snapshot = ray.get(monitor.snapshot.remote())
     run.retried_requests = len(ray.get(monitor.retries.remote()))
+    run.preemption_warned = watch.warned
     for actor in (monitor, queue):
         ray.kill(actor)
     if run.duplicates_dropped:
@@ -392,29 +397,36 @@ def run_job(config: JobConfig, show_progress: bool = True, resume: bool = False)
     job_id = state["job_id"]
 
     staging.create()
-    if not state.get("ingested"):
-        # A validation pass cut short is redone whole: it is cheap next to generation, and partial parts of it
-        # could otherwise be staged twice.
-        staging.discard_ingest()
-        state["model"] = model.model_dump()
-        staging.write_job(state)
-        # Ray's start-up (seconds of process launches, mostly waiting) overlaps the validation pass instead of
-        # following it; engines are needed only if some row is valid, which is near-certain.
-        validation = _InBackground(ingest, source, model.name, staging, job_id=job_id)
-        try:
-            _start_ray(config.resources.address)
-        finally:
-            report = validation.result()
-        state["input"] = {
-            "location": source.describe(),
-            "fingerprint": report.fingerprint,
-            "size_bytes": report.size_bytes,
-            "lines": report.lines,
-            "valid": report.valid,
-            "invalid": report.invalid,
-        }
-        state["ingested"] = True
-        staging.write_job(state)
+
+    def prepare_work() -> JobConfig:
+        if not state.get("ingested"):
+            # A validation pass cut short is redone whole: it is cheap next to generation, and partial parts of it
+            # could otherwise be staged twice.
+            staging.discard_ingest()
+            state["model"] = model.model_dump()
+            staging.write_job(state)
+            report = ingest(source, model.name, staging, job_id=job_id)
+            state["input"] = {
+                "location": source.describe(),
+                "fingerprint": report.fingerprint,
+                "size_bytes": report.size_bytes,
+                "lines": report.lines,
+                "valid": report.valid,
+                "invalid": report.invalid,
+            }
+            state["ingested"] = True
+            staging.write_job(state)
+        # Engine args fitted to the data, too-long prompts failed before any engine (runtime/fit.py; kept in state).
+        return fit_job(config, model, staging, state)
+
+    # Ray's start-up (seconds of process launches, mostly waiting) overlaps validation and fitting instead of
+    # following them; engines are needed unless every row is invalid or already finished, which is rare.
+    preparing = _InBackground(prepare_work)
+    try:
+        _start_ray(config.resources.address)
+    finally:
+        config = preparing.result()
+    spec = engine_spec(config, model)
     lines = state["input"]["lines"]
     log.info("input validated", lines=lines, valid=state["input"]["valid"], invalid=state["input"]["invalid"])
 
@@ -436,8 +448,12 @@ def run_job(config: JobConfig, show_progress: bool = True, resume: bool = False)
     }
     wall = time.monotonic() - t0
     engines = summarize_engines(run.snapshot)
-    remedy = preemption_remedy(engines.get("num_preemptions", 0), engines.get("effective_args", {}))
-    if remedy:
+    remedy = preemption_remedy(
+        engines.get("num_preemptions", 0),
+        engines.get("effective_args", {}),
+        (state.get("fit") or {}).get("longest_sequence"),
+    )
+    if remedy and not run.preemption_warned:
         log.warning(remedy)
     manifest = {
         "format_version": FORMAT_VERSION,
@@ -453,6 +469,9 @@ def run_job(config: JobConfig, show_progress: bool = True, resume: bool = False)
             "sampling_defaults": engines.get("sampling_defaults", {}),
             "engines": engines.get("engines", 0),
             "kv_cache_tokens_per_engine": engines.get("kv_cache_tokens_per_engine"),
+            "kv_cache_usage_peak": engines.get("kv_cache_usage_peak"),
+            "first_ready_at": _iso(engines.get("first_ready_at")),  # engine start ends, generation begins
+            "fitted": state.get("fit"),
         },
         **outputs,
         # From staging, not from this run's counters: a resumed job's totals include the rows of earlier runs.
@@ -463,6 +482,7 @@ def run_job(config: JobConfig, show_progress: bool = True, resume: bool = False)
             "output_tokens_per_s": round(counters.completion_tokens / wall, 2) if wall else 0.0,
         },
         "preemptions": engines.get("num_preemptions", 0),
+        "preemption_warning": remedy,
         "prefix_cache_hit_rate": engines.get("prefix_cache_hit_rate"),
         "recovery": {
             "resumed": bool(resume),
@@ -475,6 +495,10 @@ def run_job(config: JobConfig, show_progress: bool = True, resume: bool = False)
     }
     commit(output, staging, manifest)
     return JobOutcome(output.where, manifest, counters, run.pools)
+
+
+def _iso(epoch: float | None) -> str | None:
+    return dt.datetime.fromtimestamp(epoch, dt.timezone.utc).isoformat() if epoch else None
 
 
 def load_resumable(output: str, storage: dict[str, Any] | None = None) -> JobConfig:

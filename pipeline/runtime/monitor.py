@@ -11,7 +11,14 @@
 
 from __future__ import annotations
 
+import threading
+import time
+from collections.abc import Callable
 from typing import Any
+
+import structlog
+
+log = structlog.get_logger(__name__)
 
 SOLO_FROM_ATTEMPT = 3  # the attempt from which a request runs alone
 
@@ -61,26 +68,45 @@ class JobMonitor:
 
 
 def summarize_engines(snapshot: dict[str, dict[str, Any]]) -> dict[str, Any]:
-    """Totals over all engines: preemptions, prefix-cache hit rate, KV capacity; plus the first engine's args."""
+    """Totals over all engines: preemptions, prefix-cache hit rate, KV capacity and usage (the mean of the engines'
+    last readings, and the highest reading any engine reported); plus the first engine's args."""
     preemptions = sum(e["stats"].get("num_preemptions", 0) for e in snapshot.values())
     queries = sum(e["stats"].get("prefix_cache_queries", 0) for e in snapshot.values())
     hits = sum(e["stats"].get("prefix_cache_hits", 0) for e in snapshot.values())
+    usage = [
+        e["stats"]["kv_cache_usage"]
+        for e in snapshot.values()
+        if e["stats"].get("kv_cache_usage") is not None
+    ]
+    peaks = [
+        e["stats"]["kv_cache_usage_peak"]
+        for e in snapshot.values()
+        if e["stats"].get("kv_cache_usage_peak") is not None
+    ]
     first = next(iter(snapshot.values()), {})
+    ready = [e["ready_at"] for e in snapshot.values() if e.get("ready_at")]
     return {
         "engines": len(snapshot),
+        "first_ready_at": min(ready) if ready else None,
         "num_preemptions": preemptions,
         "prefix_cache_hit_rate": round(hits / queries, 4) if queries else None,
+        "kv_cache_usage": round(sum(usage) / len(usage), 4) if usage else None,
+        "kv_cache_usage_peak": round(max(peaks), 4) if peaks else None,
         "kv_cache_tokens_per_engine": first.get("stats", {}).get("kv_cache_tokens"),
         "effective_args": first.get("effective_args", {}),
         "sampling_defaults": first.get("sampling_defaults", {}),
     }
 
 
-def preemption_remedy(preemptions: int, effective_args: dict[str, Any]) -> str | None:
+def preemption_remedy(
+    preemptions: int, effective_args: dict[str, Any], longest_sequence: int | None = None
+) -> str | None:
     """The warning for a KV cache that ran full, with settings that would have fitted (None if it did not).
 
     vLLM preempts and recomputes when running sequences outgrow the KV cache: throughput drops while the engine
-    looks merely slow. Concurrency that fits = KV tokens / context length.
+    looks merely slow. Concurrency that fits = KV tokens / the longest a sequence grows: max_model_len, or less when
+    fitting measured the requests (`longest_sequence`: prompt + max_tokens of the longest). Then a lower
+    max_model_len would only cut outputs, so max_num_seqs is the remedy named.
     """
     if preemptions <= 0:
         return None
@@ -89,9 +115,67 @@ def preemption_remedy(preemptions: int, effective_args: dict[str, Any]) -> str |
     seqs = effective_args.get("max_num_seqs") or 0
     if not kv_tokens or not context or not seqs:
         return f"KV cache full: {preemptions} preemptions; lower max_num_seqs or max_model_len"
-    fitting_seqs = max(1, kv_tokens // context)
+    grows_to = min(context, longest_sequence) if longest_sequence else context
+    usable = kv_tokens - (effective_args.get("block_size") or 0)  # vLLM keeps one block as its null block
+    fitting_seqs = min(max(1, usable // grows_to), max(1, seqs - 1))
+    if longest_sequence:
+        return (
+            f"KV cache full: {preemptions} preemptions; lower max_num_seqs to {fitting_seqs} (KV cache: "
+            f"{kv_tokens} tokens; these requests grow to {grows_to} tokens each, so a max_model_len below that "
+            f"would only cut their outputs)"
+        )
     fitting_context = max(16, kv_tokens // seqs)
     return (
-        f"KV cache full: {preemptions} preemptions; lower max_num_seqs to {min(fitting_seqs, seqs - 1) or 1} "
+        f"KV cache full: {preemptions} preemptions; lower max_num_seqs to {fitting_seqs} "
         f"or max_model_len to {fitting_context} (KV cache: {kv_tokens} tokens)"
     )
+
+
+class EngineWatch:
+    """The driver's live view of the engines: polls the monitor at most every `every_s` seconds (engines push every
+    ~2 s) and warns once, as soon as preemptions appear, with the settings that would have avoided them.
+
+    `poll` is safe to call from several threads (the progress ticker and the result loop).
+    """
+
+    def __init__(
+        self,
+        snapshot: Callable[[], dict[str, dict[str, Any]]],
+        every_s: float = 2.0,
+        longest_sequence: int | None = None,
+    ) -> None:
+        self._snapshot = snapshot
+        self.every_s = every_s
+        self.longest_sequence = longest_sequence  # from fitting: makes the remedy exact
+        self.summary: dict[str, Any] = {}
+        self.warned = False
+        self._last = float("-inf")
+        self._lock = threading.Lock()
+
+    @classmethod
+    def of_monitor(
+        cls, monitor: Any, fitted: dict[str, Any] | None = None, every_s: float = 2.0
+    ) -> EngineWatch:
+        import ray
+
+        longest = (fitted or {}).get("longest_sequence")
+        return cls(lambda: ray.get(monitor.snapshot.remote(), timeout=10), every_s, longest)
+
+    def poll(self) -> dict[str, Any]:
+        with self._lock:
+            now = time.monotonic()
+            if now - self._last < self.every_s:
+                return self.summary
+            self._last = now
+            try:
+                self.summary = summarize_engines(self._snapshot())
+            except Exception as exc:  # noqa: BLE001 - a slow or restarting monitor must not stop the job
+                log.debug("engine stats unavailable", error=str(exc))
+                return self.summary
+            remedy = preemption_remedy(
+                self.summary["num_preemptions"], self.summary["effective_args"], self.longest_sequence
+            )
+            if remedy and not self.warned:
+                self.warned = True
+                log.warning(remedy)
+            return self.summary

@@ -24,6 +24,9 @@ from pipeline.protocol import ErrorCode, dumps, result_record
 
 log = structlog.get_logger(__name__)
 
+# How often an engine pushes its numbers (KV usage, preemptions, prefix hits) to the job monitor while it lives.
+REPORT_EVERY_S = 2.0
+
 OUTPUT_COLUMNS = (
     "custom_id",
     "line",
@@ -95,6 +98,9 @@ class EngineWorker:
         self._in_flight = 0
         self._solo = False
         self._last_report = 0.0
+        self._kv_usage_peak: float | None = None
+        self._ready_at: float | None = None  # wall clock: compared across processes
+        self._reporter: asyncio.Task | None = None
         self.actor_id = f"{pool}-{os.getpid()}"
 
     async def _engine(self) -> Engine:
@@ -105,20 +111,37 @@ class EngineWorker:
                 if self.engine is None:
                     engine = build_engine(self.spec)
                     await engine.start()
+                    self._ready_at = time.time()
                     self.engine = engine
                     self._report(force=True)
+                    if self.monitor is not None:
+                        # On a clock, not per batch: a batch of long generations can take minutes, and the job
+                        # must see the KV cache fill (and preemptions start) while it happens.
+                        self._reporter = asyncio.get_running_loop().create_task(self._report_loop())
         return self.engine
+
+    async def _report_loop(self) -> None:
+        while True:
+            await asyncio.sleep(REPORT_EVERY_S)
+            try:
+                self._report(force=True)
+            except Exception as exc:  # noqa: BLE001 - numbers are best effort; the work must go on
+                log.warning("engine stats not reported", error=str(exc))
 
     def _report(self, force: bool = False) -> None:
         if self.monitor is None or self.engine is None:
             return
         now = time.monotonic()
-        if force or now - self._last_report > 2.0:
+        if force or now - self._last_report > REPORT_EVERY_S:
             self._last_report = now
+            stats = self.engine.stats()
+            if stats.kv_cache_usage is not None:
+                self._kv_usage_peak = max(self._kv_usage_peak or 0.0, stats.kv_cache_usage)
             info = {
                 "pool": self.pool,
                 "pid": os.getpid(),
-                "stats": self.engine.stats().__dict__,
+                "ready_at": self._ready_at,
+                "stats": {**stats.__dict__, "kv_cache_usage_peak": self._kv_usage_peak},
                 "effective_args": self.engine.effective_args(),
                 "sampling_defaults": self.engine.sampling_defaults(),
             }
@@ -214,5 +237,7 @@ class EngineWorker:
         return result_columns([by_id[r.custom_id] for r in requests], rows, self.pool, self.job_id)
 
     def __del__(self) -> None:
+        if self._reporter is not None:
+            self._reporter.cancel()
         if self.engine is not None:
             self.engine.shutdown()

@@ -34,6 +34,11 @@ VALID_COMPLETIONS = [completion_line("cmpl-00", "Once upon a time", max_tokens=1
 # One sequence at a time, here and in the oracle: greedy decoding in bf16 is only bit-stable when the batch
 # composition is the same, and the comparison is about the serving layer, not about batching numerics.
 ENGINE_FLAGS = ["--max-model-len", "512", "--max-num-seqs", "1"]
+# The job itself leaves max_model_len to fitting, so the oracle comparison also shows that fitting the context
+# changes no response body.
+JOB_FLAGS = ["--max-num-seqs", "1"]
+# The embedded model's context limit: a prompt this long cannot run at any max_model_len.
+MODEL_LIMIT = 8192
 
 # (line, expected error code): each kind of bad input the contract names.
 BAD_LINES = [
@@ -57,7 +62,7 @@ BAD_LINES = [
     (chat_line("streamed", "hi", stream=True), "stream_unsupported"),
     (chat_line("other-model", "hi", model="gpt-4o"), "model_not_found"),
     (chat_line("chat-01", "a duplicate custom_id"), "duplicate_custom_id"),
-    (chat_line("too-long", "word " * 900, max_tokens=8), "context_length_exceeded"),
+    (chat_line("too-long", "word " * (MODEL_LIMIT + 100), max_tokens=8), "context_length_exceeded"),
     (chat_line("bad-temperature", "hi", temperature=-1), "invalid_request"),
     (chat_line("bad-top-k", "hi", top_k=-5), "invalid_request"),  # only vLLM's sampling params know this one
 ]
@@ -73,7 +78,7 @@ def job(e2e_dir, embedded_model):
         "run",
         str(input_path),
         str(output),
-        *ENGINE_FLAGS,
+        *JOB_FLAGS,
         "--rows-per-shard",
         "3",
         "--no-progress",
@@ -134,7 +139,7 @@ def test_manifest_reports_engine_and_counts(job):
     assert manifest["counts"]["succeeded"] == 9
     assert sum(manifest["counts"]["by_error_code"].values()) == len(BAD_LINES)
     args = manifest["engine"]["args"]
-    assert args["max_model_len"] == 512 and args["enable_prefix_caching"] is True
+    assert args["enable_prefix_caching"] is True and args["max_num_seqs"] == 1
     assert args["kv_cache_tokens"] > 0
     assert manifest["engine"]["backend"] == "vllm"
     assert manifest["model"]["source"] == "embedded" and manifest["model"]["revision"]
@@ -179,3 +184,44 @@ def test_bodies_match_vllm_run_batch_oracle(job, e2e_dir, embedded_model):
     assert set(oracle) == {json.loads(line)["custom_id"] for line in VALID_CHATS}
     for custom_id, body in oracle.items():
         assert _comparable(ours[custom_id]) == _comparable(body), custom_id
+
+
+def test_max_model_len_is_fitted_and_the_too_long_prompt_never_reached_the_engine(job):
+    _, output, lines, proc = job
+    manifest = json.loads((output / "manifest.json").read_text())
+    fitted = manifest["engine"]["fitted"]
+    context = fitted["max_model_len"]
+    assert (
+        context["source"] == "fitted"
+        and context["model_limit"] == MODEL_LIMIT
+        and context["block_size"] == 128
+    )
+    # Valid requests are short; those without max_tokens are budgeted 256 output tokens: one or a few blocks.
+    longest = fitted["measured"]["prompt_plus_max_tokens"]["max"]
+    assert context["value"] == -(-longest // 128) * 128 < MODEL_LIMIT
+    assert manifest["engine"]["args"]["max_model_len"] == context["value"]  # what vLLM ran with
+    assert fitted["max_num_seqs"]["default"]["source"] == "given"
+    assert fitted["context_length_exceeded"] == 1
+    errors = {r["custom_id"]: r for r in read_jsonl(output.glob("errors-*.jsonl"))}
+    message = errors["too-long"]["response"]["body"]["error"]["message"]
+    assert f"maximum context length is {MODEL_LIMIT} tokens" in message
+    assert "max_model_len" in proc.stdout and "(fitted)" in proc.stdout  # the summary names the fitted values
+
+
+def test_fitting_counts_prompt_tokens_exactly_as_the_engine_does(job, embedded_model):
+    from pipeline.tokens import PromptCounter
+
+    _, output, lines, _ = job
+    counter = PromptCounter.for_model(embedded_model.path)
+    requests = {}
+    for line in lines:
+        try:
+            request = json.loads(line)
+            requests.setdefault(request["custom_id"], request)
+        except (ValueError, KeyError, TypeError):
+            pass
+    results = read_jsonl(output.glob("results-*.jsonl"))
+    for record in results:
+        request = requests[record["custom_id"]]
+        counted = counter.count(request["url"], request["body"])
+        assert counted == [record["response"]["body"]["usage"]["prompt_tokens"]], record["custom_id"]

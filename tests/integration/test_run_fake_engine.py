@@ -143,3 +143,53 @@ def test_same_input_gives_identical_shards_apart_from_ids(mixed_input, tmp_path)
         show_progress=False,
     )
     assert normalized(first) == normalized(second)
+
+
+def test_fitted_engine_args_and_too_long_rows_reach_the_manifest(tmp_path):
+    lines = [chat_line(f"r-{i:02d}", "word " * (5 + i), max_tokens=10) for i in range(20)]
+    lines.append(chat_line("too-long", "word " * 9000))  # over the fake's 8192-token limit
+    lines.append("{broken json")
+    path = tmp_path / "in.jsonl"
+    path.write_text("\n".join(lines) + "\n")
+    output = tmp_path / "out"
+    outcome = run_job(_job(path, output), show_progress=False)
+
+    manifest = json.loads((output / "manifest.json").read_text())
+    fitted = manifest["engine"]["fitted"]
+    # The fake counts "user: word ...": r-19 has 24 words + 1 for the role = 25 prompt + 10 max_tokens.
+    assert fitted["measured"]["prompt_plus_max_tokens"]["max"] == 35
+    assert fitted["max_model_len"] == {
+        "value": 48,
+        "source": "fitted",
+        "model_limit": 8192,
+        "block_size": 16,
+        "needed": 48,
+        "why": "longest request 'r-19': 25 prompt + 10 output tokens = 35, rounded up to a 16-token KV block",
+    }
+    assert manifest["engine"]["args"]["max_model_len"] == 48  # what the engines ran with
+    assert fitted["context_length_exceeded"] == 1
+    assert manifest["counts"]["by_error_code"] == {"context_length_exceeded": 1, "invalid_json": 1}
+
+    results = read_jsonl(output.glob("results-*.jsonl"))
+    errors = read_jsonl(output.glob("errors-*.jsonl"))
+    assert len(results) + len(errors) == len(lines) and len(results) == 20
+    too_long = next(e for e in errors if e["custom_id"] == "too-long")
+    assert too_long["response"]["body"]["error"]["code"] == "context_length_exceeded"
+    assert outcome.counters.done == len(lines)
+
+
+def test_given_max_model_len_wins_over_fitting(tmp_path):
+    path = tmp_path / "in.jsonl"
+    path.write_text(chat_line("a", "hello there", max_tokens=4) + "\n")
+    config = _job(path, tmp_path / "out")
+    config = config.model_copy(
+        update={
+            "engine": config.engine.model_copy(
+                update={"vllm": config.engine.vllm.model_copy(update={"max_model_len": 1000})}
+            )
+        }
+    )
+    run_job(config, show_progress=False)
+    manifest = json.loads((tmp_path / "out" / "manifest.json").read_text())
+    assert manifest["engine"]["args"]["max_model_len"] == 1000
+    assert manifest["engine"]["fitted"]["max_model_len"]["source"] == "given"

@@ -1,8 +1,10 @@
-"""The job monitor's pure parts: the attempt ledger and the preemption warning."""
+"""The job monitor's pure parts: the attempt ledger, the engine summary, the live watch and its warning."""
 
 from __future__ import annotations
 
-from pipeline.runtime.monitor import JobMonitor, preemption_remedy
+from pipeline.observe.progress import engine_line
+from pipeline.runtime import monitor as monitor_module
+from pipeline.runtime.monitor import EngineWatch, JobMonitor, preemption_remedy, summarize_engines
 
 
 def test_preemption_remedy_names_settings_that_fit():
@@ -11,6 +13,16 @@ def test_preemption_remedy_names_settings_that_fit():
     assert message == (
         "KV cache full: 32 preemptions; lower max_num_seqs to 3 or max_model_len to 80 (KV cache: 7680 tokens)"
     )
+
+
+def test_preemption_remedy_with_measured_requests_names_max_num_seqs_only():
+    args = {"kv_cache_tokens": 7680, "block_size": 128, "max_model_len": 2048, "max_num_seqs": 256}
+    message = preemption_remedy(48, args, longest_sequence=384)
+    # 59 usable blocks of 128 (one is vLLM's null block) hold 19 sequences of 384 tokens.
+    assert message.startswith(
+        "KV cache full: 48 preemptions; lower max_num_seqs to 19 (KV cache: 7680 tokens;"
+    )
+    assert "grow to 384 tokens each" in message and "max_model_len to" not in message
 
 
 def test_ledger_retries_then_runs_alone_then_isolates():
@@ -31,3 +43,69 @@ def test_a_solo_run_that_finishes_clears_suspicion():
     ledger.solo_started("a")
     ledger.solo_finished("a")
     assert ledger.begin(["a"]) == {"a": "solo"}
+
+
+def engine_info(preemptions: int, usage: float, peak: float, hits: int = 0, queries: int = 0) -> dict:
+    return {
+        "pool": "default",
+        "stats": {
+            "kv_cache_tokens": 7680,
+            "kv_cache_usage": usage,
+            "kv_cache_usage_peak": peak,
+            "num_preemptions": preemptions,
+            "prefix_cache_queries": queries,
+            "prefix_cache_hits": hits,
+        },
+        "effective_args": {"kv_cache_tokens": 7680, "max_model_len": 384, "max_num_seqs": 96},
+    }
+
+
+def test_summary_reports_kv_usage_now_and_at_peak():
+    summary = summarize_engines({"a": engine_info(3, 0.5, 0.9, 1, 4), "b": engine_info(2, 0.7, 1.0, 1, 4)})
+    assert summary["num_preemptions"] == 5
+    assert summary["kv_cache_usage"] == 0.6 and summary["kv_cache_usage_peak"] == 1.0
+    assert summary["prefix_cache_hit_rate"] == 0.25
+
+
+def test_engine_watch_warns_once_as_soon_as_preemptions_appear(monkeypatch):
+    readings = iter([{}, {"a": engine_info(0, 0.5, 0.5)}, {"a": engine_info(4, 1.0, 1.0)}])
+    latest = {}
+
+    def snapshot():
+        latest.update(next(readings, latest))
+        return dict(latest)
+
+    warnings = []
+    monkeypatch.setattr(monitor_module.log, "warning", lambda message, **kw: warnings.append(message))
+    watch = EngineWatch(snapshot, every_s=0)
+    assert watch.poll()["engines"] == 0
+    assert watch.poll()["kv_cache_usage"] == 0.5 and not watch.warned
+    assert watch.poll()["num_preemptions"] == 4 and watch.warned
+    for _ in range(3):
+        watch.poll()
+    assert warnings == [
+        "KV cache full: 4 preemptions; lower max_num_seqs to 20 or max_model_len to 80 (KV cache: 7680 tokens)"
+    ]
+
+
+def test_engine_watch_polls_at_most_every_interval_and_survives_a_failing_monitor():
+    calls = []
+
+    def snapshot():
+        calls.append(1)
+        if len(calls) > 1:
+            raise TimeoutError("monitor busy")
+        return {"a": engine_info(0, 0.25, 0.25)}
+
+    watch = EngineWatch(snapshot, every_s=3600)
+    first = watch.poll()
+    assert watch.poll() is first and len(calls) == 1
+    watch.every_s = 0
+    assert watch.poll() == first  # the last good reading stays
+
+
+def test_engine_line_shows_what_is_known():
+    assert engine_line(None) == ""
+    line = engine_line(summarize_engines({"a": engine_info(12, 0.63, 0.97, 66, 100)}))
+    assert line == "KV 63% (peak 97%) · 12 preemptions · prefix hits 66%"
+    assert engine_line({"kv_cache_usage": None, "num_preemptions": 0}) == ""

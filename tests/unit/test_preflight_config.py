@@ -120,8 +120,9 @@ def write_yaml(tmp_path: Path, text: str) -> Path:
 def test_config_defaults():
     config = load_job_config(None)
     assert config == JobConfig()
-    assert config.engine.vllm.max_num_seqs == 64
-    assert config.engine.in_flight() == 128  # 2 x max_num_seqs
+    assert config.engine.vllm.max_num_seqs is None  # not given: fitted to the KV capacity at run time
+    assert config.engine.fit.enabled is True
+    assert config.engine.in_flight() == 128  # 2 x the unfitted default of 64
 
 
 def test_config_loads_yaml(tmp_path: Path):

@@ -1,0 +1,483 @@
+"""Engine args fitted to the data before the engines start: `nightshift plan --input`, applied to the job.
+
+After validation, every staged request is measured once, streaming the request parts a read batch at a time
+(memory: one batch, whatever the job's size), with the counter the engine agrees with (the model's tokenizer and
+chat template for vLLM, see `pipeline.tokens`). From the measurements:
+
+- max_model_len, unless given: the longest prompt + its output budget, rounded up to a KV block, capped at the
+  model's limit. Halving an oversized context doubles the sequences that fit. No request can need more than the
+  fitted length by construction; only requests over the model's own limit can, and vLLM cuts their output there.
+- max_num_seqs, unless given: the sequences the KV cache holds when every one grows as long as it can (its prompt +
+  output budget, at most max_model_len; at most 256), so the engine never has to preempt. A given max_num_seqs
+  above that is kept, with a warning that names the number. Requests are measured even when max_model_len is given.
+- A request whose prompt alone reaches the model's limit (no room for one output token) can never run: it becomes a
+  `context_length_exceeded` error record here and is dropped from the work list, so it never reaches an engine.
+
+The output budget of a request is what vLLM would allow: max_completion_tokens, else max_tokens; without either,
+16 for /v1/completions, the model's generation_config max_new_tokens, else — for chat, where vLLM lets the answer
+run to the end of the context (max_tokens = max_model_len − prompt), which cannot be planned for — the configured
+default (engine.fit.default_max_tokens, 256). Such a request may still generate up to the fitted max_model_len minus
+its prompt; the manifest says how many requests were budgeted that way.
+
+Everything decided is kept in `_staging/job.json` (a resumed job runs with the same values) and goes to the
+manifest as `engine.fitted`: what was fitted, from what, and why. Backends: vllm (tokenizer; KV capacity from the
+model config on CPU, or from num_gpu_blocks_override; on GPUs the capacity is known only once an engine starts, so
+max_num_seqs keeps its default there) and fake (its own word count; its concurrency is max_concurrency, not fitted).
+Other backends are not fitted.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import structlog
+
+from pipeline.config import DEFAULT_MAX_NUM_SEQS, JobConfig, effective_pools
+from pipeline.io.staging import INGEST_PREFIX, StagedRow, StagingArea
+from pipeline.models import ResolvedModel
+from pipeline.planner import MAX_NUM_SEQS_CAP, round_up
+from pipeline.protocol import ErrorCode, dumps, failed_request_record
+
+log = structlog.get_logger(__name__)
+
+# Error parts of the fit pass: named after the request part they came from, so a redone pass replaces them, and
+# under the ingest prefix, so they count as rejected before any engine ran (a redone ingest discards them too).
+FIT_ERRORS_PREFIX = f"{INGEST_PREFIX}-fit"
+READ_BATCH_ROWS = 1024
+
+
+# --- what a backend contributes ---------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class KvCapacity:
+    """One pool's KV cache: usable blocks and how many sequences of a given length they hold."""
+
+    blocks: int  # blocks a scheduler can hand out (vLLM keeps one more as its null block)
+    block_size: int
+    sequences: Callable[[int], int]  # sequences that fit at once when each grows to `context` tokens
+
+    @property
+    def tokens(self) -> int:
+        return self.blocks * self.block_size
+
+
+@dataclass(frozen=True)
+class FitTarget:
+    """What fitting needs from an engine backend."""
+
+    counted_by: str  # how prompts are counted, for the record
+    count: Callable[[Sequence[tuple[str, dict]]], list[list[int] | Exception]]  # prompt tokens per sequence
+    output_budget: Callable[[str, dict], tuple[int, bool]]  # (output tokens, whether that is an assumption)
+    model_limit: int  # the longest context the engine accepts
+    block_size: Callable[[dict, str], int]  # (pool args, device) -> KV block size
+    # (pool args, device) -> KV capacity, None when unknown
+    capacity: Callable[[dict, str], KvCapacity | None]
+    notes: list[str] = field(default_factory=list)
+
+
+def _vllm_target(config: JobConfig, model: ResolvedModel) -> FitTarget | str:
+    from pipeline.planner import (
+        DeviceBudget,
+        PlanError,
+        default_block_size,
+        generation_max_tokens,
+        max_sequences,
+        model_shape,
+        output_budget,
+        plan_pool,
+    )
+    from pipeline.tokens import PromptCounter
+
+    model_dir = _model_dir(model)
+    if model_dir is None:
+        return f"model {model.path!r} is not a local directory or in the local Hugging Face cache"
+    try:
+        shape = model_shape(model_dir)
+    except PlanError as exc:
+        return f"cannot read the model's shape: {exc}"
+    counter = PromptCounter.for_model(model_dir)
+    if counter is None:
+        return "measuring requests needs the model's tokenizer: pip install 'nightshift-batch[model]'"
+    generation_default = generation_max_tokens(model_dir)
+    chat_default = config.engine.fit.default_max_tokens
+
+    def block_size(args: dict, device: str) -> int:
+        extra = args.get("extra") or {}
+        return int(extra.get("block_size") or default_block_size(device, shape.is_mla))
+
+    def capacity(args: dict, device: str) -> KvCapacity | None:
+        extra = args.get("extra") or {}
+        block = block_size(args, device)
+        if extra.get("num_gpu_blocks_override"):
+            blocks = int(extra["num_gpu_blocks_override"])
+        elif device == "cpu":
+            try:
+                budget = DeviceBudget.cpu(int(args.get("cpu_kvcache_space_gib") or 2))
+                blocks = plan_pool(shape, budget, None, block, extra.get("kv_cache_dtype", "auto")).kv_blocks
+            except PlanError:
+                return None
+        else:
+            return None  # GPU memory is known to the engine, not to the driver
+        usable = max(0, blocks - 1)  # vLLM's block pool keeps one block as its null block
+        return KvCapacity(usable, block, lambda context: max_sequences(shape, usable, context, block))
+
+    return FitTarget(
+        counted_by=f"{model.name} tokenizer + chat template",
+        count=counter.count_batch,
+        output_budget=lambda url, body: output_budget(url, body, generation_default, chat_default),
+        model_limit=shape.max_model_len_limit,
+        block_size=block_size,
+        capacity=capacity,
+    )
+
+
+def _fake_target(config: JobConfig, model: ResolvedModel) -> FitTarget:
+    from pipeline.engines.fake import FAKE_MAX_MODEL_LEN, prompt_tokens
+
+    default_output = config.engine.fake.output_tokens
+
+    def count(requests: Sequence[tuple[str, dict]]) -> list[list[int] | Exception]:
+        return [[prompt_tokens(url, body)] for url, body in requests]
+
+    def output(url: str, body: dict) -> tuple[int, bool]:
+        return int(body.get("max_completion_tokens") or body.get("max_tokens") or default_output), False
+
+    return FitTarget(
+        counted_by="the fake engine's word count",
+        count=count,
+        output_budget=output,
+        model_limit=FAKE_MAX_MODEL_LEN,
+        block_size=lambda args, device: 16,
+        capacity=lambda args, device: None,
+        notes=["fake engine: its concurrency is engine.fake.max_concurrency; max_num_seqs is not fitted"],
+    )
+
+
+_TARGETS: dict[str, Callable[[JobConfig, ResolvedModel], FitTarget | str]] = {
+    "vllm": _vllm_target,
+    "fake": _fake_target,
+}
+
+
+def _model_dir(model: ResolvedModel) -> str | None:
+    if model.source != "hub-id":
+        return model.path
+    try:
+        from huggingface_hub import snapshot_download
+
+        return snapshot_download(model.path, local_files_only=True)
+    except Exception:  # noqa: BLE001 - hub errors vary by version; the cause is always "not cached"
+        return None
+
+
+# --- measuring ---------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Lengths:
+    """What the measuring pass learned, in running totals (never one entry per request)."""
+
+    requests: int = 0
+    sequences: int = 0
+    longest_need: int = 0  # prompt + output budget
+    longest_id: str | None = None
+    longest_prompt_of_longest: int = 0
+    longest_prompt: int = 0
+    prompt_sum: int = 0
+    need_sum: int = 0
+    assumed_output: int = 0  # chat requests budgeted the default output (no max_tokens anywhere)
+    untokenizable: int = 0  # requests the chat template rejected: left to the engine, which rejects them too
+    output_capped: int = 0  # prompt fits the model's limit, prompt + output budget does not
+    too_long: int = 0  # prompt reaches the model's limit: rejected here
+    seconds: float = 0.0
+
+    def add(self, custom_id: str, prompts: list[int], output: int, assumed: bool, limit: int) -> None:
+        self.requests += 1
+        self.assumed_output += assumed
+        capped = False
+        for prompt in prompts:
+            need = prompt + output
+            self.sequences += 1
+            self.prompt_sum += prompt
+            self.need_sum += need
+            self.longest_prompt = max(self.longest_prompt, prompt)
+            capped |= need > limit
+            if need > self.longest_need:
+                self.longest_need, self.longest_id, self.longest_prompt_of_longest = need, custom_id, prompt
+        self.output_capped += capped
+
+    def summary(self) -> dict[str, Any]:
+        n = self.sequences or 1
+        return {
+            "requests": self.requests,
+            "sequences": self.sequences,
+            "prompt_tokens": {"max": self.longest_prompt, "mean": round(self.prompt_sum / n, 1)},
+            "prompt_plus_max_tokens": {"max": self.longest_need, "mean": round(self.need_sum / n, 1)},
+            "longest_request": self.longest_id,
+            "assumed_output_requests": self.assumed_output,
+            "untokenizable_requests": self.untokenizable,
+            "output_capped_requests": self.output_capped,
+            "seconds": round(self.seconds, 2),
+        }
+
+
+def too_long_message(prompt: int, limit: int) -> str:
+    return (
+        f"This model's maximum context length is {limit} tokens. However, your prompt contains {prompt} input "
+        f"tokens, which leaves no room for even one output token. Please reduce the length of the input prompt."
+    )
+
+
+def measure(staging: StagingArea, target: FitTarget, limit: int, job_id: str | None = None) -> Lengths:
+    """One streaming pass over the work list: lengths of every request; prompts of `limit` tokens or more become
+    context_length_exceeded error records and leave the work list (per part: error part first, then the rewrite,
+    so a pass cut short between the two is redone without loss or duplicates)."""
+    lengths = Lengths()
+    started = time.monotonic()
+    columns = ["custom_id", "url", "body", "line", "source"]
+    for part in staging.request_files():
+        rejected: list[StagedRow] = []
+        for batch in staging.files.parquet(part).iter_batches(batch_size=READ_BATCH_ROWS, columns=columns):
+            rows = batch.to_pydict()
+            bodies = [json.loads(body) for body in rows["body"]]
+            counts = target.count(list(zip(rows["url"], bodies, strict=True)))
+            for i, prompts in enumerate(counts):
+                custom_id = rows["custom_id"][i]
+                if isinstance(prompts, Exception):
+                    lengths.untokenizable += 1
+                    continue
+                if prompts and max(prompts) >= limit:
+                    record = failed_request_record(
+                        custom_id,
+                        ErrorCode.CONTEXT_LENGTH_EXCEEDED,
+                        too_long_message(max(prompts), limit),
+                        seed=f"{job_id}:{custom_id}" if job_id else None,
+                    )
+                    rejected.append(
+                        StagedRow(
+                            custom_id,
+                            int(rows["line"][i]),
+                            str(rows["source"][i]),
+                            ErrorCode.CONTEXT_LENGTH_EXCEEDED.value,
+                            0,
+                            0,
+                            "",
+                            dumps(record),
+                        )
+                    )
+                    continue
+                output, assumed = target.output_budget(rows["url"][i], bodies[i])
+                lengths.add(custom_id, prompts, output, assumed, limit)
+        if rejected:
+            name = f"{FIT_ERRORS_PREFIX}-{Path(part).stem}.parquet"
+            staging.write_rows("errors", rejected, name=name)
+            staging.drop_requests(part, {row.custom_id for row in rejected})
+    # Counted from the staged parts, not this pass: a pass redone after a crash finds only what is left to reject.
+    lengths.too_long = rejected_before(staging)
+    lengths.seconds = time.monotonic() - started
+    return lengths
+
+
+def rejected_before(staging: StagingArea) -> int:
+    parts = [p for p in staging.parts("errors") if Path(p).name.startswith(f"{FIT_ERRORS_PREFIX}-")]
+    return staging.num_rows(parts)
+
+
+# --- deciding (pure) ---------------------------------------------------------------------------------------------
+
+
+def fit_max_model_len(lengths: Lengths, block_size: int, limit: int) -> tuple[int | None, str]:
+    """The fitted context and why; None when nothing was measured."""
+    if not lengths.sequences:
+        return None, "no request could be measured: the model's limit is kept"
+    context = min(round_up(lengths.longest_need, block_size), limit)
+    why = (
+        f"longest request {lengths.longest_id!r}: {lengths.longest_prompt_of_longest} prompt + "
+        f"{lengths.longest_need - lengths.longest_prompt_of_longest} output tokens = {lengths.longest_need}, "
+        f"rounded up to a {block_size}-token KV block"
+    )
+    if context == limit and round_up(lengths.longest_need, block_size) > limit:
+        why += f", capped at the model's limit of {limit}"
+    return context, why
+
+
+def choose_max_num_seqs(
+    given: int | None, capacity: KvCapacity | None, context: int
+) -> tuple[int, str, str, str | None]:
+    """(value, source, why, warning) for one pool's max_num_seqs at max_model_len `context`."""
+    fits = capacity.sequences(context) if capacity else None
+    held = (
+        f"the KV cache ({capacity.tokens:,} tokens) holds {fits} sequences of {context:,} tokens"
+        if capacity
+        else ""
+    )
+    if given is not None:
+        warning = None
+        if fits is not None and given > fits:
+            warning = (
+                f"max_num_seqs {given} is more than {held}: expect preemptions (recomputation) when outputs run "
+                f"long; lower --max-num-seqs to {max(fits, 1)}"
+                + ("" if fits else " and --max-model-len, or give the KV cache more memory")
+            )
+        return given, "given", f"given{'; ' + held if held else ''}", warning
+    if capacity is None:
+        return DEFAULT_MAX_NUM_SEQS, "default", "KV capacity unknown before the engine starts", None
+    if fits == 0:
+        warning = (
+            f"max_model_len {context:,} does not fit one sequence in the KV cache ({capacity.tokens:,} tokens): "
+            f"vLLM will refuse to start; give the KV cache more memory (--cpu-kvcache-space) or lower --max-model-len"
+        )
+        return 1, "fitted", held, warning
+    value = min(MAX_NUM_SEQS_CAP, fits)
+    why = held + (f"; capped at {MAX_NUM_SEQS_CAP}" if fits > MAX_NUM_SEQS_CAP else "")
+    return value, "fitted", why, None
+
+
+# --- the job's fit ---------------------------------------------------------------------------------------------
+
+
+def fit_job(
+    config: JobConfig, model: ResolvedModel, staging: StagingArea, state: dict[str, Any]
+) -> JobConfig:
+    """The job's config with fitted engine args, deciding them once (kept in `state`, i.e. _staging/job.json).
+
+    Updates state["input"] for requests rejected as too long (valid → invalid) and writes the state.
+    """
+    if "fit" not in state:
+        state["fit"] = _decide(config, model, staging, state.get("job_id"))
+        rejected = state["fit"].get("context_length_exceeded", 0)
+        state["input"]["valid"] -= rejected
+        state["input"]["invalid"] += rejected
+        staging.write_job(state)
+    return apply_fit(config, state["fit"])
+
+
+def apply_fit(config: JobConfig, record: dict[str, Any]) -> JobConfig:
+    """`config` with the record's fitted values; given values are never replaced."""
+    data = config.model_dump()
+    vllm = data["engine"]["vllm"]
+    fitted_len = record.get("max_model_len") or {}
+    if vllm["max_model_len"] is None and fitted_len.get("source") == "fitted":
+        vllm["max_model_len"] = fitted_len["value"]
+    seqs = {name: s for name, s in (record.get("max_num_seqs") or {}).items() if s["source"] != "given"}
+    if config.pools:
+        for pool in data["pools"]:
+            if pool["name"] in seqs:
+                pool["engine_overrides"]["max_num_seqs"] = seqs[pool["name"]]["value"]
+    elif "default" in seqs:
+        vllm["max_num_seqs"] = seqs["default"]["value"]
+    if config.engine.backend == "vllm" and vllm["max_num_seqs"] is None:
+        vllm["max_num_seqs"] = DEFAULT_MAX_NUM_SEQS  # every pool has its own; this one only fills the spec
+    return JobConfig.model_validate(data)
+
+
+def _decide(
+    config: JobConfig, model: ResolvedModel, staging: StagingArea, job_id: str | None
+) -> dict[str, Any]:
+    if not config.engine.fit.enabled:
+        log.info("engine args not fitted (--no-fit)")
+        return {"enabled": False, "reason": "turned off (--no-fit / engine.fit.enabled: false)"}
+    builder = _TARGETS.get(config.engine.backend)
+    target = builder(config, model) if builder else f"the {config.engine.backend} backend cannot count tokens"
+    if isinstance(target, str):
+        log.warning("engine args not fitted", reason=target)
+        return {"enabled": True, "skipped": target}
+
+    notes, warnings = list(target.notes), []
+    pools = effective_pools(config)
+    base = config.engine.vllm.model_dump()
+    pool_args = {
+        p.name: ({**base, **p.engine_overrides}, "gpu" if p.gpus_per_engine > 0 else "cpu") for p in pools
+    }
+    block = max(target.block_size(args, device) for args, device in pool_args.values())
+    limit = target.model_limit
+    given_len = config.engine.vllm.max_model_len
+
+    record: dict[str, Any] = {"enabled": True, "counted_by": target.counted_by}
+    # Measured even when max_model_len is given: too-long prompts still fail early, and the KV checks below use
+    # what the requests need, not only the worst case the given length allows.
+    lengths = measure(staging, target, limit, job_id)
+    needed, why = fit_max_model_len(lengths, block, limit)
+    record["measured"] = lengths.summary()
+    record["context_length_exceeded"] = lengths.too_long
+    context = given_len or needed or limit
+    record["max_model_len"] = {
+        "value": context,
+        "source": "given" if given_len else "fitted" if needed else "model limit",
+        "model_limit": limit,
+        "block_size": block,
+        "needed": needed,
+        "why": why,
+    }
+    # The longest a sequence can grow: what it needs, when every request bounds its output (a chat without
+    # max_tokens may run on to the end of whatever context it is given).
+    bound = needed if needed and not lengths.assumed_output else None
+    record["longest_sequence"] = bound
+    if lengths.too_long:
+        warnings.append(
+            f"{lengths.too_long} request(s) have a prompt of {limit} tokens or more (the model's limit, with no "
+            f"room for output): recorded as context_length_exceeded, not run"
+        )
+    if given_len and needed and given_len < needed:
+        warnings.append(
+            f"max_model_len {given_len} is less than these requests need ({needed}: {why}): outputs stop at "
+            f"{given_len} tokens, and prompts that long are rejected"
+        )
+    if lengths.assumed_output:
+        notes.append(
+            f"{lengths.assumed_output} chat request(s) set no max_tokens: budgeted "
+            f"{config.engine.fit.default_max_tokens} output tokens each (engine.fit.default_max_tokens); vLLM "
+            f"lets them generate up to max_model_len − prompt, so "
+            + (
+                "at the fitted length their output may stop there (finish_reason 'length'); set max_tokens, "
+                "--max-model-len or --no-fit to keep the model's limit"
+                if not given_len and needed
+                else "max_num_seqs is sized for sequences of the whole max_model_len"
+            )
+        )
+    if lengths.output_capped:
+        notes.append(
+            f"{lengths.output_capped} request(s) need more than the model's limit ({limit}) for prompt + "
+            f"max_tokens: vLLM cuts their output at the end of the context"
+        )
+    if lengths.untokenizable:
+        warnings.append(
+            f"{lengths.untokenizable} request(s) could not be measured (chat template error) and were left to "
+            f"the engine, which reports its own error for them"
+        )
+
+    record["max_num_seqs"] = {}
+    if config.engine.backend == "vllm":
+        for name, (args, device) in pool_args.items():
+            pool_context = args.get("max_model_len") or context
+            sized_for = min(pool_context, bound) if bound else pool_context
+            capacity = target.capacity(args, device)
+            value, source, why, warning = choose_max_num_seqs(args.get("max_num_seqs"), capacity, sized_for)
+            record["max_num_seqs"][name] = {
+                "value": value,
+                "source": source,
+                "sized_for_tokens": sized_for,
+                "kv_cache_tokens": capacity.tokens if capacity else None,
+                "fits": capacity.sequences(sized_for) if capacity else None,
+                "why": why,
+            }
+            if warning:
+                warnings.append(f"pool {name}: {warning}" if len(pool_args) > 1 else warning)
+    record["notes"], record["warnings"] = notes, warnings
+
+    log.info(
+        "engine args fitted to the data",
+        max_model_len=record["max_model_len"]["value"],
+        source=record["max_model_len"]["source"],
+        max_num_seqs={name: s["value"] for name, s in record["max_num_seqs"].items()} or None,
+        **({"measured_s": record["measured"]["seconds"]} if "measured" in record else {}),
+    )
+    for warning in warnings:
+        log.warning(warning)
+    return record

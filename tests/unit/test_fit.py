@@ -1,0 +1,359 @@
+"""Fitting engine args to the data (runtime/fit.py) and the prompt counter it uses (tokens.py): pure, no Ray."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import pytest
+
+from pipeline.config import DEFAULT_MAX_NUM_SEQS, JobConfig
+from pipeline.io.staging import StagingArea
+from pipeline.models import ResolvedModel
+from pipeline.planner import output_budget
+from pipeline.runtime.fit import (
+    FitTarget,
+    KvCapacity,
+    Lengths,
+    apply_fit,
+    choose_max_num_seqs,
+    fit_job,
+    fit_max_model_len,
+    measure,
+)
+from pipeline.tokens import PromptCounter
+
+MODEL = ResolvedModel(name="m", path="/nowhere", revision=None, source="local-dir")
+
+
+def chat(custom_id: str, words: int, line: int, **body) -> dict:
+    body = {"messages": [{"role": "user", "content": " ".join(["w"] * words)}], **body}
+    return {
+        "custom_id": custom_id,
+        "url": "/v1/chat/completions",
+        "body": json.dumps(body),
+        "line": line,
+        "source": "in",
+    }
+
+
+def word_target(limit: int = 100, block: int = 16, capacity: KvCapacity | None = None) -> FitTarget:
+    """A target whose 'tokenizer' counts words; a message content of 'BAD' makes the template fail."""
+
+    def count(requests):
+        out = []
+        for _, body in requests:
+            text = body["messages"][0]["content"]
+            out.append(ValueError("template error") if text == "BAD" else [len(text.split())])
+        return out
+
+    return FitTarget(
+        counted_by="words",
+        count=count,
+        output_budget=lambda url, body: output_budget(url, body, None, 50),
+        model_limit=limit,
+        block_size=lambda args, device: block,
+        capacity=lambda args, device: capacity,
+    )
+
+
+def staged(tmp_path: Path, parts: list[list[dict]]) -> StagingArea:
+    staging = StagingArea(tmp_path / "out")
+    staging.create()
+    for rows in parts:
+        staging.write_requests(rows)
+    return staging
+
+
+def request_ids(staging: StagingArea) -> list[str]:
+    ids = []
+    for part in staging.request_files():
+        ids += pq.read_table(part, columns=["custom_id"]).column("custom_id").to_pylist()
+    return sorted(ids)
+
+
+def error_records(staging: StagingArea) -> list[dict]:
+    return [json.loads(row.record) for row in staging.merged("errors")]
+
+
+# --- deciding ----------------------------------------------------------------------------------------------------
+
+
+def test_context_is_the_longest_need_rounded_up_to_a_block():
+    lengths = Lengths()
+    lengths.add("a", [30], 10, False, 1000)
+    lengths.add("b", [90], 40, False, 1000)  # 130: the longest
+    lengths.add("c", [120], 5, False, 1000)  # the longest prompt, but not the longest need
+    context, why = fit_max_model_len(lengths, 128, 1000)
+    assert context == 256
+    assert "'b'" in why and "90 prompt + 40 output tokens = 130" in why and "128-token" in why
+
+
+def test_context_is_capped_at_the_model_limit():
+    lengths = Lengths()
+    lengths.add("a", [900], 500, False, 1000)
+    context, why = fit_max_model_len(lengths, 128, 1000)
+    assert context == 1000 and "capped at the model's limit of 1000" in why
+    assert lengths.output_capped == 1
+
+
+def test_nothing_measured_keeps_the_model_limit():
+    assert fit_max_model_len(Lengths(), 128, 1000)[0] is None
+
+
+def capacity(blocks: int, block: int = 16) -> KvCapacity:
+    return KvCapacity(blocks, block, lambda context: blocks // -(-context // block))
+
+
+def test_max_num_seqs_is_what_the_cache_holds_at_the_context():
+    value, source, why, warning = choose_max_num_seqs(None, capacity(100), 160)  # 10 blocks per sequence
+    assert (value, source, warning) == (10, "fitted", None)
+    assert "holds 10 sequences of 160 tokens" in why
+
+
+def test_max_num_seqs_is_capped_at_256():
+    value, _, why, _ = choose_max_num_seqs(None, capacity(10_000), 16)
+    assert value == 256 and "capped at 256" in why
+
+
+def test_a_given_max_num_seqs_above_capacity_is_kept_with_a_warning_naming_the_number():
+    value, source, _, warning = choose_max_num_seqs(256, capacity(100), 160)
+    assert (value, source) == (256, "given")
+    assert "max_num_seqs 256 is more than the KV cache (1,600 tokens) holds 10 sequences" in warning
+    assert "lower --max-num-seqs to 10" in warning
+    assert choose_max_num_seqs(8, capacity(100), 160)[3] is None
+
+
+def test_unknown_capacity_keeps_the_default():
+    assert choose_max_num_seqs(None, None, 4096)[:2] == (DEFAULT_MAX_NUM_SEQS, "default")
+
+
+def test_a_context_that_fits_no_sequence_is_warned():
+    value, _, _, warning = choose_max_num_seqs(None, capacity(4), 160)
+    assert value == 1 and "does not fit one sequence" in warning
+
+
+# --- measuring ---------------------------------------------------------------------------------------------------
+
+
+def test_measure_rejects_prompts_at_the_limit_and_drops_them_from_the_work_list(tmp_path):
+    untokenizable = {**chat("bad", 1, 5), "body": json.dumps({"messages": [{"content": "BAD"}]})}
+    staging = staged(
+        tmp_path,
+        [
+            [chat("ok-1", 10, 1, max_tokens=5), chat("long-1", 100, 2, max_tokens=5), chat("ok-2", 20, 3)],
+            [chat("long-2", 150, 4), untokenizable],  # this part keeps only the untokenizable request
+            [chat("long-3", 99, 6, max_tokens=1), chat("ok-3", 49, 7)],  # 99 + 1 and 49 + 50 (assumed) fit
+        ],
+    )
+
+    lengths = measure(staging, word_target(limit=100), 100, job_id="job")
+    assert lengths.too_long == 2  # long-1 (100 = the limit: no room for output) and long-2
+    assert lengths.untokenizable == 1
+    assert lengths.requests == 4 and lengths.assumed_output == 2  # ok-2 and ok-3 set no max_tokens
+    assert (lengths.longest_need, lengths.longest_id) == (100, "long-3")
+    assert lengths.output_capped == 0
+    assert request_ids(staging) == ["bad", "long-3", "ok-1", "ok-2", "ok-3"]
+
+    errors = error_records(staging)
+    assert [e["custom_id"] for e in errors] == ["long-1", "long-2"]
+    for record in errors:
+        assert record["error"] is None and record["response"]["status_code"] == 400
+        body = record["response"]["body"]["error"]
+        assert (
+            body["code"] == "context_length_exceeded" and "maximum context length is 100" in body["message"]
+        )
+    rows = list(staging.merged("errors"))
+    assert [(r.line, r.source, r.error_code) for r in rows] == [
+        (2, "in", "context_length_exceeded"),
+        (4, "in", "context_length_exceeded"),
+    ]
+    assert not set(staging.finished_ids())  # rejected before the engines: not "finished by an engine"
+
+    # A pass redone (resume after a crash) finds nothing new to reject and duplicates nothing.
+    again = measure(staging, word_target(limit=100), 100, job_id="job")
+    assert again.too_long == 2 and len(error_records(staging)) == 2
+    assert request_ids(staging) == ["bad", "long-3", "ok-1", "ok-2", "ok-3"]
+
+
+def fake_job(tmp_path: Path, **engine) -> JobConfig:
+    return JobConfig.model_validate(
+        {
+            "input": str(tmp_path / "in.jsonl"),
+            "output": str(tmp_path / "out"),
+            "engine": {"backend": "fake", "fake": {"output_tokens": 4}, **engine},
+        }
+    )
+
+
+def fake_state(lines: int, valid: int) -> dict:
+    return {"job_id": "j", "input": {"lines": lines, "valid": valid, "invalid": lines - valid}}
+
+
+def test_fit_job_with_the_fake_engine_fits_the_context_and_rejects_too_long_rows(tmp_path):
+    rows = [chat("a", 3, 1, max_tokens=20), chat("b", 40, 2), chat("huge", 9000, 3)]
+    staging = staged(tmp_path, [rows])
+    state = fake_state(4, 3)
+    config = fit_job(fake_job(tmp_path), MODEL, staging, state)
+    record = state["fit"]
+    # The fake counts words of "user: w w ...": 41 for b, + 4 output tokens (its output_tokens default).
+    assert record["max_model_len"]["source"] == "fitted"
+    assert record["max_model_len"]["value"] == 48 == config.engine.vllm.max_model_len
+    assert record["measured"]["prompt_plus_max_tokens"]["max"] == 45
+    assert record["context_length_exceeded"] == 1
+    assert state["input"]["valid"] == 2 and state["input"]["invalid"] == 2
+    assert staging.read_job()["fit"] == record  # kept for resume
+    assert request_ids(staging) == ["a", "b"]
+
+    # Resume: the stored decision is applied as is, nothing is measured again.
+    again = fit_job(fake_job(tmp_path), MODEL, staging, staging.read_job())
+    assert again.engine.vllm.max_model_len == 48
+
+
+def test_a_given_max_model_len_wins_and_is_checked_against_the_data(tmp_path):
+    staging = staged(
+        tmp_path, [[chat("a", 3, 1, max_tokens=4), chat("b", 60, 2, max_tokens=4), chat("huge", 9000, 3)]]
+    )
+    state = fake_state(3, 3)
+    config = fit_job(fake_job(tmp_path, vllm={"max_model_len": 32}), MODEL, staging, state)
+    assert config.engine.vllm.max_model_len == 32
+    record = state["fit"]
+    assert record["max_model_len"]["source"] == "given" and record["max_model_len"]["needed"] == 80
+    assert record["context_length_exceeded"] == 1  # over the model's own limit: rejected whatever was given
+    assert any("max_model_len 32 is less than these requests need (80" in w for w in record["warnings"])
+    assert request_ids(staging) == ["a", "b"]
+
+
+def test_max_num_seqs_is_sized_for_what_the_requests_need_under_a_given_max_model_len(tmp_path, monkeypatch):
+    from pipeline.runtime import fit as fit_module
+
+    target = word_target(limit=8192, block=16, capacity=capacity(100))  # 1,600 tokens of KV
+    monkeypatch.setitem(fit_module._TARGETS, "vllm", lambda config, model: target)
+    rows = [chat("a", 10, 1, max_tokens=20), chat("b", 70, 2, max_tokens=10)]  # b grows to 80 tokens
+    staging = staged(tmp_path, [rows])
+    config = JobConfig.model_validate({"engine": {"vllm": {"max_model_len": 4096, "max_num_seqs": 64}}})
+    state = fake_state(2, 2)
+    fitted = fit_job(config, MODEL, staging, state)
+    seqs = state["fit"]["max_num_seqs"]["default"]
+    assert state["fit"]["longest_sequence"] == 80
+    assert (seqs["sized_for_tokens"], seqs["fits"], seqs["source"]) == (80, 20, "given")
+    assert fitted.engine.vllm.max_num_seqs == 64  # given: kept, with a warning naming the number that fits
+    assert any(
+        "max_num_seqs 64 is more than" in w and "lower --max-num-seqs to 20" in w
+        for w in state["fit"]["warnings"]
+    )
+
+    # Without max_num_seqs it is fitted; a chat without max_tokens could grow to the whole context instead.
+    open_ended = staged(tmp_path / "2", [[*rows, chat("c", 10, 3)]])
+    state = fake_state(3, 3)
+    config = JobConfig.model_validate({"engine": {"vllm": {"max_model_len": 160}}})
+    fitted = fit_job(config, MODEL, open_ended, state)
+    assert state["fit"]["longest_sequence"] is None
+    assert fitted.engine.vllm.max_num_seqs == 10  # 100 blocks / 10 blocks of 160 tokens
+
+
+def test_no_fit_turns_it_off(tmp_path):
+    staging = staged(tmp_path, [[chat("a", 3, 1), chat("huge", 9000, 2)]])
+    state = fake_state(2, 2)
+    config = fit_job(fake_job(tmp_path, fit={"enabled": False}), MODEL, staging, state)
+    assert config.engine.vllm.max_model_len is None
+    assert state["fit"] == {"enabled": False, "reason": "turned off (--no-fit / engine.fit.enabled: false)"}
+    assert request_ids(staging) == ["a", "huge"]
+
+
+def vllm_record(**seqs) -> dict:
+    return {
+        "enabled": True,
+        "max_model_len": {"value": 512, "source": "fitted"},
+        "max_num_seqs": {name: {"value": v, "source": s} for name, (v, s) in seqs.items()},
+    }
+
+
+def test_apply_fit_sets_only_what_was_not_given():
+    config = JobConfig()
+    fitted = apply_fit(config, vllm_record(default=(22, "fitted")))
+    assert (fitted.engine.vllm.max_model_len, fitted.engine.vllm.max_num_seqs) == (512, 22)
+    given = JobConfig.model_validate({"engine": {"vllm": {"max_num_seqs": 8}}})
+    kept = apply_fit(given, vllm_record(default=(8, "given")))
+    assert kept.engine.vllm.max_num_seqs == 8
+    unfitted = apply_fit(config, {"enabled": False})
+    assert (unfitted.engine.vllm.max_model_len, unfitted.engine.vllm.max_num_seqs) == (
+        None,
+        DEFAULT_MAX_NUM_SEQS,
+    )
+
+
+def test_apply_fit_puts_per_pool_values_in_pool_overrides_and_keeps_given_ones():
+    config = JobConfig.model_validate(
+        {"pools": [{"name": "big"}, {"name": "small", "engine_overrides": {"max_num_seqs": 2}}]}
+    )
+    fitted = apply_fit(config, vllm_record(big=(40, "fitted"), small=(2, "given")))
+    overrides = {p.name: p.engine_overrides for p in fitted.pools}
+    assert overrides == {"big": {"max_num_seqs": 40}, "small": {"max_num_seqs": 2}}
+
+
+# --- the prompt counter ----------------------------------------------------------------------------------------
+
+
+class CharTokenizer:
+    """One token per character; the 'template' wraps each message as <role>content and may add a prompt."""
+
+    def apply_chat_template(
+        self, messages, tools=None, tokenize=False, add_generation_prompt=False, **kwargs
+    ):
+        assert tokenize is False
+        text = "".join(f"<{m['role']}>{m['content']}" for m in messages)
+        if tools:
+            text += json.dumps(tools)
+        return text + ("<assistant>" if add_generation_prompt else "")
+
+    def __call__(self, texts, add_special_tokens=False):
+        return {"input_ids": [[0] * (len(t) + (1 if add_special_tokens else 0)) for t in texts]}
+
+
+def test_counter_renders_chat_like_vllm():
+    counter = PromptCounter(CharTokenizer(), "chars")
+    user = {"role": "user", "content": "hello"}
+    assert counter.count("/v1/chat/completions", {"messages": [user]}) == [len("<user>hello<assistant>")]
+    # Content parts are joined with newlines; add_generation_prompt=false is honoured.
+    parts = {"role": "user", "content": [{"type": "text", "text": "ab"}, {"type": "text", "text": "cd"}]}
+    body = {"messages": [parts], "add_generation_prompt": False}
+    assert counter.count("/v1/chat/completions", body) == [len("<user>ab\ncd")]
+    tools = [{"type": "function", "function": {"name": "f"}}]
+    with_tools = counter.count("/v1/chat/completions", {"messages": [user], "tools": tools})
+    assert with_tools[0] > counter.count("/v1/chat/completions", {"messages": [user]})[0]
+
+
+def test_counter_handles_completion_prompt_shapes_and_truncation():
+    counter = PromptCounter(CharTokenizer(), "chars")
+    assert counter.count("/v1/completions", {"prompt": "abc"}) == [4]  # + BOS: special tokens on
+    assert counter.count("/v1/completions", {"prompt": [7, 8, 9]}) == [3]
+    assert counter.count("/v1/completions", {"prompt": ["ab", [1, 2, 3, 4]]}) == [3, 4]
+    assert counter.count("/v1/completions", {"prompt": "abcdef", "truncate_prompt_tokens": 2}) == [2]
+
+
+def test_a_template_error_is_the_requests_alone():
+    counter = PromptCounter(CharTokenizer(), "chars")
+    results = counter.count_batch(
+        [("/v1/chat/completions", {"messages": "not a list"}), ("/v1/completions", {"prompt": "ab"})]
+    )
+    assert isinstance(results[0], Exception) and results[1] == [3]
+
+
+def test_embedded_model_capacity_leaves_out_the_null_block():
+    from pipeline.models import EMBEDDED_MODEL_NAME, nightshift_home
+    from pipeline.runtime.fit import _vllm_target
+
+    if not any((nightshift_home() / "models").glob(f"{EMBEDDED_MODEL_NAME}-*/config.json")):
+        pytest.skip("the embedded model is not prepared")
+    from pipeline.models import resolve_model
+
+    target = _vllm_target(JobConfig(), resolve_model(None))
+    assert not isinstance(target, str), target
+    kv = target.capacity({"cpu_kvcache_space_gib": 2, "extra": {}}, "cpu")
+    # 2 GiB / (128 tokens x 23,040 B) = 728 blocks, one of which vLLM keeps as its null block.
+    assert (kv.blocks, kv.block_size) == (727, 128)
+    assert kv.sequences(512) == 181 and target.model_limit == 8192
+    starved = target.capacity({"cpu_kvcache_space_gib": 2, "extra": {"num_gpu_blocks_override": 60}}, "cpu")
+    assert starved.tokens == 59 * 128
