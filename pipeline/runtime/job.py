@@ -1,8 +1,9 @@
-"""One batch job, end to end: preflight → ingest → engines (Ray Data actor pool) → stage → finalize.
+"""One batch job, end to end: preflight → ingest → fit → engines (Ray Data actor pool) → stage → finalize.
 
-    read ─▶ validate ─▶ (resume filter) ─▶ engine actors ─▶ stage ─▶ finalize
+    read ─▶ validate ─▶ fit ─▶ (resume filter) ─▶ engine actors ─▶ stage ─▶ finalize
 
-The driver streams: it validates the input into staging, hands Ray Data the staged work list, and writes
+The driver streams: it validates the input into staging (while Ray starts), fits the engine args to it, hands Ray
+Data the staged work list, and writes
 finished rows back into staging as they arrive. Nothing here holds the whole input or output in memory.
 Staging is the checkpoint: a job interrupted at any point is continued by `resume`, which re-runs only the
 requests that have no staged row yet.
