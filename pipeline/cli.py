@@ -112,6 +112,13 @@ def run(
     seed: Annotated[int | None, typer.Option(help="vLLM: engine seed.")] = None,
     cpu_kvcache_space: Annotated[int | None, typer.Option(help="CPU engines: KV cache GiB.")] = None,
     max_in_flight: Annotated[int | None, typer.Option(help="Requests kept in flight per engine.")] = None,
+    prefix_routing: Annotated[
+        bool | None,
+        typer.Option(
+            "--prefix-routing/--no-prefix-routing",
+            help="Send requests sharing a long leading prompt to the same engine (default: on).",
+        ),
+    ] = None,
     overwrite: Annotated[
         bool | None, typer.Option("--overwrite", help="Replace a completed job in OUTPUT.")
     ] = None,
@@ -155,6 +162,7 @@ def run(
             "engine.vllm.seed": seed,
             "engine.vllm.cpu_kvcache_space_gib": cpu_kvcache_space,
             "engine.max_in_flight": max_in_flight,
+            "routing.prefix_aware": prefix_routing,
             "overwrite": overwrite,
             "storage.s3_endpoint_url": s3_endpoint_url,
             "storage.s3_region": s3_region,

@@ -81,9 +81,12 @@ class EngineWorker:
         job_id: str | None = None,
         queue: Any = None,
         max_in_flight: int | None = None,
+        taker: str | None = None,
     ) -> None:
         self.spec = spec
         self.pool = pool
+        # Whom the queue's credit belongs to: the pool, or this engine's lane of it.
+        self.taker = taker or pool
         self.monitor = monitor  # the job's JobMonitor actor (stats + attempt ledger); None in unit tests
         self.job_id = job_id
         self.queue = queue  # the WorkQueue: told when a chunk is done, so the pool gets credit for another
@@ -209,8 +212,10 @@ class EngineWorker:
         )
         by_id = {result.custom_id: result for result in [*outcomes[0], *outcomes[1:]]}
         if self.queue is not None:
-            self.queue.done.remote(self.pool, len(requests))
-        self._report()
+            self.queue.done.remote(self.taker, len(requests))
+        # Reports are rate-limited, but the last one before the engine goes idle must go out: the manifest's
+        # engine numbers (prefix-cache hits, preemptions) are read from the monitor when the job ends.
+        self._report(force=self._in_flight == 0)
         return result_columns([by_id[r.custom_id] for r in requests], rows, self.pool, self.job_id)
 
     def __del__(self) -> None:
