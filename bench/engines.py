@@ -389,8 +389,11 @@ def run_nightshift(
     env: dict[str, str],
     timeout_s: float,
     src: Path | None = None,
+    extra_args: list[str] | None = None,
+    name: str = "nightshift",
 ) -> tuple[Timed, dict, dict]:
-    out = work / "nightshift-out"
+    """`extra_args`: further `nightshift run` flags (engines, routing); `name`: of the run's output and log."""
+    out = work / f"{name}-out"
     shutil.rmtree(out, ignore_errors=True)
     if src is None:
         exe = Path(sys.executable).with_name("nightshift")
@@ -411,14 +414,13 @@ def run_nightshift(
         "--enable-prefix-caching" if args.enable_prefix_caching else "--no-enable-prefix-caching",
         "--cpu-kvcache-space", str(args.kv_cache_gib),
         "--no-progress",
+        *(extra_args or []),
     ]  # fmt: skip
     # A private Ray temp dir: the engine's logs (in Ray's session logs) are then this run's, even if another Ray
     # runs on the box; kept short because Ray puts unix sockets under it (path length limit).
     ray_tmp = Path(f"/tmp/nsbench-ray-{os.getpid()}")
     shutil.rmtree(ray_tmp, ignore_errors=True)
-    timed = timed_subprocess(
-        cmd, {**env, "RAY_TMPDIR": str(ray_tmp)}, work / "nightshift.log", timeout_s, cwd
-    )
+    timed = timed_subprocess(cmd, {**env, "RAY_TMPDIR": str(ray_tmp)}, work / f"{name}.log", timeout_s, cwd)
     records = [r for shard in sorted(out.glob("*-of-*.jsonl")) for r in read_jsonl(shard)]
     manifest = json.loads((out / "manifest.json").read_text())
     extra = {
@@ -427,6 +429,7 @@ def run_nightshift(
         "manifest_engine_args": (manifest.get("engine") or {}).get("args"),
         "preemptions": manifest.get("preemptions"),
         "prefix_cache_hit_rate": manifest.get("prefix_cache_hit_rate"),
+        "routing": manifest.get("routing"),
         # Engine logs live in Ray's session logs, not in the subprocess output.
         "ray_session": os.path.realpath(ray_tmp / "ray" / "session_latest"),
     }

@@ -133,6 +133,13 @@ def run(
             help="Fitting: output tokens budgeted for chat requests without max_tokens (default 256)."
         ),
     ] = None,
+    prefix_routing: Annotated[
+        bool | None,
+        typer.Option(
+            "--prefix-routing/--no-prefix-routing",
+            help="Send requests sharing a long leading prompt to the same engine (default: on).",
+        ),
+    ] = None,
     overwrite: Annotated[
         bool | None, typer.Option("--overwrite", help="Replace a completed job in OUTPUT.")
     ] = None,
@@ -178,6 +185,7 @@ def run(
             "engine.max_in_flight": max_in_flight,
             "engine.fit.enabled": fit,
             "engine.fit.default_max_tokens": default_max_tokens,
+            "routing.prefix_aware": prefix_routing,
             "overwrite": overwrite,
             "storage.s3_endpoint_url": s3_endpoint_url,
             "storage.s3_region": s3_region,

@@ -91,7 +91,8 @@ class FakeEngineArgs(_Strict):
     )
     call_log: str | None = Field(
         default=None,
-        description="Append every custom_id the engine runs to this file (counts recomputation).",
+        description="Append every custom_id the engine runs to this file (counts recomputation); '{pid}' in the "
+        "path is replaced by the engine process's id.",
     )
 
 
@@ -161,6 +162,20 @@ class ResourcesConfig(_Strict):
             "Rows handed to an engine actor at a time (one Ray Data batch, the unit of checkpointing). Default: "
             "sized to the engine — max_num_seqs for a real engine, so finished rows flow back steadily; larger "
             "chunks (up to 16384 rows, about 2 s of work each) for an engine whose speed is known up front."
+        ),
+    )
+
+
+class RoutingConfig(_Strict):
+    """How requests are spread over a pool's engines."""
+
+    prefix_aware: bool = Field(
+        default=True,
+        description=(
+            "Send requests that share a long leading prompt (system prompt, few-shot block, tools) to the same "
+            "engine, so its prefix cache pays: each engine of a fixed-size pool gets its own lane of work, and a "
+            "lane that runs out of its own prompts takes others' rather than idle. Only jobs with such shared "
+            "prompts are routed; the rest run exactly as without it."
         ),
     )
 
@@ -286,6 +301,9 @@ class JobConfig(_Strict):
     )
     resources: ResourcesConfig = Field(
         default_factory=ResourcesConfig, description="Ray placement of engines."
+    )
+    routing: RoutingConfig = Field(
+        default_factory=RoutingConfig, description="Prefix-aware routing of requests to engines."
     )
     output_options: OutputConfig = Field(
         default_factory=OutputConfig, description="Output format and sharding."

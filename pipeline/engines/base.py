@@ -78,6 +78,12 @@ class Engine(ABC):
         per-chunk overhead is fixed, so a fast engine gets large chunks and a slow one small, frequent ones."""
         return None
 
+    @classmethod
+    def preload(cls) -> None:
+        """Import what start() needs, ahead of it. The runtime calls this on a thread as soon as an engine actor
+        exists, so seconds of imports overlap the wait for its first chunk of work instead of following it."""
+        return None
+
     @abstractmethod
     async def start(self) -> None: ...
 

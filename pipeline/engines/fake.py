@@ -79,7 +79,9 @@ class FakeEngine(Engine):
 
     async def generate(self, request: EngineRequest) -> EngineResult:
         if self.args.get("call_log"):
-            with open(self.args["call_log"], "a") as fh:  # O_APPEND: whole short lines, safe across processes
+            # "{pid}" in the path gives each engine process its own log (which engine ran which request).
+            path = self.args["call_log"].replace("{pid}", str(os.getpid()))
+            with open(path, "a") as fh:  # O_APPEND: whole short lines, safe across processes
                 fh.write(request.custom_id + "\n")
         if any(marker in request.custom_id for marker in self.args.get("crash_on") or ()):
             os._exit(1)  # simulate the engine process dying (segfault, OOM kill) on this request

@@ -121,6 +121,12 @@ class VllmEngine(Engine):
             if name not in known:
                 raise _unknown_arg_error(name)
 
+    @classmethod
+    def preload(cls) -> None:
+        import vllm.entrypoints.launchers.api_server.app_state  # noqa: F401 - the serving layer start() builds
+        import vllm.entrypoints.launchers.api_server.entry  # noqa: F401
+        import vllm.entrypoints.launchers.cli_args  # noqa: F401
+
     def __init__(self, spec: EngineSpec) -> None:
         super().__init__(spec)
         self._stack = contextlib.AsyncExitStack()

@@ -62,6 +62,9 @@ REQUEST_SCHEMA = pa.schema(
         ("body", pa.string()),  # JSON; Parquet structs would force one schema on every body
         ("line", pa.int64()),
         ("source", pa.string()),
+        # Names the request's shared leading prompt (stages/route.py), null when it has none: the work queue sends
+        # requests of one key to one engine, so that engine's prefix cache pays.
+        ("prefix_key", pa.string()),
     ]
 )
 

@@ -18,6 +18,7 @@ from pipeline.config import StorageConfig
 from pipeline.io.readers import BadRow, InputSource, ReadStats, input_source
 from pipeline.io.staging import INGEST_PREFIX, StagedRow, StagingArea
 from pipeline.protocol import ErrorCode, dumps, invalid_line_record
+from pipeline.stages.route import prefix_key
 from pipeline.stages.validate import InvalidLine, LineValidator, ValidRequest
 
 
@@ -28,6 +29,7 @@ class IngestReport:
     size_bytes: int = 0
     lines: int = 0  # non-blank input lines / rows: the accounting base
     valid: int = 0
+    keyed: int = 0  # valid requests with a prefix key (a shared leading prompt worth routing by)
     invalid_by_code: Counter = field(default_factory=Counter)
     files: int = 0
 
@@ -140,6 +142,8 @@ def ingest(
     errors: list[StagedRow] = []
     for payload, outcome in _validated(source, validator, report):
         if isinstance(outcome, ValidRequest):
+            key = prefix_key(outcome.url, outcome.body)
+            report.keyed += key is not None
             requests.append(
                 {
                     "custom_id": outcome.custom_id,
@@ -147,6 +151,7 @@ def ingest(
                     "body": body_json(outcome.body, payload),
                     "line": outcome.line,
                     "source": outcome.source,
+                    "prefix_key": key,
                 }
             )
             if len(requests) >= part_rows:

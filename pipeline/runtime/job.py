@@ -63,6 +63,7 @@ class EngineRun:
     retried_requests: int = 0
     duplicates_dropped: int = 0
     preemption_warned: bool = False  # the live warning went out already
+    routing: dict[str, Any] = field(default_factory=dict)
 
 
 def engine_spec(config: JobConfig, model: ResolvedModel) -> EngineSpec:
@@ -231,7 +232,22 @@ class PoolPlan:
     @property
     def credit(self) -> int:
         """Rows the pool may hold at once: what its engines can work on, plus a chunk each to hide the latency."""
-        return self.max_engines * (self.calls_per_actor + 1) * self.batch_size
+        return self.max_engines * self.engine_credit
+
+    @property
+    def engine_credit(self) -> int:
+        return (self.calls_per_actor + 1) * self.batch_size
+
+    def lanes(self, config: JobConfig, keyed_rows: int) -> int:
+        """Engines that get a lane of their own (prefix-aware routing), or 0 to run the pool as one actor pool.
+
+        Lanes only where they can pay: a job with shared prompts, a pool of several engines; and only for a fixed
+        pool (a lane is one engine; an autoscaling pool keeps Ray Data's actor pool, which can grow)."""
+        pool = self.pool
+        fixed = pool.max_engines is None or pool.max_engines == pool.min_engines
+        if config.routing.prefix_aware and keyed_rows and fixed and self.max_engines > 1:
+            return self.max_engines
+        return 0
 
 
 def plan_pool(config: JobConfig, spec: EngineSpec, pool: PoolConfig) -> PoolPlan:
@@ -253,20 +269,32 @@ def plan_pool(config: JobConfig, spec: EngineSpec, pool: PoolConfig) -> PoolPlan
     return PoolPlan(pool, spec, batch_size, calls_per_actor, in_flight, pool.max_engines or pool.min_engines)
 
 
-def _pool_dataset(plan: PoolPlan, queue: Any, monitor: Any, job_id: str, pending_rows: int):
-    """One pool's pipeline: pull chunks from the shared queue → its engine actors."""
+def lane_name(pool: str, lane: int) -> str:
+    return f"{pool}/{lane}"
+
+
+def _pool_dataset(
+    plan: PoolPlan, queue: Any, monitor: Any, job_id: str, pending_rows: int, lane: int | None = None
+):
+    """One pool's pipeline: pull chunks from the shared queue → its engine actors.
+
+    With `lane`, the pipeline of one engine of the pool (an actor pool of one) that pulls as its own taker, so the
+    queue decides which engine runs which requests (prefix-aware routing)."""
     import ray
 
     from pipeline.runtime.work_queue import queue_datasource
     from pipeline.runtime.worker import EngineWorker
 
     pool = plan.pool
+    taker = pool.name if lane is None else lane_name(pool.name, lane)
+    engines = plan.max_engines if lane is None else 1
     # Each read task pulls one chunk; a few at a time per engine is plenty of supply, and the queue's credit (not
-    # the number of readers) bounds how much work the pool holds.
+    # the number of readers) bounds how much work the pool holds. Every taker gets tasks enough for the whole job
+    # (a lane may end up doing all of it); the ones that find the queue empty return nothing.
     tasks = max(1, -(-pending_rows // plan.batch_size))
-    source = queue_datasource(queue, pool.name, read_tasks=tasks, chunk_rows=plan.batch_size)
+    source = queue_datasource(queue, taker, read_tasks=tasks, chunk_rows=plan.batch_size)
     ds = ray.data.read_datasource(
-        source, num_cpus=0, override_num_blocks=tasks, concurrency=min(tasks, 2 * plan.max_engines)
+        source, num_cpus=0, override_num_blocks=tasks, concurrency=min(tasks, 2 * engines)
     )
     return ds.map_batches(
         EngineWorker,
@@ -277,11 +305,12 @@ def _pool_dataset(plan: PoolPlan, queue: Any, monitor: Any, job_id: str, pending
             "job_id": job_id,
             "queue": queue,
             "max_in_flight": plan.in_flight,
+            "taker": taker,
         },
         batch_size=plan.batch_size,
         compute=ray.data.ActorPoolStrategy(
-            min_size=pool.min_engines,
-            max_size=plan.max_engines,
+            min_size=pool.min_engines if lane is None else 1,
+            max_size=engines,
             max_concurrent_calls_per_actor=plan.calls_per_actor,
         ),
         num_cpus=pool.cpus_per_engine,
@@ -301,6 +330,7 @@ def _run_engines(
     show_progress: bool,
     job_id: str,
     finished: set[str],
+    keyed_rows: int = 0,
 ) -> EngineRun:
     import ray
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
@@ -323,14 +353,29 @@ def _run_engines(
         .remote()
     )
     plans = [plan_pool(config, spec, pool) for pool in pools]
-    credit = {plan.pool.name: plan.credit for plan in plans}
+    lanes = {plan.pool.name: plan.lanes(config, keyed_rows) for plan in plans}
+    credit: dict[str, int] = {}
+    for plan in plans:
+        if lanes[plan.pool.name]:
+            credit.update(
+                {lane_name(plan.pool.name, i): plan.engine_credit for i in range(lanes[plan.pool.name])}
+            )
+        else:
+            credit[plan.pool.name] = plan.credit
+    route = any(lanes.values())
+    # The queue looks ahead by what all engines hold at once, a few times over, to find rows of each engine's
+    # prompts; bounded, since a million-row job must not be read into memory.
+    window = min(65536, max(8192, 4 * sum(credit.values())))
     queue = (
         ray.remote(num_cpus=0)(WorkQueue)
         .options(scheduling_strategy=here)
-        .remote(files, credit, files_on=staging.files)
+        .remote(files, credit, files_on=staging.files, route=route, window_rows=window)
     )
     pending_rows = staging.num_rows(files)
-    datasets = [_pool_dataset(plan, queue, monitor, job_id, pending_rows) for plan in plans]
+    datasets = []
+    for plan in plans:
+        for lane in range(lanes[plan.pool.name]) or [None]:
+            datasets.append(_pool_dataset(plan, queue, monitor, job_id, pending_rows, lane))
     ds = datasets[0].union(*datasets[1:]) if len(datasets) > 1 else datasets[0]
 
     sink = _ResultSink(staging, config.output_options.staging_rows, finished, counters)
@@ -352,6 +397,16 @@ def _run_engines(
     run.snapshot = ray.get(monitor.snapshot.remote())
     run.retried_requests = len(ray.get(monitor.retries.remote()))
     run.preemption_warned = watch.warned
+    queued = ray.get(queue.stats.remote())
+    # Routing facts: rows each lane ran; "rows_routed" ran on their key's owner, "rows_stolen" on another engine
+    # (so that none idled), "rows_unkeyed" had no shared prompt; "keys": prompts that got an owning lane.
+    run.routing = {
+        "enabled": config.routing.prefix_aware,
+        "lanes_used": route,
+        "keyed_rows_in_input": keyed_rows,
+        "rows_by_lane": dict(sorted(queued["served_by"].items())) if route else {},
+        **queued["routing"],
+    }
     for actor in (monitor, queue):
         ray.kill(actor)
     if run.duplicates_dropped:
@@ -414,6 +469,7 @@ def run_job(config: JobConfig, show_progress: bool = True, resume: bool = False)
                 "lines": report.lines,
                 "valid": report.valid,
                 "invalid": report.invalid,
+                "prefix_keyed": report.keyed,
             }
             state["ingested"] = True
             staging.write_job(state)
@@ -438,7 +494,8 @@ def run_job(config: JobConfig, show_progress: bool = True, resume: bool = False)
     run = EngineRun()
     if state["input"]["valid"] > len(finished):
         _start_ray(config.resources.address)
-        run = _run_engines(config, spec, staging, counters, show_progress, job_id, finished)
+        keyed = state["input"].get("prefix_keyed", 0)
+        run = _run_engines(config, spec, staging, counters, show_progress, job_id, finished, keyed)
 
     outputs = write_outputs(
         output, staging, config.output_options.rows_per_shard, lines, format=config.output_options.format
@@ -485,6 +542,7 @@ def run_job(config: JobConfig, show_progress: bool = True, resume: bool = False)
         "preemptions": engines.get("num_preemptions", 0),
         "preemption_warning": remedy,
         "prefix_cache_hit_rate": engines.get("prefix_cache_hit_rate"),
+        "routing": run.routing,
         "recovery": {
             "resumed": bool(resume),
             "rows_from_earlier_runs": len(finished),

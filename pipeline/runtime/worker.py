@@ -14,12 +14,13 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import threading
 import time
 from typing import Any
 
 import structlog
 
-from pipeline.engines.base import Engine, EngineRequest, EngineResult, EngineSpec, build_engine
+from pipeline.engines.base import Engine, EngineRequest, EngineResult, EngineSpec, build_engine, engine_class
 from pipeline.protocol import ErrorCode, dumps, result_record
 
 log = structlog.get_logger(__name__)
@@ -84,9 +85,12 @@ class EngineWorker:
         job_id: str | None = None,
         queue: Any = None,
         max_in_flight: int | None = None,
+        taker: str | None = None,
     ) -> None:
         self.spec = spec
         self.pool = pool
+        # Whom the queue's credit belongs to: the pool, or this engine's lane of it.
+        self.taker = taker or pool
         self.monitor = monitor  # the job's JobMonitor actor (stats + attempt ledger); None in unit tests
         self.job_id = job_id
         self.queue = queue  # the WorkQueue: told when a chunk is done, so the pool gets credit for another
@@ -102,6 +106,12 @@ class EngineWorker:
         self._ready_at: float | None = None  # wall clock: compared across processes
         self._reporter: asyncio.Task | None = None
         self.actor_id = f"{pool}-{os.getpid()}"
+        # The engine starts with the first chunk (it must start inside the actor's event loop), but its imports
+        # need no loop: they begin now, while the first chunk is still being read.
+        self._preloading = threading.Thread(
+            target=self._preload, args=(spec.backend,), name="engine-preload", daemon=True
+        )
+        self._preloading.start()
 
     async def _engine(self) -> Engine:
         if self.engine is None:
@@ -109,6 +119,7 @@ class EngineWorker:
                 self._starting = asyncio.Lock()
             async with self._starting:
                 if self.engine is None:
+                    await asyncio.to_thread(self._preloading.join)
                     engine = build_engine(self.spec)
                     await engine.start()
                     self._ready_at = time.time()
@@ -127,6 +138,13 @@ class EngineWorker:
                 self._report(force=True)
             except Exception as exc:  # noqa: BLE001 - numbers are best effort; the work must go on
                 log.warning("engine stats not reported", error=str(exc))
+
+    @staticmethod
+    def _preload(backend: str) -> None:
+        try:
+            engine_class(backend).preload()
+        except Exception as exc:  # noqa: BLE001 - start() imports again and reports the real error
+            log.warning("engine preload failed; the engine will import at start", error=str(exc))
 
     def _report(self, force: bool = False) -> None:
         if self.monitor is None or self.engine is None:
@@ -232,8 +250,10 @@ class EngineWorker:
         )
         by_id = {result.custom_id: result for result in [*outcomes[0], *outcomes[1:]]}
         if self.queue is not None:
-            self.queue.done.remote(self.pool, len(requests))
-        self._report()
+            self.queue.done.remote(self.taker, len(requests))
+        # Reports are rate-limited, but the last one before the engine goes idle must go out: the manifest's
+        # engine numbers (prefix-cache hits, preemptions) are read from the monitor when the job ends.
+        self._report(force=self._in_flight == 0)
         return result_columns([by_id[r.custom_id] for r in requests], rows, self.pool, self.job_id)
 
     def __del__(self) -> None:

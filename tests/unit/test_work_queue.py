@@ -35,3 +35,121 @@ def test_every_row_served_once_in_ceil_rows_over_chunk_pulls(tmp_path):
     ids = [i for table in chunks for i in table.column("custom_id").to_pylist()]
     assert sorted(ids) == [f"r-{k:04d}" for k in range(n)]
     assert [t.num_rows for t in chunks] == [16] * 7 + [8]
+
+
+# -- prefix-aware routing: lane assignment ---------------------------------------------------------------------------
+
+
+def _work_list(tmp_path, keys: list[str | None], name: str = "part") -> list[str]:
+    path = tmp_path / f"{name}.parquet"
+    ids = [f"r-{i:05d}" for i in range(len(keys))]
+    pq.write_table(pa.table({"custom_id": ids, "prefix_key": pa.array(keys, pa.string())}), path)
+    return [str(path)]
+
+
+def _pull(queue: WorkQueue, taker: str, rows: int) -> pa.Table | None:
+    async def go():
+        return await queue.next_chunk(taker, rows)
+
+    return asyncio.run(go())
+
+
+def _keys(table: pa.Table) -> set:
+    return set(table.column("prefix_key").to_pylist())
+
+
+def test_each_key_goes_to_the_lane_that_first_pulled_it(tmp_path):
+    # Four prompts interleaved row by row, as an input ordered by anything but the prompt would be.
+    keys = [f"k{i % 4}" for i in range(64)]
+    queue = WorkQueue(_work_list(tmp_path, keys), credit={"a": 10**6, "b": 10**6}, route=True, read_rows=10)
+    seen: dict[str, set] = {"a": set(), "b": set()}
+    ids = []
+    for _ in range(4):  # alternate pulls, as two engines of equal speed would
+        for lane in ("a", "b"):
+            chunk = _pull(queue, lane, 8)
+            assert _keys(chunk) and len(_keys(chunk)) == 1  # prefix-homogeneous
+            seen[lane] |= _keys(chunk)
+            ids += chunk.column("custom_id").to_pylist()
+    assert _pull(queue, "a", 8) is None and _pull(queue, "b", 8) is None
+    assert sorted(ids) == [f"r-{i:05d}" for i in range(64)]  # every row once
+    assert seen == {"a": {"k0", "k2"}, "b": {"k1", "k3"}}
+    assert queue.stats()["routing"] == {
+        "keys": 4,
+        "rows_routed": 64,
+        "rows_stolen": 0,
+        "rows_unkeyed": 0,
+    }
+
+
+def test_a_lane_prefers_its_own_keys_then_unowned_then_unkeyed(tmp_path):
+    keys = ["k0"] * 8 + [None] * 8 + ["k1"] * 8 + ["k0"] * 8
+    queue = WorkQueue(_work_list(tmp_path, keys), credit={"a": 10**6, "b": 10**6}, route=True)
+    assert _keys(_pull(queue, "a", 8)) == {"k0"}
+    assert _keys(_pull(queue, "a", 8)) == {
+        "k0"
+    }  # its own key again, though other rows come first in the file
+    assert _keys(_pull(queue, "a", 8)) == {"k1"}  # none of its own left: claims an unowned key
+    assert _keys(_pull(queue, "a", 8)) == {None}  # then the rows without a key
+    assert _pull(queue, "a", 8) is None
+
+
+def test_an_idle_lane_steals_rather_than_waits_and_chunks_stay_full(tmp_path):
+    keys = ["k0"] * 40 + ["k1"] * 4
+    queue = WorkQueue(_work_list(tmp_path, keys), credit={"a": 10**6, "b": 10**6}, route=True)
+    assert _keys(_pull(queue, "a", 8)) == {"k0"}
+    first_b = _pull(queue, "b", 8)
+    # b claims k1 (4 rows) and fills the rest of its chunk from a's key: chunks are full while rows remain,
+    # because the job sizes its read tasks as ceil(rows / chunk).
+    assert first_b.num_rows == 8 and _keys(first_b) == {"k0", "k1"}
+    stolen = _pull(queue, "b", 8)
+    assert _keys(stolen) == {"k0"}  # nothing of its own left: it keeps stealing the key it already runs
+    total = 16 + 8
+    while (chunk := _pull(queue, "a", 8)) is not None:
+        total += chunk.num_rows
+    assert total == 44
+    stats = queue.stats()["routing"]
+    assert stats["rows_stolen"] == 12 and stats["rows_routed"] == 32
+
+
+def test_a_thief_takes_the_key_with_most_rows_waiting(tmp_path):
+    keys = ["k0"] * 8 + ["k1"] * 8 + ["k2"] * 20
+    queue = WorkQueue(_work_list(tmp_path, keys), credit={"a": 10**6, "b": 10**6, "c": 10**6}, route=True)
+    assert _keys(_pull(queue, "a", 4)) == {"k0"}
+    assert _keys(_pull(queue, "b", 4)) == {"k1"}
+    assert _keys(_pull(queue, "c", 4)) == {"k2"}
+    assert _keys(_pull(queue, "a", 8)) == {
+        "k0",
+        "k2",
+    }  # a finishes k0, then steals from the biggest other key
+    assert queue.stats()["routing"]["rows_stolen"] == 4
+
+
+def test_without_routing_the_queue_serves_in_file_order(tmp_path):
+    keys = [f"k{i % 3}" for i in range(30)]
+    queue = WorkQueue(_work_list(tmp_path, keys), credit={"a": 10**6})
+    chunk = _pull(queue, "a", 10)
+    assert chunk.column("custom_id").to_pylist() == [f"r-{i:05d}" for i in range(10)]
+    assert queue.stats()["routing"]["rows_unkeyed"] == 10
+
+
+def test_window_is_bounded_and_ownership_memory_too(tmp_path, monkeypatch):
+    import pipeline.runtime.work_queue as wq
+
+    monkeypatch.setattr(wq, "MAX_REMEMBERED_KEYS", 10)
+    keys = [f"k{i}" for i in range(200)]  # every row its own prompt
+    queue = WorkQueue(
+        _work_list(tmp_path, keys), credit={"a": 10**6}, route=True, read_rows=16, window_rows=32
+    )
+    served = 0
+    while (chunk := _pull(queue, "a", 8)) is not None:
+        served += chunk.num_rows
+        assert queue._window <= 32 + 16  # never more than the window plus one read batch ahead
+        assert len(queue._owner) <= 10 and len(queue._started) <= 10
+    assert served == 200
+
+
+def test_a_work_list_without_keys_still_routes_as_unkeyed(tmp_path):
+    path = tmp_path / "old.parquet"  # staged before prefix keys existed: resume must still work
+    pq.write_table(pa.table({"custom_id": [f"r-{i}" for i in range(10)]}), path)
+    queue = WorkQueue([str(path)], credit={"a": 10**6, "b": 10**6}, route=True)
+    assert _pull(queue, "a", 6).num_rows == 6 and _pull(queue, "b", 6).num_rows == 4

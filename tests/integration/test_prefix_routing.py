@@ -1,0 +1,110 @@
+"""Prefix-aware routing on a local Ray cluster with two fake engines: the rows of one system prompt run on one
+engine (each engine logs what it ran to its own file), and switching routing off spreads them over both."""
+
+from __future__ import annotations
+
+import json
+from collections import Counter, defaultdict
+
+import pytest
+
+from pipeline.config import JobConfig
+from pipeline.runtime.job import run_job
+from tests.conftest import MODEL_NAME, chat_line, read_jsonl, write_lines
+
+pytestmark = pytest.mark.slow
+
+PROMPTS = 4
+ROWS_PER_PROMPT = 48
+
+
+def system_prompt(k: int) -> str:
+    return f"You are assistant number {k}. " + "Answer carefully and completely. " * 12
+
+
+def shared_prefix_lines() -> list[str]:
+    lines = []
+    for i in range(PROMPTS * ROWS_PER_PROMPT):  # prompts interleaved row by row: the input order is no help
+        body = {
+            "model": MODEL_NAME,
+            "messages": [
+                {"role": "system", "content": system_prompt(i % PROMPTS)},
+                {"role": "user", "content": f"question {i}"},
+            ],
+        }
+        lines.append(
+            json.dumps(
+                {"custom_id": f"r-{i:04d}", "method": "POST", "url": "/v1/chat/completions", "body": body}
+            )
+        )
+    return lines
+
+
+def run(tmp_path, name: str, lines: list[str], prefix_aware: bool):
+    path = write_lines(tmp_path / f"{name}.jsonl", lines)
+    config = JobConfig.model_validate(
+        {
+            "input": str(path),
+            "output": str(tmp_path / f"{name}-out"),
+            "engine": {
+                "backend": "fake",
+                "fake": {
+                    "output_tokens": 4,
+                    "decode_seconds_per_token": 0.01,
+                    "max_concurrency": 8,
+                    "call_log": str(tmp_path / f"{name}-calls-{{pid}}.log"),
+                },
+            },
+            "resources": {"num_engines": 2, "cpus_per_engine": 0, "rows_per_task": 8},
+            "routing": {"prefix_aware": prefix_aware},
+        }
+    )
+    outcome = run_job(config, show_progress=False)
+    rows = read_jsonl(outcome.output.glob("results-*.jsonl"))
+    assert sorted(r["custom_id"] for r in rows) == sorted(json.loads(x)["custom_id"] for x in lines)
+    engines = {}
+    for log in sorted(tmp_path.glob(f"{name}-calls-*.log")):
+        engines[log.name] = log.read_text().split()
+    return outcome.manifest, engines
+
+
+def engines_per_prompt(engines: dict[str, list[str]]) -> dict[int, Counter]:
+    spread: dict[int, Counter] = defaultdict(Counter)
+    for engine, ids in engines.items():
+        for custom_id in ids:
+            spread[int(custom_id.split("-")[1]) % PROMPTS][engine] += 1
+    return spread
+
+
+def test_rows_of_one_prompt_run_on_one_engine(local_ray, tmp_path):
+    manifest, engines = run(tmp_path, "routed", shared_prefix_lines(), prefix_aware=True)
+    assert len(engines) == 2, "both engines must do work"
+    assert sum(len(ids) for ids in engines.values()) == PROMPTS * ROWS_PER_PROMPT  # each row ran once
+    spread = engines_per_prompt(engines)
+    off_owner = sum(sum(c.values()) - max(c.values()) for c in spread.values())
+    routing = manifest["routing"]
+    assert routing["lanes_used"] and routing["keys"] == PROMPTS
+    assert routing["keyed_rows_in_input"] == PROMPTS * ROWS_PER_PROMPT
+    assert set(routing["rows_by_lane"]) == {"default/0", "default/1"}
+    assert sum(routing["rows_by_lane"].values()) == PROMPTS * ROWS_PER_PROMPT
+    # Only stolen rows (an engine out of its own prompts taking another's so as not to idle) may run elsewhere.
+    assert off_owner <= routing["rows_stolen"] <= PROMPTS * ROWS_PER_PROMPT // 4, (spread, routing)
+    assert routing["rows_routed"] + routing["rows_stolen"] == PROMPTS * ROWS_PER_PROMPT
+    # Each engine owns whole prompts: every prompt has one engine that ran nearly all of its rows.
+    assert all(max(c.values()) >= 0.75 * ROWS_PER_PROMPT for c in spread.values()), spread
+
+
+def test_without_routing_prompts_spread_over_engines(local_ray, tmp_path):
+    manifest, engines = run(tmp_path, "spread", shared_prefix_lines(), prefix_aware=False)
+    spread = engines_per_prompt(engines)
+    assert manifest["routing"]["lanes_used"] is False and manifest["routing"]["enabled"] is False
+    # Ray Data hands chunks to whichever actor is free: a prompt's rows land on both engines.
+    assert sum(1 for c in spread.values() if len(c) == 2) >= PROMPTS // 2, spread
+
+
+def test_a_job_without_shared_prompts_runs_as_one_pool(local_ray, tmp_path):
+    lines = [chat_line(f"q-{i:03d}", f"question {i}") for i in range(64)]
+    manifest, engines = run(tmp_path, "plain", lines, prefix_aware=True)
+    routing = manifest["routing"]
+    assert routing["enabled"] and not routing["lanes_used"] and routing["keyed_rows_in_input"] == 0
+    assert routing["rows_unkeyed"] == 64 and sum(len(ids) for ids in engines.values()) == 64
