@@ -274,7 +274,13 @@ def lane_name(pool: str, lane: int) -> str:
 
 
 def _pool_dataset(
-    plan: PoolPlan, queue: Any, monitor: Any, job_id: str, pending_rows: int, lane: int | None = None
+    plan: PoolPlan,
+    queue: Any,
+    monitor: Any,
+    job_id: str,
+    pending_rows: int,
+    lane: int | None = None,
+    readers_on: Any = None,
 ):
     """One pool's pipeline: pull chunks from the shared queue → its engine actors.
 
@@ -293,8 +299,15 @@ def _pool_dataset(
     # (a lane may end up doing all of it); the ones that find the queue empty return nothing.
     tasks = max(1, -(-pending_rows // plan.batch_size))
     source = queue_datasource(queue, taker, read_tasks=tasks, chunk_rows=plan.batch_size)
+    # Readers run on the driver's node (`readers_on`): a chunk leaves the queue once, so a read task lost with a
+    # worker node (or its output block, re-made by lineage) would re-run and pull *another* chunk, and the first
+    # one's rows would never be run. On the driver's node they share the job's fate; only engines move.
     ds = ray.data.read_datasource(
-        source, num_cpus=0, override_num_blocks=tasks, concurrency=min(tasks, 2 * engines)
+        source,
+        num_cpus=0,
+        override_num_blocks=tasks,
+        concurrency=min(tasks, 2 * engines),
+        ray_remote_args={"scheduling_strategy": readers_on} if readers_on is not None else None,
     )
     return ds.map_batches(
         EngineWorker,
@@ -375,7 +388,7 @@ def _run_engines(
     datasets = []
     for plan in plans:
         for lane in range(lanes[plan.pool.name]) or [None]:
-            datasets.append(_pool_dataset(plan, queue, monitor, job_id, pending_rows, lane))
+            datasets.append(_pool_dataset(plan, queue, monitor, job_id, pending_rows, lane, readers_on=here))
     ds = datasets[0].union(*datasets[1:]) if len(datasets) > 1 else datasets[0]
 
     sink = _ResultSink(staging, config.output_options.staging_rows, finished, counters)
