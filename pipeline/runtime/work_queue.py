@@ -8,7 +8,8 @@ buffer half the job. So the queue gives each taker credit — at most as many ro
 hold at once (plus a batch each) — and engines return the credit as they finish rows. (Credit is counted in rows,
 not chunks, because Ray Data may split or bundle blocks on the way.) A pool therefore takes new work
 only as fast as it finishes it, and a slower pool never becomes the tail. The chunks travel through Ray's object
-store, so pools on other nodes never need the driver's disk.
+store, so pools on other nodes never need the driver's disk. The read tasks themselves run on the driver's node:
+a chunk leaves the queue once, so a read task re-run after its node died would pull a different chunk.
 
 Prefix-aware routing: a "taker" is a pool, or one lane of a pool (one engine with its own pipeline, see
 runtime/job.py). With routing on, the queue reads a bounded window of the work list ahead, groups it by prefix key
