@@ -58,6 +58,8 @@ class EngineSpec:
     model_path: str
     served_model_name: str
     args: dict[str, Any]
+    # CPUs the runtime reserved for this engine (Ray num_cpus): a CPU engine computes on that many cores of its own.
+    cpus: float = 0.0
 
 
 class Engine(ABC):

@@ -12,6 +12,7 @@ import contextlib
 import json
 import os
 import re
+from collections.abc import Iterator
 from typing import Any
 
 import structlog
@@ -26,6 +27,8 @@ _CONTEXT_LENGTH = re.compile(
     r"maximum context length|exceeds model's maximum|context length \(|longer than the maximum model length",
     re.IGNORECASE,
 )
+
+_OMP_BIND = "VLLM_CPU_OMP_THREADS_BIND"
 
 # Our engine-arg names that are not vLLM fields and must not be set on its args namespace.
 _NOT_VLLM_ARGS = {"cpu_kvcache_space_gib", "extra"}
@@ -134,6 +137,7 @@ class VllmEngine(Engine):
         self._chat: Any = None
         self._completion: Any = None
         self._request_types: dict[str, Any] = {}
+        self._cores: Any = None  # the CoreClaim a CPU engine computes on, held for the engine's life
 
     async def start(self) -> None:
         from vllm.platforms import current_platform
@@ -152,9 +156,10 @@ class VllmEngine(Engine):
         from vllm.usage.usage_lib import UsageContext
 
         ns = build_vllm_namespace(self.spec)
-        self._client = await self._stack.enter_async_context(
-            build_async_engine_client(ns, usage_context=UsageContext.OPENAI_BATCH_RUNNER)
-        )
+        with self._cpu_cores_env():  # read by the engine-core process as it starts
+            self._client = await self._stack.enter_async_context(
+                build_async_engine_client(ns, usage_context=UsageContext.OPENAI_BATCH_RUNNER)
+            )
         state = State()
         await init_app_state(self._client, state, ns, await self._client.get_supported_tasks())
         self._chat = state.openai_serving_chat
@@ -164,6 +169,30 @@ class VllmEngine(Engine):
             "/v1/completions": CompletionRequest,
         }
         log.info("vllm engine ready", model=self.spec.served_model_name, **self._kv_summary())
+
+    @contextlib.contextmanager
+    def _cpu_cores_env(self) -> Iterator[None]:
+        """Give a CPU engine's compute threads cores of their own while it starts (cluster/cpu_cores.py: why).
+
+        A bind the user set (`VLLM_CPU_OMP_THREADS_BIND` in the actor's environment) is theirs and kept; with no
+        whole CPU reserved for the engine, or no cores free, vLLM binds as it would on its own.
+        """
+        from cluster.cpu_cores import claim_cores
+
+        if not _on_cpu() or _OMP_BIND in os.environ:
+            yield
+            return
+        self._cores = claim_cores(int(self.spec.cpus))
+        if self._cores is None:
+            log.info("cpu engine left to vLLM's own core binding", cpus=self.spec.cpus)
+            yield
+            return
+        log.info("cpu engine bound to its own cores", cores=self._cores.cores)
+        os.environ[_OMP_BIND] = self._cores.omp_bind
+        try:
+            yield
+        finally:
+            del os.environ[_OMP_BIND]
 
     def _handler(self, url: str) -> Any:
         return {"/v1/chat/completions": self._chat, "/v1/completions": self._completion}[url]
@@ -249,6 +278,7 @@ class VllmEngine(Engine):
             num_preemptions=int(values.get("vllm:num_preemptions", 0)),
             prefix_cache_queries=int(values.get("vllm:prefix_cache_queries", 0)),
             prefix_cache_hits=int(values.get("vllm:prefix_cache_hits", 0)),
+            extra={"cpu_cores": self._cores.cores} if self._cores is not None else {},
         )
 
     async def stop(self) -> None:
@@ -258,6 +288,8 @@ class VllmEngine(Engine):
         # Without this the engine-core subprocess outlives a retired actor and keeps its memory.
         if self._client is not None:
             self._client.shutdown()
+        if self._cores is not None:
+            self._cores.release()
 
 
 def _on_cpu() -> bool:

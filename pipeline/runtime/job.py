@@ -251,7 +251,7 @@ class PoolPlan:
 
 
 def plan_pool(config: JobConfig, spec: EngineSpec, pool: PoolConfig) -> PoolPlan:
-    spec = replace(spec, args={**spec.args, **pool.engine_overrides})
+    spec = replace(spec, args={**spec.args, **pool.engine_overrides}, cpus=pool.cpus_per_engine)
     limit = spec.args.get("max_num_seqs") or spec.args.get("max_concurrency") or 64
     in_flight = config.engine.max_in_flight or 2 * int(limit)
     # A chunk comes back only when all its rows are done (Ray Data hands a task's output on at its end), so for a
@@ -541,6 +541,7 @@ def run_job(config: JobConfig, show_progress: bool = True, resume: bool = False)
             "engines": engines.get("engines", 0),
             "kv_cache_tokens_per_engine": engines.get("kv_cache_tokens_per_engine"),
             "kv_cache_usage_peak": engines.get("kv_cache_usage_peak"),
+            "cpu_cores": engines.get("cpu_cores") or None,
             "first_ready_at": _iso(engines.get("first_ready_at")),  # engine start ends, generation begins
             "fitted": state.get("fit"),
         },

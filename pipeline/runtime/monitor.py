@@ -94,6 +94,10 @@ def summarize_engines(snapshot: dict[str, dict[str, Any]]) -> dict[str, Any]:
         "kv_cache_usage_peak": round(max(peaks), 4) if peaks else None,
         "kv_cache_tokens_per_engine": first.get("stats", {}).get("kv_cache_tokens"),
         "effective_args": first.get("effective_args", {}),
+        # CPU engines: the cores each one computed on (absent where vLLM bound them itself).
+        "cpu_cores": sorted(
+            cores for e in snapshot.values() if (cores := e["stats"].get("extra", {}).get("cpu_cores"))
+        ),
         "sampling_defaults": first.get("sampling_defaults", {}),
     }
 
