@@ -149,7 +149,12 @@ class ResourcesConfig(_Strict):
 
     address: str | None = Field(default=None, description="Ray address to join; default: start a local Ray.")
     num_engines: int = Field(default=1, ge=1, description="Engine actors (replicas) in the pool.")
-    cpus_per_engine: float = Field(default=1.0, ge=0, description="Ray CPUs reserved per engine actor.")
+    cpus_per_engine: float = Field(
+        default=1.0,
+        ge=0,
+        description="Ray CPUs reserved per engine actor. A CPU engine computes on that many whole cores of its "
+        "own (claimed per node; vLLM's VLLM_CPU_OMP_THREADS_BIND, when set, wins).",
+    )
     gpus_per_engine: float = Field(default=0.0, ge=0, description="Ray GPUs reserved per engine actor.")
     resources_per_engine: dict[str, float] = Field(
         default_factory=dict,
@@ -197,7 +202,12 @@ class PoolConfig(_Strict):
         ge=1,
         description="Engine actors the pool may grow to; default: min_engines (a fixed pool).",
     )
-    cpus_per_engine: float = Field(default=1.0, ge=0, description="Ray CPUs reserved per engine actor.")
+    cpus_per_engine: float = Field(
+        default=1.0,
+        ge=0,
+        description="Ray CPUs reserved per engine actor. A CPU engine computes on that many whole cores of its "
+        "own (claimed per node; vLLM's VLLM_CPU_OMP_THREADS_BIND, when set, wins).",
+    )
     gpus_per_engine: float = Field(default=0.0, ge=0, description="Ray GPUs reserved per engine actor.")
     resources_per_engine: dict[str, float] = Field(
         default_factory=dict,
