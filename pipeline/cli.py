@@ -96,7 +96,12 @@ def run(
         str | None, typer.Option(help="Ray cluster address; default: start a local Ray.")
     ] = None,
     num_engines: Annotated[int | None, typer.Option(help="Engine actors (replicas).")] = None,
-    cpus_per_engine: Annotated[float | None, typer.Option(help="Ray CPUs reserved per engine actor; a CPU engine computes on that many cores of its own.")] = None,
+    cpus_per_engine: Annotated[
+        float | None,
+        typer.Option(
+            help="Ray CPUs reserved per engine actor; a CPU engine computes on that many cores of its own."
+        ),
+    ] = None,
     gpus_per_engine: Annotated[float | None, typer.Option(help="Ray GPUs reserved per engine actor.")] = None,
     max_model_len: Annotated[
         int | None, typer.Option(help="vLLM: context length. Default: fitted to the input (see --fit).")

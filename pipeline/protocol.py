@@ -8,12 +8,13 @@ Batch API server). The response *bodies* are not built here — they come from v
 from __future__ import annotations
 
 import hashlib
-import json
 import uuid
 from enum import Enum
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
+
+from pipeline import json_codec
 
 
 class Route(str, Enum):
@@ -113,7 +114,7 @@ def record_error_code(record: dict[str, Any]) -> str | None:
 
 def dumps(record: dict[str, Any]) -> str:
     """One JSON line; non-ASCII kept as is (UTF-8 output), no spaces to keep shards compact."""
-    return json.dumps(record, ensure_ascii=False, separators=(",", ":"))
+    return json_codec.dumps(record)
 
 
 Kind = Literal["result", "error"]

@@ -32,6 +32,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import structlog
 
+from pipeline import json_codec
 from pipeline.config import StorageConfig
 from pipeline.io.files import atomic_write_bytes
 from pipeline.io.locations import (
@@ -83,39 +84,18 @@ PARQUET_OUTPUT_SCHEMA = pa.schema(
 )
 
 
-try:  # several times faster than the stdlib; comes with vLLM. Optional.
-    import msgspec
-
-    _fast_decode: Callable[[str], Any] | None = msgspec.json.Decoder().decode
-    _fast_encode: Callable[[Any], bytes] | None = msgspec.json.Encoder().encode
-except ImportError:  # pragma: no cover - depends on the install
-    _fast_decode = _fast_encode = None
-
-
-def _loads(line: str) -> tuple[Any, bool]:
-    """(value, fast): the fast decoder refuses NaN/Infinity (not JSON), so what it accepts it can re-encode
-    exactly; anything else goes through the stdlib both ways."""
-    if _fast_decode is not None:
-        try:
-            return _fast_decode(line), True
-        except msgspec.DecodeError:
-            pass
-    return json.loads(line), False
-
-
-def _dumps(value: Any, fast: bool) -> str | None:
+def _dumps(value: Any, finite: bool) -> str | None:
+    """Re-encode a part of a decoded output line: fast where the line held no NaN/Infinity, else as the stdlib."""
     if value is None:
         return None
-    if fast and _fast_encode is not None:
-        return _fast_encode(value).decode()
-    return json.dumps(value, ensure_ascii=False, separators=(",", ":"))
+    return json_codec.dumps(value) if finite else json.dumps(value, ensure_ascii=False, separators=(",", ":"))
 
 
 def flatten_records(records: list[str]) -> pa.Table:
     """Output lines (JSON strings) → the Parquet output columns."""
     cols: dict[str, list] = {name: [] for name in PARQUET_OUTPUT_SCHEMA.names}
     for line in records:
-        record, fast = _loads(line)
+        record, fast = json_codec.loads_finite(line)
         response = record.get("response")
         body = (response or {}).get("body") or {}
         choices = body.get("choices") if isinstance(body, dict) else None

@@ -28,7 +28,6 @@ Other backends are not fitted.
 
 from __future__ import annotations
 
-import json
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -39,6 +38,7 @@ import structlog
 
 from pipeline.config import DEFAULT_MAX_NUM_SEQS, JobConfig, effective_pools
 from pipeline.io.staging import INGEST_PREFIX, StagedRow, StagingArea
+from pipeline.json_codec import loads
 from pipeline.models import ResolvedModel
 from pipeline.planner import MAX_NUM_SEQS_CAP, round_up
 from pipeline.protocol import ErrorCode, dumps, failed_request_record
@@ -245,7 +245,7 @@ def measure(staging: StagingArea, target: FitTarget, limit: int, job_id: str | N
         rejected: list[StagedRow] = []
         for batch in staging.files.parquet(part).iter_batches(batch_size=READ_BATCH_ROWS, columns=columns):
             rows = batch.to_pydict()
-            bodies = [json.loads(body) for body in rows["body"]]
+            bodies = [loads(body) for body in rows["body"]]
             counts = target.count(list(zip(rows["url"], bodies, strict=True)))
             for i, prompts in enumerate(counts):
                 custom_id = rows["custom_id"][i]

@@ -8,7 +8,6 @@ plus the custom_id set the duplicate check needs.
 
 from __future__ import annotations
 
-import json
 from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -17,6 +16,7 @@ from pathlib import Path
 from pipeline.config import StorageConfig
 from pipeline.io.readers import BadRow, InputSource, ReadStats, input_source
 from pipeline.io.staging import INGEST_PREFIX, StagedRow, StagingArea
+from pipeline.json_codec import dumps_body
 from pipeline.protocol import ErrorCode, dumps, invalid_line_record
 from pipeline.stages.route import prefix_key
 from pipeline.stages.validate import InvalidLine, LineValidator, ValidRequest
@@ -86,33 +86,6 @@ def iter_validated(
         yield outcome
 
 
-try:  # a JSON encoder several times faster than the stdlib's (it comes with vLLM); optional
-    import msgspec
-
-    _fast_encode = msgspec.json.Encoder().encode
-except ImportError:  # pragma: no cover - depends on the install
-    _fast_encode = None
-
-
-def body_json(body: dict, payload: bytes | dict | BadRow) -> str:
-    """The request body as compact JSON for the work list.
-
-    The fast encoder is used only where it gives the same JSON as the stdlib: it writes non-finite floats as null.
-    From a raw line, json.loads produces those only from the literals NaN / Infinity, so a line without them is
-    safe; from an already-parsed row (Parquet), an output without any null cannot have come from one.
-    """
-    if _fast_encode is not None:
-        raw_line = isinstance(payload, bytes)
-        if not raw_line or (b"NaN" not in payload and b"Infinity" not in payload):
-            try:
-                encoded = _fast_encode(body)
-                if raw_line or b"null" not in encoded:
-                    return encoded.decode()
-            except (TypeError, OverflowError, ValueError):  # e.g. an integer beyond 64 bits
-                pass
-    return json.dumps(body, ensure_ascii=False, separators=(",", ":"))
-
-
 def invalid_to_staged(item: InvalidLine) -> StagedRow:
     return StagedRow(
         custom_id=item.record["custom_id"],
@@ -148,7 +121,7 @@ def ingest(
                 {
                     "custom_id": outcome.custom_id,
                     "url": outcome.url,
-                    "body": body_json(outcome.body, payload),
+                    "body": dumps_body(outcome.body, payload if not isinstance(payload, BadRow) else None),
                     "line": outcome.line,
                     "source": outcome.source,
                     "prefix_key": key,

@@ -12,7 +12,6 @@ decides which re-run rows go alone and which are isolated as `engine_error` (see
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import threading
 import time
@@ -21,6 +20,7 @@ from typing import Any
 import structlog
 
 from pipeline.engines.base import Engine, EngineRequest, EngineResult, EngineSpec, build_engine, engine_class
+from pipeline.json_codec import loads
 from pipeline.protocol import ErrorCode, dumps, result_record
 
 log = structlog.get_logger(__name__)
@@ -240,7 +240,7 @@ class EngineWorker:
     async def __call__(self, batch: dict[str, Any]) -> dict[str, list]:
         engine = await self._engine()
         rows = [dict(zip(batch.keys(), values, strict=True)) for values in zip(*batch.values(), strict=True)]
-        requests = [EngineRequest(str(r["custom_id"]), str(r["url"]), json.loads(r["body"])) for r in rows]
+        requests = [EngineRequest(str(r["custom_id"]), str(r["url"]), loads(r["body"])) for r in rows]
         plan = await self._plan([r.custom_id for r in requests])
         normal = [r for r in requests if plan.get(r.custom_id, "normal") == "normal"]
         suspects = [r for r in requests if plan.get(r.custom_id, "normal") != "normal"]

@@ -7,13 +7,13 @@ models at engine time (their rejections become `invalid_request` error records t
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass
 from typing import Any
 
 from pydantic import ValidationError
 
+from pipeline.json_codec import loads, unicode_clean
 from pipeline.protocol import SUPPORTED_ROUTES, BatchRequestLine, ErrorCode, invalid_line_record
 
 
@@ -97,42 +97,7 @@ def _has_lone_surrogate(raw: str | bytes | dict[str, Any], obj: Any) -> bool:
         marker = raw if isinstance(raw, bytes) else raw.encode("utf-8", "surrogatepass")
         if b"\\u" not in marker and b"\xed" not in marker:
             return False
-    if (
-        _fast_encode is not None
-    ):  # the same verdict as the stdlib's below, several times faster (Parquet rows)
-        try:
-            _fast_encode(obj)
-            return False
-        except UnicodeEncodeError:
-            return True
-        except (TypeError, ValueError, OverflowError):
-            pass
-    try:
-        json.dumps(obj, ensure_ascii=False).encode("utf-8")
-    except UnicodeEncodeError:
-        return True
-    return False
-
-
-try:  # a JSON decoder several times faster than the stdlib's (it comes with vLLM); optional
-    import msgspec
-
-    _fast_decode = msgspec.json.Decoder().decode
-    _fast_encode = msgspec.json.Encoder().encode
-except ImportError:  # pragma: no cover - depends on the install
-    _fast_decode = _fast_encode = None
-
-
-def _loads(raw: str | bytes) -> Any:
-    """json.loads semantics, fast on the common line. msgspec refuses what the stdlib accepts (NaN/Infinity
-    literals, integers beyond 64 bits, lone surrogates): such a line, and any line msgspec rejects, is decoded
-    again by the stdlib, so acceptance and error messages are exactly json.loads'."""
-    if _fast_decode is not None:
-        try:
-            return _fast_decode(raw)
-        except (msgspec.DecodeError, UnicodeDecodeError, ValueError):
-            pass
-    return json.loads(raw)
+    return not unicode_clean(obj)
 
 
 def _pydantic_message(error: ValidationError) -> str:
@@ -166,7 +131,7 @@ class LineValidator:
             obj: Any = raw
         else:
             try:
-                obj = _loads(raw)
+                obj = loads(raw)
             except (ValueError, UnicodeDecodeError) as exc:
                 return invalid(ErrorCode.INVALID_JSON, f"line is not valid JSON: {exc}")
         if not isinstance(obj, dict):

@@ -40,7 +40,7 @@ _JSON_BITS = st.sampled_from(
 
 @given(st.lists(_JSON_BITS, max_size=12).map("".join))
 def test_the_fast_decoder_accepts_and_decodes_exactly_what_json_loads_does(text):
-    from pipeline.stages.validate import _loads
+    from pipeline.json_codec import loads as _loads
 
     raw = text.encode(
         "utf-8", "surrogatepass"

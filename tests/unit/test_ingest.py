@@ -181,7 +181,7 @@ def test_ingest_lone_surrogate_becomes_error_record(tmp_path: Path, staging: Sta
 def test_work_list_bodies_are_the_stdlib_json_of_the_parsed_body(body):
     import json as stdlib_json
 
-    from pipeline.runtime.ingest import body_json
+    from pipeline.json_codec import dumps_body as body_json
 
     expected = stdlib_json.dumps(body, ensure_ascii=False, separators=(",", ":"))
     assert body_json(body, {"parquet": "row"}) == expected  # an already-parsed row

@@ -13,7 +13,8 @@ import pytest
 
 from pipeline.io.readers import input_source
 from pipeline.io.staging import StagingArea
-from pipeline.runtime.ingest import body_json, ingest
+from pipeline.json_codec import dumps_body as body_json
+from pipeline.runtime.ingest import ingest
 
 MODEL = "smollm2-135m-instruct"
 
