@@ -7,6 +7,7 @@ of Ray Data: the runtime drives them, tests drive them directly.
 
 from __future__ import annotations
 
+import asyncio
 import importlib
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
@@ -92,6 +93,22 @@ class Engine(ABC):
     @abstractmethod
     async def generate(self, request: EngineRequest) -> EngineResult:
         """Run one request to completion. Never raises for a bad request: returns an error result instead."""
+
+    async def generate_all(
+        self, requests: list[EngineRequest], slots: asyncio.Semaphore | None = None
+    ) -> list[EngineResult]:
+        """Run requests concurrently, each holding one of `slots` while inside the engine; results in order.
+
+        This is how continuous batching is fed: many `generate` coroutines at once. A backend that can answer a
+        chunk without waiting on anything may override it and skip the per-request tasks."""
+
+        async def one(request: EngineRequest) -> EngineResult:
+            if slots is None:
+                return await self.generate(request)
+            async with slots:
+                return await self.generate(request)
+
+        return list(await asyncio.gather(*(one(request) for request in requests)))
 
     def stats(self) -> EngineStats:
         return EngineStats()

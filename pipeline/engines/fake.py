@@ -50,10 +50,13 @@ def prompt_tokens(url: str, body: dict[str, Any]) -> int:
     return _count_tokens(_prompt_text(url, body))
 
 
+_WORD_OF_BYTE = [_WORDS[byte % len(_WORDS)] for byte in range(256)]
+
+
 def _fake_text(seed_text: str, tokens: int) -> str:
     """`tokens` words cycling through 32 chosen by the prompt's digest (built once per call, then repeated)."""
     digest = hashlib.sha256(seed_text.encode()).digest()
-    cycle = [_WORDS[byte % len(_WORDS)] for byte in digest]
+    cycle = [_WORD_OF_BYTE[byte] for byte in digest]
     return " ".join((cycle * (tokens // len(cycle) + 1))[:tokens])
 
 
@@ -77,7 +80,29 @@ class FakeEngine(Engine):
     async def start(self) -> None:
         pass
 
+    @property
+    def instant(self) -> bool:
+        """Every request costs no time under the time model (the data-plane benchmark's setting)."""
+        return not self.args.get("prefill_seconds_per_token") and not self.args.get("decode_seconds_per_token")
+
+    async def generate_all(
+        self, requests: list[EngineRequest], slots: asyncio.Semaphore | None = None
+    ) -> list[EngineResult]:
+        if not self.instant:
+            return await super().generate_all(requests, slots)
+        # Every answer is ready at once: nothing to schedule, so one pass and no task per request (at a million
+        # rows the tasks alone cost seconds). A chunk is at most a few thousand rows, a few ms of loop time.
+        return [self._answer(request)[0] for request in requests]
+
     async def generate(self, request: EngineRequest) -> EngineResult:
+        result, cost = self._answer(request)
+        if cost > 0:  # a request that costs no time holds no slot: nothing could wait for it
+            async with self._slots:
+                await asyncio.sleep(cost)
+        return result
+
+    def _answer(self, request: EngineRequest) -> tuple[EngineResult, float]:
+        """The response and the seconds it costs under the time model."""
         if self.args.get("call_log"):
             # "{pid}" in the path gives each engine process its own log (which engine ran which request).
             path = self.args["call_log"].replace("{pid}", str(os.getpid()))
@@ -97,26 +122,19 @@ class FakeEngine(Engine):
                 f"{prompt_tokens + int(max_tokens)} tokens ({prompt_tokens} in the messages, {max_tokens} in the "
                 "completion). Please reduce the length of the messages or completion."
             )
-            return EngineResult(
-                request.custom_id,
-                400,
-                {
-                    "error": {
-                        "message": message,
-                        "type": "BadRequestError",
-                        "code": ErrorCode.CONTEXT_LENGTH_EXCEEDED.value,
-                    }
-                },
-                ErrorCode.CONTEXT_LENGTH_EXCEEDED,
-            )
+            error = {
+                "error": {
+                    "message": message,
+                    "type": "BadRequestError",
+                    "code": ErrorCode.CONTEXT_LENGTH_EXCEEDED.value,
+                }
+            }
+            return EngineResult(request.custom_id, 400, error, ErrorCode.CONTEXT_LENGTH_EXCEEDED), 0.0
         completion_tokens = int(max_tokens)
         cost = (
             self.args.get("prefill_seconds_per_token", 0.0) * prompt_tokens
             + self.args.get("decode_seconds_per_token", 0.0) * completion_tokens
         )
-        if cost > 0:  # a request that costs no time holds no slot: nothing could wait for it
-            async with self._slots:
-                await asyncio.sleep(cost)
         text = _fake_text(prompt, completion_tokens)
         usage = {
             "prompt_tokens": prompt_tokens,
@@ -149,7 +167,7 @@ class FakeEngine(Engine):
                 "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": "length"}],
                 "usage": usage,
             }
-        return EngineResult(request.custom_id, 200, response, None, prompt_tokens, completion_tokens)
+        return EngineResult(request.custom_id, 200, response, None, prompt_tokens, completion_tokens), cost
 
     def stats(self) -> EngineStats:
         return EngineStats(kv_cache_tokens=self.max_model_len * int(self.args.get("max_concurrency", 256)))

@@ -15,6 +15,7 @@ import asyncio
 import os
 import threading
 import time
+from collections.abc import Awaitable
 from typing import Any
 
 import structlog
@@ -182,17 +183,11 @@ class EngineWorker:
             await gate.wait_for(lambda: not self._solo)
             self._in_flight += len(requests)
         try:
-            return list(await asyncio.gather(*(self._generate_limited(engine, r) for r in requests)))
+            return await self._or_die(engine.generate_all(requests, self._slots))
         finally:
             async with gate:
                 self._in_flight -= len(requests)
                 gate.notify_all()
-
-    async def _generate_limited(self, engine: Engine, request: EngineRequest) -> EngineResult:
-        if self._slots is None:
-            return await self._generate_or_die(engine, request)
-        async with self._slots:
-            return await self._generate_or_die(engine, request)
 
     async def _run_alone(self, engine: Engine, request: EngineRequest, mode: str) -> EngineResult:
         """A suspect request: "solo" waits until the engine is otherwise idle and keeps it so while it runs;
@@ -207,7 +202,7 @@ class EngineWorker:
             self._in_flight += 1
             await self.monitor.solo_started.remote(request.custom_id)
         try:
-            return await self._generate_or_die(engine, request)
+            return await self._or_die(engine.generate(request))
         finally:
             async with gate:
                 self._in_flight -= 1
@@ -215,9 +210,9 @@ class EngineWorker:
                 self.monitor.solo_finished.remote(request.custom_id)
                 gate.notify_all()
 
-    async def _generate_or_die(self, engine: Engine, request: EngineRequest) -> EngineResult:
+    async def _or_die(self, work: Awaitable[Any]) -> Any:
         try:
-            return await engine.generate(request)
+            return await work
         except Exception as exc:
             if type(exc).__name__ == "EngineDeadError":
                 # A dead engine cannot be revived in-process. Exiting lets Ray restart this actor with a fresh
