@@ -83,7 +83,9 @@ class FakeEngine(Engine):
     @property
     def instant(self) -> bool:
         """Every request costs no time under the time model (the data-plane benchmark's setting)."""
-        return not self.args.get("prefill_seconds_per_token") and not self.args.get("decode_seconds_per_token")
+        return not self.args.get("prefill_seconds_per_token") and not self.args.get(
+            "decode_seconds_per_token"
+        )
 
     async def generate_all(
         self, requests: list[EngineRequest], slots: asyncio.Semaphore | None = None

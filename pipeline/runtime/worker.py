@@ -18,9 +18,11 @@ import time
 from collections.abc import Awaitable
 from typing import Any
 
+import pyarrow as pa
 import structlog
 
 from pipeline.engines.base import Engine, EngineRequest, EngineResult, EngineSpec, build_engine, engine_class
+from pipeline.io.staging import STAGED_SCHEMA
 from pipeline.json_codec import loads
 from pipeline.protocol import ErrorCode, dumps, result_record
 
@@ -28,17 +30,6 @@ log = structlog.get_logger(__name__)
 
 # How often an engine pushes its numbers (KV usage, preemptions, prefix hits) to the job monitor while it lives.
 REPORT_EVERY_S = 2.0
-
-OUTPUT_COLUMNS = (
-    "custom_id",
-    "line",
-    "source",
-    "error_code",
-    "prompt_tokens",
-    "completion_tokens",
-    "pool",
-    "record",
-)
 
 
 def isolated_result(custom_id: str) -> EngineResult:
@@ -57,22 +48,27 @@ def isolated_result(custom_id: str) -> EngineResult:
     return EngineResult(custom_id, 500, body, ErrorCode.ENGINE_ERROR)
 
 
-def result_columns(
-    results: list[EngineResult], rows: list[dict[str, Any]], pool: str, job_id: str | None = None
-) -> dict[str, list]:
-    """Shape finished results as staged-row columns (see io.staging.STAGED_SCHEMA)."""
-    out: dict[str, list] = {name: [] for name in OUTPUT_COLUMNS}
-    for result, row in zip(results, rows, strict=True):
-        out["custom_id"].append(result.custom_id)
-        out["line"].append(int(row["line"]))
-        out["source"].append(str(row["source"]))
-        out["error_code"].append(result.error_code.value if result.error_code else None)
-        out["prompt_tokens"].append(result.prompt_tokens)
-        out["completion_tokens"].append(result.completion_tokens)
-        out["pool"].append(pool)
+def result_table(
+    results: list[EngineResult], lines: list[int], sources: list[str], pool: str, job_id: str | None = None
+) -> pa.Table:
+    """Finished results as staged rows (io.staging.STAGED_SCHEMA), built column by column: an Arrow table with
+    its schema given, so Ray Data need not infer types from Python values row by row."""
+
+    def record(result: EngineResult) -> str:
         seed = f"{job_id}:{result.custom_id}" if job_id else None
-        out["record"].append(dumps(result_record(result.custom_id, result.body, result.status_code, seed)))
-    return out
+        return dumps(result_record(result.custom_id, result.body, result.status_code, seed))
+
+    columns = {
+        "custom_id": [r.custom_id for r in results],
+        "line": lines,
+        "source": sources,
+        "error_code": [r.error_code.value if r.error_code else None for r in results],
+        "prompt_tokens": [r.prompt_tokens for r in results],
+        "completion_tokens": [r.completion_tokens for r in results],
+        "pool": [pool] * len(results),
+        "record": [record(r) for r in results],
+    }
+    return pa.table(columns, schema=STAGED_SCHEMA)
 
 
 class EngineWorker:
@@ -232,10 +228,13 @@ class EngineWorker:
             log.warning("job monitor unreachable; running without the attempt ledger", error=str(exc))
             return {}
 
-    async def __call__(self, batch: dict[str, Any]) -> dict[str, list]:
+    async def __call__(self, batch: dict[str, Any]) -> pa.Table:
         engine = await self._engine()
-        rows = [dict(zip(batch.keys(), values, strict=True)) for values in zip(*batch.values(), strict=True)]
-        requests = [EngineRequest(str(r["custom_id"]), str(r["url"]), loads(r["body"])) for r in rows]
+        # Whole columns, not a dict per row: at a million rows per-row objects are the cost that shows.
+        ids, urls, bodies = (batch[name].tolist() for name in ("custom_id", "url", "body"))
+        requests = [
+            EngineRequest(str(i), str(u), loads(b)) for i, u, b in zip(ids, urls, bodies, strict=True)
+        ]
         plan = await self._plan([r.custom_id for r in requests])
         normal = [r for r in requests if plan.get(r.custom_id, "normal") == "normal"]
         suspects = [r for r in requests if plan.get(r.custom_id, "normal") != "normal"]
@@ -249,7 +248,9 @@ class EngineWorker:
         # Reports are rate-limited, but the last one before the engine goes idle must go out: the manifest's
         # engine numbers (prefix-cache hits, preemptions) are read from the monitor when the job ends.
         self._report(force=self._in_flight == 0)
-        return result_columns([by_id[r.custom_id] for r in requests], rows, self.pool, self.job_id)
+        lines = [int(line) for line in batch["line"].tolist()]
+        sources = [str(source) for source in batch["source"].tolist()]
+        return result_table([by_id[r.custom_id] for r in requests], lines, sources, self.pool, self.job_id)
 
     def __del__(self) -> None:
         if self._reporter is not None:
