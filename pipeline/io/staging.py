@@ -65,16 +65,8 @@ REQUEST_SCHEMA = pa.schema(
         # Names the request's shared leading prompt (stages/route.py), null when it has none: the work queue sends
         # requests of one key to one engine, so that engine's prefix cache pays.
         ("prefix_key", pa.string()),
-        # Lengths as fitting counts them (runtime/fit.py), counted at ingest while the body is decoded anyway;
-        # null where not counted (fitting off, or a part staged without them), and fitting then counts itself.
-        ("prompt_tokens", pa.list_(pa.int64())),  # per sequence; null too where the chat template refused it
-        ("output_budget", pa.int64()),
-        ("output_assumed", pa.bool_()),
     ]
 )
-
-# What the engines need of a request (the work queue reads only these).
-WORK_COLUMNS = ["custom_id", "url", "body", "line", "source", "prefix_key"]
 
 
 @dataclass

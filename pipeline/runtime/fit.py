@@ -34,7 +34,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import pyarrow.parquet as pq
 import structlog
 
 from pipeline.config import DEFAULT_MAX_NUM_SEQS, JobConfig, effective_pools
@@ -241,22 +240,13 @@ def measure(staging: StagingArea, target: FitTarget, limit: int, job_id: str | N
     so a pass cut short between the two is redone without loss or duplicates)."""
     lengths = Lengths()
     started = time.monotonic()
+    columns = ["custom_id", "url", "body", "line", "source"]
     for part in staging.request_files():
         rejected: list[StagedRow] = []
-        parquet = staging.files.parquet(part)
-        counted = _counted_at_ingest(parquet)
-        columns = ["custom_id", "line", "source", *(COUNTED_COLUMNS if counted else ["url", "body"])]
-        for batch in parquet.iter_batches(batch_size=READ_BATCH_ROWS, columns=columns):
+        for batch in staging.files.parquet(part).iter_batches(batch_size=READ_BATCH_ROWS, columns=columns):
             rows = batch.to_pydict()
-            if "output_budget" in rows:
-                counts = [c if c is not None else _UNTOKENIZABLE for c in rows["prompt_tokens"]]
-                budgets = list(zip(rows["output_budget"], rows["output_assumed"], strict=True))
-            else:
-                bodies = [loads(body) for body in rows["body"]]
-                counts = target.count(list(zip(rows["url"], bodies, strict=True)))
-                budgets = [
-                    target.output_budget(url, body) for url, body in zip(rows["url"], bodies, strict=True)
-                ]
+            bodies = [loads(body) for body in rows["body"]]
+            counts = target.count(list(zip(rows["url"], bodies, strict=True)))
             for i, prompts in enumerate(counts):
                 custom_id = rows["custom_id"][i]
                 if isinstance(prompts, Exception):
@@ -282,7 +272,7 @@ def measure(staging: StagingArea, target: FitTarget, limit: int, job_id: str | N
                         )
                     )
                     continue
-                output, assumed = budgets[i]
+                output, assumed = target.output_budget(rows["url"][i], bodies[i])
                 lengths.add(custom_id, prompts, output, assumed, limit)
         if rejected:
             name = f"{FIT_ERRORS_PREFIX}-{Path(part).stem}.parquet"
@@ -292,24 +282,6 @@ def measure(staging: StagingArea, target: FitTarget, limit: int, job_id: str | N
     lengths.too_long = rejected_before(staging)
     lengths.seconds = time.monotonic() - started
     return lengths
-
-
-COUNTED_COLUMNS = ["prompt_tokens", "output_budget", "output_assumed"]
-# A request the chat template refused, as `target.count` reports it.
-_UNTOKENIZABLE = ValueError("not counted: the chat template refused the request")
-
-
-def _counted_at_ingest(parquet: pq.ParquetFile) -> bool:
-    """Whether every request of a staged part carries its numbers (part_lengths ran at ingest)."""
-    names = parquet.schema_arrow.names
-    if "output_budget" not in names:
-        return False
-    column = names.index("output_budget")
-    for group in range(parquet.metadata.num_row_groups):
-        stats = parquet.metadata.row_group(group).column(column).statistics
-        if stats is None or not stats.has_null_count or stats.null_count:
-            return False
-    return True
 
 
 def rejected_before(staging: StagingArea) -> int:
@@ -371,18 +343,14 @@ def choose_max_num_seqs(
 
 
 def fit_job(
-    config: JobConfig,
-    model: ResolvedModel,
-    staging: StagingArea,
-    state: dict[str, Any],
-    target: FitTarget | str | None = None,
+    config: JobConfig, model: ResolvedModel, staging: StagingArea, state: dict[str, Any]
 ) -> JobConfig:
     """The job's config with fitted engine args, deciding them once (kept in `state`, i.e. _staging/job.json).
 
     Updates state["input"] for requests rejected as too long (valid → invalid) and writes the state.
     """
     if "fit" not in state:
-        state["fit"] = _decide(config, model, staging, state.get("job_id"), target)
+        state["fit"] = _decide(config, model, staging, state.get("job_id"))
         rejected = state["fit"].get("context_length_exceeded", 0)
         state["input"]["valid"] -= rejected
         state["input"]["invalid"] += rejected
@@ -409,41 +377,14 @@ def apply_fit(config: JobConfig, record: dict[str, Any]) -> JobConfig:
     return JobConfig.model_validate(data)
 
 
-def fit_target(config: JobConfig, model: ResolvedModel) -> FitTarget | str | None:
-    """How this job's engine counts and fits (a reason instead when it cannot); None when fitting is off."""
-    if not config.engine.fit.enabled:
-        return None
-    builder = _TARGETS.get(config.engine.backend)
-    return builder(config, model) if builder else f"the {config.engine.backend} backend cannot count tokens"
-
-
-def part_lengths(target: FitTarget) -> Callable[[list[tuple[str, dict]]], dict[str, list]]:
-    """Measures a part of the work list at ingest, as staged columns (io.staging.REQUEST_SCHEMA): `measure` then
-    reads the numbers instead of decoding and counting every body a second time."""
-
-    def lengths(requests: list[tuple[str, dict]]) -> dict[str, list]:
-        counts = target.count(requests)
-        budgets = [target.output_budget(url, body) for url, body in requests]
-        return {
-            "prompt_tokens": [None if isinstance(c, Exception) else c for c in counts],
-            "output_budget": [output for output, _ in budgets],
-            "output_assumed": [assumed for _, assumed in budgets],
-        }
-
-    return lengths
-
-
 def _decide(
-    config: JobConfig,
-    model: ResolvedModel,
-    staging: StagingArea,
-    job_id: str | None,
-    target: FitTarget | str | None = None,
+    config: JobConfig, model: ResolvedModel, staging: StagingArea, job_id: str | None
 ) -> dict[str, Any]:
     if not config.engine.fit.enabled:
         log.info("engine args not fitted (--no-fit)")
         return {"enabled": False, "reason": "turned off (--no-fit / engine.fit.enabled: false)"}
-    target = target or fit_target(config, model)
+    builder = _TARGETS.get(config.engine.backend)
+    target = builder(config, model) if builder else f"the {config.engine.backend} backend cannot count tokens"
     if isinstance(target, str):
         log.warning("engine args not fitted", reason=target)
         return {"enabled": True, "skipped": target}

@@ -9,7 +9,7 @@ plus the custom_id set the duplicate check needs.
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -20,9 +20,6 @@ from pipeline.json_codec import dumps_body
 from pipeline.protocol import ErrorCode, dumps, invalid_line_record
 from pipeline.stages.route import prefix_key
 from pipeline.stages.validate import InvalidLine, LineValidator, ValidRequest
-
-# Measures a part of the work list, [(url, body)] -> {column: one value per request} (see runtime/fit.py).
-PartLengths = Callable[[list[tuple[str, dict]]], dict[str, list]]
 
 
 @dataclass
@@ -109,28 +106,13 @@ def ingest(
     part_rows: int = 50_000,
     storage: StorageConfig | None = None,
     job_id: str | None = None,
-    lengths: PartLengths | None = None,
 ) -> IngestReport:
-    """Validate the whole input into staging. Memory: one part of requests plus the custom_id set.
-
-    `lengths`, when given, measures each part's requests for fitting (runtime/fit.py) while their bodies are
-    decoded here anyway; its columns are staged with them."""
+    """Validate the whole input into staging. Memory: one part of requests plus the custom_id set."""
     source = as_source(location, storage)
     report = IngestReport(source=str(location) if isinstance(location, Path | str) else source.describe())
     validator = LineValidator(model_name, job_id)
     requests: list[dict] = []
-    bodies: list[tuple[str, dict]] = []  # the part's (url, body), for `lengths`
     errors: list[StagedRow] = []
-
-    def stage_requests() -> None:
-        if lengths is not None and requests:
-            for name, values in lengths(bodies).items():
-                for row, value in zip(requests, values, strict=True):
-                    row[name] = value
-        staging.write_requests(requests)
-        requests.clear()
-        bodies.clear()
-
     for payload, outcome in _validated(source, validator, report):
         if isinstance(outcome, ValidRequest):
             key = prefix_key(outcome.url, outcome.body)
@@ -145,15 +127,14 @@ def ingest(
                     "prefix_key": key,
                 }
             )
-            if lengths is not None:
-                bodies.append((outcome.url, outcome.body))
             if len(requests) >= part_rows:
-                stage_requests()
+                staging.write_requests(requests)
+                requests = []
         else:
             errors.append(invalid_to_staged(outcome))
             if len(errors) >= part_rows:
                 staging.write_rows("errors", errors, prefix=INGEST_PREFIX)
                 errors = []
-    stage_requests()
+    staging.write_requests(requests)
     staging.write_rows("errors", errors, prefix=INGEST_PREFIX)
     return report

@@ -33,7 +33,7 @@ from pipeline.io.writers import OutputTarget, output_target
 from pipeline.models import ResolvedModel, resolve_model
 from pipeline.observe.progress import JobCounters, ProgressDisplay
 from pipeline.runtime.finalize import FORMAT_VERSION, commit, write_outputs
-from pipeline.runtime.fit import FitTarget, fit_job, fit_target, part_lengths
+from pipeline.runtime.fit import fit_job
 from pipeline.runtime.ingest import ingest
 from pipeline.runtime.monitor import EngineWatch, preemption_remedy, summarize_engines
 from pipeline.runtime.preflight import (
@@ -468,17 +468,13 @@ def run_job(config: JobConfig, show_progress: bool = True, resume: bool = False)
     staging.create()
 
     def prepare_work() -> JobConfig:
-        # How the engine counts tokens (the model's tokenizer and chat template for vLLM): bodies are measured for
-        # fitting at ingest, while they are decoded anyway.
-        target = fit_target(config, model) if "fit" not in state else None
         if not state.get("ingested"):
             # A validation pass cut short is redone whole: it is cheap next to generation, and partial parts of it
             # could otherwise be staged twice.
             staging.discard_ingest()
             state["model"] = model.model_dump()
             staging.write_job(state)
-            lengths = part_lengths(target) if isinstance(target, FitTarget) else None
-            report = ingest(source, model.name, staging, job_id=job_id, lengths=lengths)
+            report = ingest(source, model.name, staging, job_id=job_id)
             state["input"] = {
                 "location": source.describe(),
                 "fingerprint": report.fingerprint,
@@ -491,7 +487,7 @@ def run_job(config: JobConfig, show_progress: bool = True, resume: bool = False)
             state["ingested"] = True
             staging.write_job(state)
         # Engine args fitted to the data, too-long prompts failed before any engine (runtime/fit.py; kept in state).
-        return fit_job(config, model, staging, state, target)
+        return fit_job(config, model, staging, state)
 
     # Ray's start-up (seconds of process launches, mostly waiting) overlaps validation and fitting instead of
     # following them; engines are needed unless every row is invalid or already finished, which is rare.

@@ -32,8 +32,6 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from pipeline.io.staging import WORK_COLUMNS
-
 # Owners are remembered for this many keys (least recently seen forgotten first): memory stays bounded on jobs with
 # millions of distinct prefixes; forgetting only means a key seen again much later may get a new owner.
 MAX_REMEMBERED_KEYS = 100_000
@@ -90,9 +88,7 @@ class WorkQueue:
                 continue
             if not self._files:
                 return None
-            self._reader = self._open(self._files.pop(0)).iter_batches(
-                batch_size=self._read_rows, columns=WORK_COLUMNS
-            )
+            self._reader = self._open(self._files.pop(0)).iter_batches(batch_size=self._read_rows)
 
     def _read_more(self) -> bool:
         """Add one read batch to the window, grouped by key; False when the work list is exhausted."""

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-from dataclasses import replace
 from pathlib import Path
 
 import pyarrow.parquet as pq
@@ -22,7 +21,6 @@ from pipeline.runtime.fit import (
     fit_job,
     fit_max_model_len,
     measure,
-    part_lengths,
 )
 from pipeline.tokens import PromptCounter
 
@@ -60,27 +58,12 @@ def word_target(limit: int = 100, block: int = 16, capacity: KvCapacity | None =
     )
 
 
-def staged(tmp_path: Path, parts: list[list[dict]], lengths=None) -> StagingArea:
-    """Parts of a work list; with `lengths` (fit.part_lengths), counted as ingest counts them."""
+def staged(tmp_path: Path, parts: list[list[dict]]) -> StagingArea:
     staging = StagingArea(tmp_path / "out")
     staging.create()
     for rows in parts:
-        if lengths is not None:
-            columns = lengths([(row["url"], json.loads(row["body"])) for row in rows])
-            rows = [
-                {**row, **{name: values[i] for name, values in columns.items()}} for i, row in enumerate(rows)
-            ]
         staging.write_requests(rows)
     return staging
-
-
-def not_counting(target: FitTarget) -> FitTarget:
-    """The same target, failing if asked to count: what ingest counted must not be counted again."""
-
-    def count(requests):
-        raise AssertionError("counted twice")
-
-    return replace(target, count=count)
 
 
 def request_ids(staging: StagingArea) -> list[str]:
@@ -154,8 +137,7 @@ def test_a_context_that_fits_no_sequence_is_warned():
 # --- measuring ---------------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("counted_at_ingest", [False, True], ids=["counted-here", "counted-at-ingest"])
-def test_measure_rejects_prompts_at_the_limit_and_drops_them_from_the_work_list(tmp_path, counted_at_ingest):
+def test_measure_rejects_prompts_at_the_limit_and_drops_them_from_the_work_list(tmp_path):
     untokenizable = {**chat("bad", 1, 5), "body": json.dumps({"messages": [{"content": "BAD"}]})}
     staging = staged(
         tmp_path,
@@ -164,11 +146,9 @@ def test_measure_rejects_prompts_at_the_limit_and_drops_them_from_the_work_list(
             [chat("long-2", 150, 4), untokenizable],  # this part keeps only the untokenizable request
             [chat("long-3", 99, 6, max_tokens=1), chat("ok-3", 49, 7)],  # 99 + 1 and 49 + 50 (assumed) fit
         ],
-        lengths=part_lengths(word_target(limit=100)) if counted_at_ingest else None,
     )
-    target = not_counting(word_target(limit=100)) if counted_at_ingest else word_target(limit=100)
 
-    lengths = measure(staging, target, 100, job_id="job")
+    lengths = measure(staging, word_target(limit=100), 100, job_id="job")
     assert lengths.too_long == 2  # long-1 (100 = the limit: no room for output) and long-2
     assert lengths.untokenizable == 1
     assert lengths.requests == 4 and lengths.assumed_output == 2  # ok-2 and ok-3 set no max_tokens
@@ -192,7 +172,7 @@ def test_measure_rejects_prompts_at_the_limit_and_drops_them_from_the_work_list(
     assert not set(staging.finished_ids())  # rejected before the engines: not "finished by an engine"
 
     # A pass redone (resume after a crash) finds nothing new to reject and duplicates nothing.
-    again = measure(staging, target, 100, job_id="job")
+    again = measure(staging, word_target(limit=100), 100, job_id="job")
     assert again.too_long == 2 and len(error_records(staging)) == 2
     assert request_ids(staging) == ["bad", "long-3", "ok-1", "ok-2", "ok-3"]
 

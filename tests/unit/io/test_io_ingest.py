@@ -69,31 +69,3 @@ def test_body_json_matches_the_stdlib_where_it_matters():
     text = body_json(with_nan, b'{"logit_bias": {"1": NaN}}')
     assert math.isnan(json.loads(text)["logit_bias"]["1"])  # NaN kept, not turned into null
     assert json.loads(body_json({"a": 1.5}, {"parsed": "dict"})) == {"a": 1.5}
-
-
-def test_ingest_stages_each_requests_lengths_when_asked(tmp_path: Path, staging: StagingArea):
-    """Fitting's numbers are counted while the bodies are decoded at ingest, part by part, and staged with them."""
-    path = tmp_path / "in.jsonl"
-    path.write_text("\n".join(chat(f"r{i}") for i in range(5)) + "\n")
-    seen: list[int] = []
-
-    def lengths(requests):
-        seen.append(len(requests))
-        return {
-            "prompt_tokens": [[len(body["messages"][0]["content"].split())] for _, body in requests],
-            "output_budget": [7] * len(requests),
-            "output_assumed": [True] * len(requests),
-        }
-
-    ingest(path, MODEL, staging, part_rows=2, lengths=lengths)
-    assert seen == [2, 2, 1]  # once per staged part
-    rows = pa.concat_tables(pq.read_table(p) for p in staging.request_files()).to_pylist()
-    assert sorted((r["custom_id"], r["prompt_tokens"], r["output_budget"]) for r in rows) == [
-        (f"r{i}", [2], 7) for i in range(5)
-    ]
-
-    plain = StagingArea(tmp_path / "plain")
-    plain.create()
-    ingest(path, MODEL, plain)
-    table = pa.concat_tables(pq.read_table(p) for p in plain.request_files())
-    assert table.column("output_budget").null_count == 5  # not counted: fitting counts for itself
