@@ -136,6 +136,16 @@ class EngineConfig(_Strict):
         description="Requests each engine keeps in flight. Default: 2 x max_num_seqs, so continuous batching stays full.",
     )
 
+    def unused_settings(self) -> list[str]:
+        """Settings given for a backend this job does not run: silently ignored, they would mislead (a config
+        file's `fake:` block without `backend: fake` runs the real engine)."""
+        if self.backend != "fake" and self.fake != FakeEngineArgs():
+            return [
+                f"engine.fake is set but the backend is {self.backend}: it is not used "
+                "(set engine.backend: fake, or --engine fake, to run the fake engine)"
+            ]
+        return []
+
     def in_flight(self) -> int:
         if self.max_in_flight:
             return self.max_in_flight

@@ -463,6 +463,8 @@ def run_job(config: JobConfig, show_progress: bool = True, resume: bool = False)
     model = resolve_model(config.model, config.served_model_name)
     spec = engine_spec(config, model)
     engine_class(spec.backend).check_spec(spec)
+    for unused in config.engine.unused_settings():
+        log.warning(unused)
     job_id = state["job_id"]
 
     staging.create()

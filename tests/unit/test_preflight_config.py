@@ -228,3 +228,12 @@ def test_every_config_field_has_a_description():
                 walk(annotation, f"{prefix}{name}.")
 
     walk(JobConfig)
+
+
+def test_settings_for_a_backend_the_job_does_not_run_are_named():
+    from pipeline.config import EngineConfig
+
+    assert EngineConfig().unused_settings() == []
+    assert EngineConfig(backend="fake", fake={"output_tokens": 4}).unused_settings() == []
+    (unused,) = EngineConfig(fake={"output_tokens": 4}).unused_settings()
+    assert "engine.fake" in unused and "--engine fake" in unused
