@@ -720,6 +720,15 @@ def summarize(runs: list[RunResult], texts: dict[str, dict]) -> dict[str, Any]:
     }
 
 
+def write_summary(out: Path, summary: dict[str, Any], table: str) -> None:
+    """The bench's JSON record, then its table on the terminal."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(summary, indent=2))
+    print()
+    print(table)
+    print(f"\nwritten: {out}")
+
+
 def format_table(summary: dict[str, Any]) -> str:
     # cores: whole-box CPU during the run; foreign: CPU of processes not ours (should be ~0 for a clean timing).
     header = f"{'path':<12} {'wall s':>8} {'out tokens':>11} {'tok/s':>8} {'cores':>6} {'foreign':>7} {'failed':>6}  note"
@@ -905,11 +914,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             "failures": failures,
         }
     )
-    out = ns.out_dir / "engines.json"
-    out.write_text(json.dumps(summary, indent=2))
-    print()
-    print(format_table(summary))
-    print(f"\nwritten: {out}")
+    write_summary(ns.out_dir / "engines.json", summary, format_table(summary))
     return summary
 
 

@@ -378,12 +378,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             "failures": failures,
         }
     )
-    ns.out_dir.mkdir(parents=True, exist_ok=True)
-    out = ns.out_dir / "shared_prefix.json"
-    out.write_text(json.dumps(summary, indent=2))
-    print()
-    print(format_summary(summary))
-    print(f"\nwritten: {out}")
+    eb.write_summary(ns.out_dir / "shared_prefix.json", summary, format_summary(summary))
     return summary
 
 

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import hashlib
 import io
-import json
 import os
 import shutil
 import uuid
@@ -85,10 +84,7 @@ PARQUET_OUTPUT_SCHEMA = pa.schema(
 
 
 def _dumps(value: Any, finite: bool) -> str | None:
-    """Re-encode a part of a decoded output line: fast where the line held no NaN/Infinity, else as the stdlib."""
-    if value is None:
-        return None
-    return json_codec.dumps(value) if finite else json.dumps(value, ensure_ascii=False, separators=(",", ":"))
+    return None if value is None else json_codec.redumps(value, finite)
 
 
 def flatten_records(records: list[str]) -> pa.Table:

@@ -121,7 +121,7 @@ def ingest(
                 {
                     "custom_id": outcome.custom_id,
                     "url": outcome.url,
-                    "body": dumps_body(outcome.body, payload if not isinstance(payload, BadRow) else None),
+                    "body": dumps_body(outcome.body, payload),  # a valid outcome never comes from a BadRow
                     "line": outcome.line,
                     "source": outcome.source,
                     "prefix_key": key,

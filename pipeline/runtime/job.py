@@ -269,8 +269,9 @@ def plan_pool(config: JobConfig, spec: EngineSpec, pool: PoolConfig) -> PoolPlan
     return PoolPlan(pool, spec, batch_size, calls_per_actor, in_flight, pool.max_engines or pool.min_engines)
 
 
-def lane_name(pool: str, lane: int) -> str:
-    return f"{pool}/{lane}"
+def taker_name(pool: str, lane: int | None) -> str:
+    """Whom the work queue serves: a pool, or one lane (engine) of it."""
+    return pool if lane is None else f"{pool}/{lane}"
 
 
 def _pool_dataset(
@@ -292,7 +293,7 @@ def _pool_dataset(
     from pipeline.runtime.worker import EngineWorker
 
     pool = plan.pool
-    taker = pool.name if lane is None else lane_name(pool.name, lane)
+    taker = taker_name(pool.name, lane)
     engines = plan.max_engines if lane is None else 1
     # Each read task pulls one chunk; a few at a time per engine is plenty of supply, and the queue's credit (not
     # the number of readers) bounds how much work the pool holds. Every taker gets tasks enough for the whole job
@@ -366,16 +367,13 @@ def _run_engines(
         .remote()
     )
     plans = [plan_pool(config, spec, pool) for pool in pools]
-    lanes = {plan.pool.name: plan.lanes(config, keyed_rows) for plan in plans}
-    credit: dict[str, int] = {}
-    for plan in plans:
-        if lanes[plan.pool.name]:
-            credit.update(
-                {lane_name(plan.pool.name, i): plan.engine_credit for i in range(lanes[plan.pool.name])}
-            )
-        else:
-            credit[plan.pool.name] = plan.credit
-    route = any(lanes.values())
+    # Who pulls from the queue: each pool as a whole, or each of its engines as a lane of its own.
+    takers = [(plan, lane) for plan in plans for lane in range(plan.lanes(config, keyed_rows)) or [None]]
+    credit = {
+        taker_name(plan.pool.name, lane): plan.credit if lane is None else plan.engine_credit
+        for plan, lane in takers
+    }
+    route = any(lane is not None for _, lane in takers)
     # The queue looks ahead by what all engines hold at once, a few times over, to find rows of each engine's
     # prompts; bounded, since a million-row job must not be read into memory.
     window = min(65536, max(8192, 4 * sum(credit.values())))
@@ -385,10 +383,10 @@ def _run_engines(
         .remote(files, credit, files_on=staging.files, route=route, window_rows=window)
     )
     pending_rows = staging.num_rows(files)
-    datasets = []
-    for plan in plans:
-        for lane in range(lanes[plan.pool.name]) or [None]:
-            datasets.append(_pool_dataset(plan, queue, monitor, job_id, pending_rows, lane, readers_on=here))
+    datasets = [
+        _pool_dataset(plan, queue, monitor, job_id, pending_rows, lane, readers_on=here)
+        for plan, lane in takers
+    ]
     ds = datasets[0].union(*datasets[1:]) if len(datasets) > 1 else datasets[0]
 
     sink = _ResultSink(staging, config.output_options.staging_rows, finished, counters)

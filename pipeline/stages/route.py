@@ -47,27 +47,25 @@ def _render(message: Any) -> str:
     return f"{message.get('role')}\x1f{_content_text(message.get('content'))}\x1e"
 
 
-def leading_text(url: str, body: dict[str, Any]) -> tuple[str, str]:
-    """(the separate leading part of a request — tools and all messages but the last —, the whole prompt text)."""
-    if url == "/v1/chat/completions":
-        messages = body.get("messages")
-        if not isinstance(messages, list) or not messages:
-            return "", ""
-        tools = _canonical(body["tools"]) if body.get("tools") else ""
-        leading = tools + "".join(_render(m) for m in messages[:-1])
-        return leading, leading + _render(messages[-1])
-    prompt = body.get("prompt")
-    return "", prompt if isinstance(prompt, str) else ""
+def _key(url: str, text: str) -> str:
+    return hashlib.blake2b(f"{url}\n{text[:PREFIX_CHARS]}".encode(), digest_size=8).hexdigest()
 
 
 def prefix_key(url: str, body: dict[str, Any]) -> str | None:
     """A short hash naming the request's shareable prefix, or None when it has none worth routing by."""
-    leading, whole = leading_text(url, body)
-    if len(leading) >= MIN_PREFIX_CHARS:
-        text = leading
-    elif len(whole) > PREFIX_CHARS:
-        text = whole  # one long prompt: its head may be a shared preamble
+    if url == "/v1/chat/completions":
+        messages = body.get("messages")
+        if not isinstance(messages, list) or not messages:
+            return None
+        # The separate leading part: tools and every message but the last.
+        tools = _canonical(body["tools"]) if body.get("tools") else ""
+        leading = tools + "".join(_render(m) for m in messages[:-1])
+        if len(leading) >= MIN_PREFIX_CHARS:
+            return _key(url, leading)
+        whole = leading + _render(messages[-1])  # rendered only when the leading part is too short to key by
     else:
-        return None  # the key would cover the whole prompt: nothing marks a shared part in it
-    digest = hashlib.blake2b(f"{url}\n{text[:PREFIX_CHARS]}".encode(), digest_size=8)
-    return digest.hexdigest()
+        prompt = body.get("prompt")
+        whole = prompt if isinstance(prompt, str) else ""
+    # One long prompt: its head may be a shared preamble. Shorter, the key would cover the whole prompt, and
+    # nothing marks a shared part in it.
+    return _key(url, whole) if len(whole) > PREFIX_CHARS else None
