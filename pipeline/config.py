@@ -298,6 +298,27 @@ class StorageConfig(_Strict):
     )
 
 
+class InputLimits(_Strict):
+    """Bounds on one input line. A line past one of them becomes an error record and the job goes on; the limits
+    exist so that one hostile line cannot exhaust memory or the decoder's stack."""
+
+    max_line_bytes: int = Field(
+        default=64 << 20,
+        ge=1024,
+        description="Longest input line (or Parquet body string) in bytes; longer ones are rejected without being "
+        "held whole in memory.",
+    )
+    max_json_depth: int = Field(
+        default=128,
+        ge=8,
+        le=512,
+        description="Deepest nesting of JSON objects/arrays in a line (the line's own object counts as 1).",
+    )
+    max_custom_id_bytes: int = Field(
+        default=512, ge=1, description="Longest custom_id in UTF-8 bytes (OpenAI-compatible ids are short)."
+    )
+
+
 class JobConfig(_Strict):
     """One batch job: input, output, model, engine, resources."""
 
@@ -330,6 +351,9 @@ class JobConfig(_Strict):
     )
     storage: StorageConfig = Field(
         default_factory=StorageConfig, description="S3 / HTTP access: endpoint, region, retries, timeouts."
+    )
+    limits: InputLimits = Field(
+        default_factory=InputLimits, description="Bounds on one input line (length, JSON nesting, custom_id)."
     )
     overwrite: bool = Field(default=False, description="Replace a completed job already in OUTPUT.")
     pools: list[PoolConfig] = Field(

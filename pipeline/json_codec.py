@@ -24,22 +24,61 @@ _decode = msgspec.json.Decoder().decode
 _encode = msgspec.json.Encoder().encode
 _NOT_ENCODABLE = (TypeError, OverflowError, ValueError, UnicodeEncodeError)
 
+# Deepest nesting the decoders are asked to take. Both recurse per level (msgspec and the stdlib raise RecursionError
+# somewhere near a thousand levels, less on a thread's smaller stack); no real request body comes close.
+DEFAULT_MAX_DEPTH = 128
 
-def loads(raw: str | bytes) -> Any:
-    """json.loads, fast on the common line."""
+
+class JSONNestingError(ValueError):
+    """JSON nested deeper than allowed: refused as input, never a RecursionError."""
+
+    def __init__(self, max_depth: int) -> None:
+        super().__init__(f"JSON nested deeper than {max_depth} levels of objects/arrays")
+        self.max_depth = max_depth
+
+
+def depth(value: Any) -> int:
+    """Levels of nested dicts/lists (a scalar is 0, `{}` is 1), without recursion."""
+    deepest, stack = 0, [(value, 1)]
+    while stack:
+        node, level = stack.pop()
+        if isinstance(node, dict):
+            children: Any = node.values()
+        elif isinstance(node, list):
+            children = node
+        else:
+            continue
+        deepest = max(deepest, level)
+        stack.extend((child, level + 1) for child in children if isinstance(child, dict | list))
+    return deepest
+
+
+def _decode_bounded(raw: str | bytes, max_depth: int) -> tuple[Any, bool]:
+    """(value, finite) with nesting bounded. Counting brackets is a C-speed pass over the line: a line with no more
+    brackets than `max_depth` cannot nest deeper, so only the rare line with more pays for measuring the value."""
+    brackets = raw.count("[" if isinstance(raw, str) else b"[") + raw.count("{" if isinstance(raw, str) else b"{")
     try:
-        return _decode(raw)
-    except (msgspec.DecodeError, UnicodeDecodeError, ValueError):
-        return json.loads(raw)
+        try:
+            value, finite = _decode(raw), True
+        except (msgspec.DecodeError, UnicodeDecodeError, ValueError):
+            value, finite = json.loads(raw), False
+    except RecursionError:
+        raise JSONNestingError(max_depth) from None
+    if brackets > max_depth and depth(value) > max_depth:
+        raise JSONNestingError(max_depth)
+    return value, finite
 
 
-def loads_finite(raw: str | bytes) -> tuple[Any, bool]:
+def loads(raw: str | bytes, max_depth: int = DEFAULT_MAX_DEPTH) -> Any:
+    """json.loads, fast on the common line; nesting deeper than `max_depth` raises JSONNestingError (a
+    ValueError), as does anything the decoders could not take without exhausting the stack."""
+    return _decode_bounded(raw, max_depth)[0]
+
+
+def loads_finite(raw: str | bytes, max_depth: int = DEFAULT_MAX_DEPTH) -> tuple[Any, bool]:
     """(value, finite): `finite` when msgspec decoded it, i.e. it holds no NaN/Infinity and `dumps` re-encodes it
-    exactly."""
-    try:
-        return _decode(raw), True
-    except (msgspec.DecodeError, UnicodeDecodeError, ValueError):
-        return json.loads(raw), False
+    exactly. Nesting is bounded as in `loads`."""
+    return _decode_bounded(raw, max_depth)
 
 
 def _stdlib_dumps(value: Any) -> str:

@@ -32,6 +32,8 @@ class ErrorCode(str, Enum):
 
     INVALID_JSON = "invalid_json"  # the line is not a JSON object
     MISSING_CUSTOM_ID = "missing_custom_id"  # custom_id absent, empty or not a string
+    INVALID_CUSTOM_ID = "invalid_custom_id"  # custom_id blank, too long, or holding control characters
+    LINE_TOO_LONG = "line_too_long"  # the line is longer than limits.max_line_bytes
     INVALID_REQUEST = "invalid_request"  # envelope or body fails the schema / sampling params rejected
     UNSUPPORTED_METHOD = "unsupported_method"  # method other than POST
     UNSUPPORTED_URL = "unsupported_url"  # url not a route this job serves
@@ -50,7 +52,7 @@ class BatchRequestLine(BaseModel):
     custom_id: str = Field(
         min_length=1, description="Caller's id; unique within the file; results are sorted by it."
     )
-    method: str = Field(default="POST", description="HTTP method; only POST is meaningful.")
+    method: str = Field(default="POST", description="HTTP method; only POST (exactly) is served.")
     url: str = Field(description="The route, e.g. /v1/chat/completions.")
     body: dict[str, Any] = Field(description="The request body exactly as the route's API takes it.")
 

@@ -35,7 +35,8 @@ from typing import Any, BinaryIO, NamedTuple
 
 import structlog
 
-from pipeline.config import StorageConfig
+from pipeline import json_codec
+from pipeline.config import InputLimits, StorageConfig
 from pipeline.io.locations import (
     HttpStatusError,
     Location,
@@ -66,10 +67,15 @@ class InputFormatError(LocationError):
 
 
 class BadRow(NamedTuple):
-    """A Parquet row whose `body` string is not JSON: becomes an invalid_json error record."""
+    """A row the reader already knows is bad (a line over the length limit, a Parquet `body` string that is not
+    JSON): becomes an error record with `code` (an ErrorCode value)."""
 
     custom_id: Any
     message: str
+    code: str = "invalid_json"
+
+
+DEFAULT_MAX_LINE_BYTES = InputLimits().max_line_bytes
 
 
 class Row(NamedTuple):
@@ -238,9 +244,37 @@ def _http_fingerprint(headers: dict[str, str]) -> str | None:
 # -- row decoding -----------------------------------------------------------------------------------------------------
 
 
-def iter_jsonl(stream: BinaryIO, source: str) -> Iterator[Row]:
-    """Every non-blank line as (source, 1-based line number, stripped bytes); a leading UTF-8 BOM is dropped."""
-    for number, raw in enumerate(stream, start=1):
+def _too_long(what: str, size: int, max_bytes: int, custom_id: Any = None) -> BadRow:
+    message = f"{what} is {size:,} bytes, longer than the limit of {max_bytes:,} (limits.max_line_bytes)"
+    return BadRow(custom_id, message, "line_too_long")
+
+
+def _skip_rest_of_line(stream: BinaryIO, seen: int) -> int:
+    """Read past the end of an over-long line in bounded pieces; returns its length (without the newline)."""
+    while True:
+        piece = stream.readline(READ_CHUNK)
+        if not piece:
+            return seen
+        if piece.endswith(b"\n"):
+            return seen + len(piece) - 1
+        seen += len(piece)
+
+
+def iter_jsonl(stream: BinaryIO, source: str, max_line_bytes: int = DEFAULT_MAX_LINE_BYTES) -> Iterator[Row]:
+    """Every non-blank line as (source, 1-based line number, stripped bytes); a leading UTF-8 BOM is dropped.
+
+    A line longer than `max_line_bytes` is never held whole: at most the limit is read, the rest is skipped in
+    pieces, and the row is a BadRow (line_too_long)."""
+    number = 0
+    while True:
+        raw = stream.readline(max_line_bytes + 1)
+        if not raw:
+            return
+        number += 1
+        if len(raw) > max_line_bytes and not raw.endswith(b"\n"):
+            size = _skip_rest_of_line(stream, len(raw))
+            yield Row(source, number, _too_long("line", size, max_line_bytes))
+            continue
         stripped = raw.strip()
         if not stripped:
             continue
@@ -311,8 +345,15 @@ def parquet_schema_problem(schema, name: str) -> str | None:
     return None
 
 
-def iter_parquet(handle: Any, source: str, batch_rows: int = 8192) -> Iterator[Row]:
-    """Rows of a Parquet file (a path or a seekable file object), one row group batch at a time."""
+def iter_parquet(
+    handle: Any,
+    source: str,
+    batch_rows: int = 8192,
+    max_line_bytes: int = DEFAULT_MAX_LINE_BYTES,
+    max_json_depth: int = json_codec.DEFAULT_MAX_DEPTH,
+) -> Iterator[Row]:
+    """Rows of a Parquet file (a path or a seekable file object), one row group batch at a time. A `body` string
+    is held to the same limits as a JSONL line: `max_line_bytes`, and json_codec's nesting bound."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
@@ -343,8 +384,11 @@ def iter_parquet(handle: Any, source: str, batch_rows: int = 8192) -> Iterator[R
             body = row.get("body")
             if body is not None:
                 if body_is_text or body_is_binary:
+                    if len(body) > max_line_bytes:
+                        yield Row(source, number, _too_long("body", len(body), max_line_bytes, row.get("custom_id")))
+                        continue
                     try:
-                        row["body"] = json.loads(body)
+                        row["body"] = json_codec.loads(body, max_json_depth)
                     except (ValueError, UnicodeDecodeError) as exc:
                         yield Row(
                             source, number, BadRow(row.get("custom_id"), f"body is not valid JSON: {exc}")
@@ -368,13 +412,22 @@ class InputSource:
     """The input files of one location, in a stable order, and the rows they hold."""
 
     def __init__(
-        self, location: Location, files: list[InputFile], storage: StorageConfig | None = None
+        self,
+        location: Location,
+        files: list[InputFile],
+        storage: StorageConfig | None = None,
+        limits: InputLimits | None = None,
     ) -> None:
         self.location = location
         self.files = files
         self.storage = storage or StorageConfig()
+        self.limits = limits or InputLimits()  # bounds on one line, enforced as rows are read
         self.policy = RetryPolicy.from_config(self.storage)
         self._fs = None
+
+    @property
+    def _parquet_limits(self) -> dict[str, int]:
+        return {"max_line_bytes": self.limits.max_line_bytes, "max_json_depth": self.limits.max_json_depth}
 
     @property
     def kind(self) -> str:
@@ -430,13 +483,13 @@ class InputSource:
             with open(file.ref, "rb") as fh:
                 fmt = "parquet" if fh.read(4) == PARQUET_MAGIC else "jsonl"
         if fmt == "parquet":
-            yield from iter_parquet(file.ref, file.name)
+            yield from iter_parquet(file.ref, file.name, **self._parquet_limits)
             # Parquet reads jump around (footer first): the fingerprint hashes the file on its own.
             digest, size = _sha256_file(file.ref)
         else:
             hashing = _HashingRaw(io.FileIO(file.ref, "rb"))
             with io.BufferedReader(hashing, buffer_size=1 << 20) as stream:
-                yield from iter_jsonl(_maybe_gunzip(stream, file.ref), file.name)
+                yield from iter_jsonl(_maybe_gunzip(stream, file.ref), file.name, self.limits.max_line_bytes)
                 while stream.read(READ_CHUNK):  # bytes after the last line still belong to the fingerprint
                     pass
                 digest, size = hashing.hash.hexdigest(), hashing.size
@@ -448,9 +501,9 @@ class InputSource:
         with io.BufferedReader(raw, buffer_size=1 << 20) as stream:
             fmt = file.declared_format or ("parquet" if _sniff_parquet(stream) else "jsonl")
             if fmt == "parquet":
-                yield from iter_parquet(stream, file.name)
+                yield from iter_parquet(stream, file.name, **self._parquet_limits)
             else:
-                yield from iter_jsonl(_maybe_gunzip(stream, file.ref), file.name)
+                yield from iter_jsonl(_maybe_gunzip(stream, file.ref), file.name, self.limits.max_line_bytes)
         stats.size_bytes += file.size or 0
 
     def _http_rows(self, file: InputFile, stats: ReadStats):
@@ -462,9 +515,9 @@ class InputSource:
             fmt = file.declared_format or ("parquet" if tmp.read(4) == PARQUET_MAGIC else "jsonl")
             tmp.seek(0)
             if fmt == "parquet":
-                yield from iter_parquet(tmp, file.name)
+                yield from iter_parquet(tmp, file.name, **self._parquet_limits)
             else:
-                yield from iter_jsonl(_maybe_gunzip(tmp, file.ref), file.name)  # type: ignore[arg-type]
+                yield from iter_jsonl(_maybe_gunzip(tmp, file.ref), file.name, self.limits.max_line_bytes)  # type: ignore[arg-type]
         stats.size_bytes += size
         stats.file_hashes.append((file.name, size, digest))
         return _http_fingerprint(headers) if len(self.files) == 1 else None

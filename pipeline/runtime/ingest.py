@@ -13,7 +13,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from pipeline.config import StorageConfig
+from pipeline.config import InputLimits, StorageConfig
 from pipeline.io.readers import BadRow, InputSource, ReadStats, input_source
 from pipeline.io.staging import INGEST_PREFIX, StagedRow, StagingArea
 from pipeline.json_codec import dumps_body
@@ -39,15 +39,16 @@ class IngestReport:
 
 
 def bad_row(validator: LineValidator, row: BadRow, line: int, source: str) -> InvalidLine:
-    """The one error a reader decides: a Parquet `body` string that is not JSON. The row still claims its
-    custom_id, so a later row with the same id is a duplicate, as for any other invalid line."""
+    """An error the reader decided (a line over the length limit, a Parquet `body` string that is not JSON). A row
+    with a custom_id still claims it, so a later row with the same id is a duplicate, as for any other invalid
+    line."""
     custom_id = row.custom_id if isinstance(row.custom_id, str) and row.custom_id else None
     seen = validator._seen  # noqa: SLF001 - the duplicate rule is the validator's; this row takes part in it
     if custom_id is not None and custom_id in seen:
         code = ErrorCode.DUPLICATE_CUSTOM_ID
         message = f"custom_id {custom_id!r} already appeared earlier in the input"
     else:
-        code, message = ErrorCode.INVALID_JSON, row.message
+        code, message = ErrorCode(row.code), row.message
         if custom_id is not None:
             seen.add(custom_id)
     seed = f"{validator.job_id}:{source}:{line}" if validator.job_id else None
@@ -62,6 +63,7 @@ def _validated(
     source: InputSource, validator: LineValidator, report: IngestReport
 ) -> Iterator[tuple[bytes | dict | BadRow, ValidRequest | InvalidLine]]:
     stats = ReadStats()
+    source.limits = validator.limits  # the reader enforces the line-length bound, the validator the rest
     for name, number, payload in source.rows(stats):
         report.lines += 1
         if isinstance(payload, BadRow):
@@ -106,11 +108,12 @@ def ingest(
     part_rows: int = 50_000,
     storage: StorageConfig | None = None,
     job_id: str | None = None,
+    limits: InputLimits | None = None,
 ) -> IngestReport:
     """Validate the whole input into staging. Memory: one part of requests plus the custom_id set."""
     source = as_source(location, storage)
     report = IngestReport(source=str(location) if isinstance(location, Path | str) else source.describe())
-    validator = LineValidator(model_name, job_id)
+    validator = LineValidator(model_name, job_id, limits)
     requests: list[dict] = []
     errors: list[StagedRow] = []
     for payload, outcome in _validated(source, validator, report):

@@ -474,7 +474,7 @@ def run_job(config: JobConfig, show_progress: bool = True, resume: bool = False)
             staging.discard_ingest()
             state["model"] = model.model_dump()
             staging.write_job(state)
-            report = ingest(source, model.name, staging, job_id=job_id)
+            report = ingest(source, model.name, staging, job_id=job_id, limits=config.limits)
             state["input"] = {
                 "location": source.describe(),
                 "fingerprint": report.fingerprint,

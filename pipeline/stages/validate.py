@@ -8,12 +8,14 @@ models at engine time (their rejections become `invalid_request` error records t
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
-from pydantic import ValidationError
+from pydantic import TypeAdapter, ValidationError
 
-from pipeline.json_codec import loads, unicode_clean
+from pipeline.config import InputLimits
+from pipeline.json_codec import JSONNestingError, loads, unicode_clean
 from pipeline.protocol import SUPPORTED_ROUTES, BatchRequestLine, ErrorCode, invalid_line_record
 
 
@@ -41,38 +43,86 @@ class InvalidLine:
         return self.record["error"]["code"]
 
 
-# Sampling values that vLLM's SamplingParams always rejects: caught up front so `nightshift validate` reports them
-# without an engine. Anything subtler is left to vLLM, which stays the authority.
-_RANGES: dict[str, tuple[float | None, float | None, bool]] = {
-    # field: (minimum, maximum, minimum exclusive?)
-    "temperature": (0.0, None, False),
-    "top_p": (0.0, 1.0, True),
-    "max_tokens": (1, None, False),
-    "max_completion_tokens": (1, None, False),
-    "n": (1, None, False),
-    "presence_penalty": (-2.0, 2.0, False),
-    "frequency_penalty": (-2.0, 2.0, False),
-    "top_logprobs": (0, None, False),
+class _Field(NamedTuple):
+    """How vLLM's request models read one body field: its type (pydantic's lax coercion, as theirs) and the range
+    vLLM's sampling parameters accept (None: unbounded on that side)."""
+
+    adapter: TypeAdapter
+    low: float | None = None
+    high: float | None = None
+    low_exclusive: bool = False
+
+
+_FLOAT, _INT, _BOOL = TypeAdapter(float), TypeAdapter(int), TypeAdapter(bool)
+_INT64 = (-(2**63), 2**63 - 1)
+
+# Body fields checked up front, so that `nightshift validate` reports them without an engine and so that every later
+# step sees the value vLLM will use: a field is coerced exactly as vLLM's request models coerce it ("0.5" -> 0.5,
+# "True" -> True, 2.0 -> 2) and written back into the body; what they would refuse, or what SamplingParams always
+# rejects, is this line's error. Anything subtler is left to vLLM, which stays the authority.
+_FIELDS: dict[str, _Field] = {
+    "stream": _Field(_BOOL),
+    "temperature": _Field(_FLOAT, 0.0),
+    "top_p": _Field(_FLOAT, 0.0, 1.0, low_exclusive=True),
+    "max_tokens": _Field(_INT, 1),
+    "max_completion_tokens": _Field(_INT, 1),
+    "n": _Field(_INT, 1),
+    "presence_penalty": _Field(_FLOAT, -2.0, 2.0),
+    "frequency_penalty": _Field(_FLOAT, -2.0, 2.0),
+    "repetition_penalty": _Field(_FLOAT, 0.0, low_exclusive=True),
+    "top_logprobs": _Field(_INT, 0),
+    "top_k": _Field(_INT, -1),
+    "min_p": _Field(_FLOAT, 0.0, 1.0),
+    "seed": _Field(_INT, *_INT64),
 }
+# Fields whose type differs by route: chat's logprobs is a switch, completions' a count.
+_ROUTE_FIELDS: dict[str, dict[str, _Field]] = {
+    "/v1/chat/completions": {"logprobs": _Field(_BOOL)},
+    "/v1/completions": {"logprobs": _Field(_INT, 0)},
+}
+# The exact types a field's fast path accepts without asking pydantic: the common case of a million-row input.
+_PLAIN: dict[int, tuple[type, ...]] = {id(_FLOAT): (float, int), id(_INT): (int,), id(_BOOL): (bool,)}
 
 
-def _range_problem(body: dict[str, Any]) -> str | None:
-    # Walks the body's few keys, not the table: this runs once per row of million-row inputs.
-    for field, value in body.items():
-        limits = _RANGES.get(field)
-        if limits is None or value is None:
+def _read_field(name: str, value: Any, spec: _Field) -> tuple[Any, str | None]:
+    """(the value vLLM would use, or a problem message)."""
+    if type(value) not in _PLAIN[id(spec.adapter)] or (spec.adapter is not _BOOL and type(value) is bool):
+        try:
+            value = spec.adapter.validate_python(value)
+        except ValidationError as exc:
+            return value, f"body.{name}: {exc.errors()[0]['msg']}, got {_shown(value)}"
+    if spec.adapter is _BOOL:
+        return value, None
+    if isinstance(value, float) and not math.isfinite(value):  # NaN passes every comparison
+        return value, f"body.{name} must be a finite number, got {value}"
+    if spec.low is not None and (value <= spec.low if spec.low_exclusive else value < spec.low):
+        bound = f"> {spec.low}" if spec.low_exclusive else f">= {spec.low}"
+        return value, f"body.{name} must be {bound}, got {value}"
+    if spec.high is not None and value > spec.high:
+        return value, f"body.{name} must be <= {spec.high}, got {value}"
+    return value, None
+
+
+def _shown(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def _read_fields(url: str, body: dict[str, Any]) -> tuple[dict[str, Any], str | None]:
+    """The body with its checked fields as vLLM would read them, or the first problem. Walks the body's few keys,
+    not the table: this runs once per row of million-row inputs."""
+    route_fields = _ROUTE_FIELDS.get(url, {})
+    changed: dict[str, Any] = {}
+    for name, value in body.items():
+        spec = route_fields.get(name) or _FIELDS.get(name)
+        if spec is None or value is None:
             continue
-        low, high, exclusive = limits
-        if isinstance(value, bool) or not isinstance(value, int | float):
-            return f"body.{field} must be a number, got {type(value).__name__}"
-        if not math.isfinite(value):  # json.loads accepts NaN/Infinity, and NaN passes every comparison
-            return f"body.{field} must be a finite number, got {value}"
-        if low is not None and (value <= low if exclusive else value < low):
-            bound = f"> {low}" if exclusive else f">= {low}"
-            return f"body.{field} must be {bound}, got {value}"
-        if high is not None and value > high:
-            return f"body.{field} must be <= {high}, got {value}"
-    return None
+        read, problem = _read_field(name, value, spec)
+        if problem:
+            return body, problem
+        if read is not value:
+            changed[name] = read
+    return ({**body, **changed} if changed else body), None
 
 
 def _route_problem(url: str, body: dict[str, Any]) -> str | None:
@@ -106,6 +156,22 @@ def _pydantic_message(error: ValidationError) -> str:
     return f"{where}: {first['msg']}"
 
 
+# C0 and C1 control characters and DEL: invisible in logs and terminals, and no id a caller means to match on.
+_CONTROL = re.compile("[\x00-\x1f\x7f-\x9f]")
+
+
+def custom_id_problem(custom_id: str, max_bytes: int) -> str | None:
+    """Why a (non-empty, string) custom_id cannot be used, or None. Results are sorted and matched by it."""
+    if not custom_id.strip():
+        return "custom_id must not be blank (only whitespace)"
+    if _CONTROL.search(custom_id):
+        return "custom_id must not contain control characters"
+    # A character is at most 4 UTF-8 bytes: most ids are decided without encoding them.
+    if len(custom_id) * 4 > max_bytes and len(custom_id.encode("utf-8", "surrogatepass")) > max_bytes:
+        return f"custom_id is longer than {max_bytes} bytes (limits.max_custom_id_bytes)"
+    return None
+
+
 class LineValidator:
     """Validates the lines of one job in order; remembers custom_ids to reject later duplicates.
 
@@ -113,9 +179,10 @@ class LineValidator:
     the first occurrence of a custom_id run and every later one become an error, as the contract requires.
     """
 
-    def __init__(self, model_name: str, job_id: str | None = None) -> None:
+    def __init__(self, model_name: str, job_id: str | None = None, limits: InputLimits | None = None) -> None:
         self.model_name = model_name
         self.job_id = job_id  # seeds the output ids, so a re-validation on resume reproduces them
+        self.limits = limits or InputLimits()
         self._seen: set[str] = set()
 
     def __call__(
@@ -131,7 +198,9 @@ class LineValidator:
             obj: Any = raw
         else:
             try:
-                obj = loads(raw)
+                obj = loads(raw, self.limits.max_json_depth)
+            except JSONNestingError as exc:
+                return invalid(ErrorCode.INVALID_JSON, f"{exc} (limits.max_json_depth)")
             except (ValueError, UnicodeDecodeError) as exc:
                 return invalid(ErrorCode.INVALID_JSON, f"line is not valid JSON: {exc}")
         if not isinstance(obj, dict):
@@ -145,6 +214,11 @@ class LineValidator:
         if not isinstance(custom_id, str) or not custom_id:
             shown = custom_id if isinstance(custom_id, str) else None
             return invalid(ErrorCode.MISSING_CUSTOM_ID, "custom_id must be a non-empty string", shown)
+        problem = custom_id_problem(custom_id, self.limits.max_custom_id_bytes)
+        if problem:
+            # Not echoed whole: a megabyte of id would make a megabyte of error line.
+            shown = custom_id if len(custom_id) <= self.limits.max_custom_id_bytes else None
+            return invalid(ErrorCode.INVALID_CUSTOM_ID, problem, shown)
 
         # The first line that names a custom_id owns it, valid or not; every later line with it is a duplicate.
         if custom_id in self._seen:
@@ -160,9 +234,10 @@ class LineValidator:
         except ValidationError as exc:
             return invalid(ErrorCode.INVALID_REQUEST, _pydantic_message(exc), custom_id)
 
-        if request.method.upper() != "POST":
+        # Exactly as OpenAI's Batch API compares it: HTTP methods are case-sensitive, and only POST is served.
+        if request.method != "POST":
             return invalid(
-                ErrorCode.UNSUPPORTED_METHOD, f"method must be POST, got {request.method!r}", custom_id
+                ErrorCode.UNSUPPORTED_METHOD, f"method must be \"POST\", got {request.method!r}", custom_id
             )
         if request.url not in SUPPORTED_ROUTES:
             supported = ", ".join(sorted(SUPPORTED_ROUTES))
@@ -171,8 +246,11 @@ class LineValidator:
                 f"url {request.url!r} is not served; supported: {supported}",
                 custom_id,
             )
-        body = request.body
-        if body.get("stream") is True:
+        body, problem = _read_fields(request.url, request.body)
+        if problem:
+            return invalid(ErrorCode.INVALID_REQUEST, problem, custom_id)
+        # After the fields are read as vLLM reads them: "stream": "True" or 1 asks for a stream just as true does.
+        if body.get("stream"):
             return invalid(ErrorCode.STREAM_UNSUPPORTED, "stream=true is not supported in a batch", custom_id)
         model = body.get("model")
         if model is not None and model != self.model_name:
@@ -181,7 +259,7 @@ class LineValidator:
                 f"model {model!r} is not served by this job; it serves {self.model_name!r}",
                 custom_id,
             )
-        problem = _route_problem(request.url, body) or _range_problem(body)
+        problem = _route_problem(request.url, body)
         if problem:
             return invalid(ErrorCode.INVALID_REQUEST, problem, custom_id)
 

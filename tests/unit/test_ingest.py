@@ -187,3 +187,46 @@ def test_work_list_bodies_are_the_stdlib_json_of_the_parsed_body(body):
     assert body_json(body, {"parquet": "row"}) == expected  # an already-parsed row
     raw = expected.encode()
     assert body_json(stdlib_json.loads(raw), raw) == expected  # a raw JSONL line
+
+
+def test_hostile_lines_become_error_records_and_the_rest_run(tmp_path: Path, staging: StagingArea):
+    """Lines from other tools' test suites and from no one's good intentions: each is one error record."""
+    from pipeline.config import InputLimits
+
+    lines = [
+        chat("ok-1"),
+        chat("stream-str", stream="True"),  # vLLM's run-batch tests send exactly this
+        chat("stream-int", stream=1),
+        chat("stream-off", stream="false"),  # read as false, as vLLM reads it: runs
+        "[" * 5_000 + "]" * 5_000,
+        json.dumps({"custom_id": "deep", "url": "/v1/completions", "body": {"prompt": "p", "x": [[[[[[[[[[]]]]]]]]]]}}),
+        json.dumps({"custom_id": "big", "url": "/v1/completions", "body": {"prompt": "y" * 20_000}}),
+        chat("x" * 600),
+        chat("   "),
+        chat("ctl\u0007"),
+        chat("tokens", max_tokens=1e30),
+        chat("tokens-str", max_tokens="12"),  # read as 12: runs
+        json.dumps({"custom_id": "lower", "method": "post", "url": "/v1/completions", "body": {"prompt": "p"}}),
+        completion("ok-2"),
+    ]
+    path = tmp_path / "in.jsonl"
+    path.write_text("\n".join(lines) + "\n")
+    limits = InputLimits(max_line_bytes=16_384, max_json_depth=10)
+    report = ingest(path, MODEL, staging, limits=limits)
+    assert report.lines == len(lines) == report.valid + report.invalid
+    assert report.invalid_by_code["invalid_json"] == 2
+    assert sorted(r["custom_id"] for r in read_requests(staging)) == ["ok-1", "ok-2", "stream-off", "tokens-str"]
+    codes = {(e["custom_id"], e["error"]["code"]) for e in read_errors(staging)}
+    assert codes == {
+        ("stream-str", "stream_unsupported"),
+        ("stream-int", "stream_unsupported"),
+        (None, "invalid_json"),  # both too-deep lines: refused before their custom_id is read
+        (None, "line_too_long"),
+        (None, "invalid_custom_id"),
+        ("   ", "invalid_custom_id"),
+        ("ctl\u0007", "invalid_custom_id"),
+        ("tokens", "invalid_request"),
+        ("lower", "unsupported_method"),
+    }
+    bodies = {r["custom_id"]: json.loads(r["body"]) for r in read_requests(staging)}
+    assert bodies["tokens-str"]["max_tokens"] == 12 and bodies["stream-off"]["stream"] is False

@@ -213,8 +213,18 @@ def test_invalid_request_completions_without_prompt(validate, body):
         ("presence_penalty", -2.5),
         ("frequency_penalty", 2.5),
         ("top_logprobs", -1),
-        ("temperature", "0.7"),
-        ("max_tokens", True),
+        ("temperature", "hot"),
+        ("max_tokens", 5.5),
+        ("max_tokens", -3),
+        ("max_tokens", "many"),
+        ("max_tokens", 1e30),  # pydantic (so vLLM's server) cannot read it as an integer: that request's 400
+        ("n", [1]),
+        ("seed", 2**70),
+        ("stream", "maybe"),
+        ("stream", {}),
+        ("top_p", "nan"),
+        ("min_p", 1.5),
+        ("repetition_penalty", 0),
     ],
 )
 def test_invalid_request_sampling_out_of_range(validate, field, value):
@@ -225,11 +235,40 @@ def test_invalid_request_sampling_out_of_range(validate, field, value):
     assert record["custom_id"] == "req-1"
 
 
-def test_string_temperature_says_number(validate):
+def test_unreadable_number_says_what_was_expected(validate):
     record = assert_invalid(
-        validate(line(body=chat_body(temperature="0.7")), 1, SOURCE), ErrorCode.INVALID_REQUEST
+        validate(line(body=chat_body(temperature="hot")), 1, SOURCE), ErrorCode.INVALID_REQUEST
     )
-    assert "number" in record["error"]["message"]
+    assert "number" in record["error"]["message"] and "'hot'" in record["error"]["message"]
+
+
+@pytest.mark.parametrize(
+    "field, value, read_as",
+    [
+        # What vLLM's request models (pydantic, lax) make of them: the body carries the value vLLM will use.
+        ("temperature", "0.7", 0.7),
+        ("temperature", True, 1.0),
+        ("max_tokens", "5", 5),
+        ("max_tokens", 5.0, 5),
+        ("max_tokens", True, 1),
+        ("n", "2", 2),
+        ("seed", "7", 7),
+        ("logprobs", "true", True),
+        ("stream", "False", False),
+        ("stream", 0, False),
+        ("stream", "no", False),
+    ],
+)
+def test_fields_are_coerced_as_vllm_coerces_them(validate, field, value, read_as):
+    outcome = validate(line(body=chat_body(**{field: value})), 1, SOURCE)
+    assert isinstance(outcome, ValidRequest), outcome
+    assert outcome.body[field] == read_as and type(outcome.body[field]) is type(read_as)
+
+
+def test_completions_logprobs_is_a_count(validate):
+    outcome = validate(line(url=COMPLETIONS, body=completion_body(logprobs="2")), 1, SOURCE)
+    assert isinstance(outcome, ValidRequest) and outcome.body["logprobs"] == 2
+    assert_invalid(validate(line("b", COMPLETIONS, completion_body(logprobs=-1)), 1, SOURCE), ErrorCode.INVALID_REQUEST)
 
 
 @pytest.mark.parametrize(
@@ -266,16 +305,17 @@ def test_sampling_boundaries_accepted(validate, field, value):
 # -- unsupported_method / unsupported_url / stream_unsupported / model_not_found -----------------------------------
 
 
-@pytest.mark.parametrize("method", ["GET", "PUT", "delete"])
+@pytest.mark.parametrize("method", ["GET", "PUT", "delete", "post", "Post", " POST"])
 def test_unsupported_method(validate, method):
+    # HTTP methods are case-sensitive, and OpenAI's Batch API takes exactly "POST".
     record = assert_invalid(validate(line(method=method), 1, SOURCE), ErrorCode.UNSUPPORTED_METHOD)
     assert record["custom_id"] == "req-1"
-    assert method in record["error"]["message"]
+    assert repr(method) in record["error"]["message"]
 
 
-def test_method_is_optional_and_case_insensitive(validate):
+def test_method_is_optional(validate):
     assert isinstance(validate(line(drop=("method",)), 1, SOURCE), ValidRequest)
-    assert isinstance(validate(line(custom_id="b", method="post"), 2, SOURCE), ValidRequest)
+    assert isinstance(validate(line(custom_id="b", method="POST"), 2, SOURCE), ValidRequest)
 
 
 @pytest.mark.parametrize("url", ["/v1/embeddings", "/v1/foo", "v1/chat/completions", "/v1/chat/completions/"])
@@ -287,7 +327,16 @@ def test_unsupported_url(validate, url):
 
 
 @pytest.mark.parametrize(
-    "url, body", [(CHAT, chat_body(stream=True)), (COMPLETIONS, completion_body(stream=True))]
+    "url, body",
+    [
+        (CHAT, chat_body(stream=True)),
+        (COMPLETIONS, completion_body(stream=True)),
+        # vLLM's own run-batch tests send the string; its request model reads these as true and streams
+        (CHAT, chat_body(stream="True")),
+        (CHAT, chat_body(stream="yes")),
+        (COMPLETIONS, completion_body(stream=1)),
+        (COMPLETIONS, completion_body(stream="on")),
+    ],
 )
 def test_stream_unsupported(validate, url, body):
     record = assert_invalid(validate(line(url=url, body=body), 1, SOURCE), ErrorCode.STREAM_UNSUPPORTED)
@@ -440,5 +489,68 @@ def test_every_produced_code_is_a_stable_code():
         "stream_unsupported",
         "model_not_found",
         "duplicate_custom_id",
+        "invalid_custom_id",
+        "line_too_long",
     }
     assert produced <= {c.value for c in ErrorCode}
+
+
+# -- hostile input: bounds ----------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("depth", [200, 1_000, 100_000])
+def test_deep_nesting_is_an_error_record_not_a_crash(validate, depth):
+    raw = "[" * depth + "]" * depth
+    record = assert_invalid(validate(raw, 1, SOURCE), ErrorCode.INVALID_JSON)
+    assert "nested deeper than 128" in record["error"]["message"]
+
+
+def test_deep_nesting_inside_a_valid_envelope(validate):
+    body = chat_body(response_format={"type": "json_object", "x": json.loads("[" * 150 + "]" * 150)})
+    record = assert_invalid(validate(line(body=body), 1, SOURCE), ErrorCode.INVALID_JSON)
+    assert "limits.max_json_depth" in record["error"]["message"]
+
+
+def test_brackets_in_strings_do_not_count_as_nesting(validate):
+    outcome = validate(line(body=chat_body(messages=[{"role": "user", "content": "[{" * 5_000}])), 1, SOURCE)
+    assert isinstance(outcome, ValidRequest)
+
+
+def test_nesting_limit_is_configurable():
+    from pipeline.config import InputLimits
+
+    raw = line(body=chat_body(extra_body={"a": {"b": {"c": {"d": {"e": {"f": {"g": {}}}}}}}}))
+    assert isinstance(LineValidator(MODEL)(raw, 1, SOURCE), ValidRequest)
+    tight = LineValidator(MODEL, limits=InputLimits(max_json_depth=8))
+    assert_invalid(tight(raw, 1, SOURCE), ErrorCode.INVALID_JSON)
+
+
+@pytest.mark.parametrize(
+    "custom_id, says",
+    [
+        ("   ", "blank"),
+        ("\t\n", "blank"),
+        ("a\x00b", "control"),
+        ("line\nbreak", "control"),
+        ("esc\x1b[31m", "control"),
+        ("del\x7f", "control"),
+        ("c1\x85", "control"),
+        ("x" * 513, "longer than 512 bytes"),
+        ("é" * 257, "longer than 512 bytes"),  # 514 UTF-8 bytes in 257 characters
+    ],
+)
+def test_invalid_custom_id(validate, custom_id, says):
+    record = assert_invalid(validate(line(custom_id=custom_id), 1, SOURCE), ErrorCode.INVALID_CUSTOM_ID)
+    assert says in record["error"]["message"]
+
+
+def test_custom_id_at_the_limit_is_fine(validate):
+    assert isinstance(validate(line(custom_id="x" * 512), 1, SOURCE), ValidRequest)
+    assert isinstance(validate(line(custom_id="é" * 256), 2, SOURCE), ValidRequest)
+    assert isinstance(validate(line(custom_id=" padded id "), 3, SOURCE), ValidRequest)
+
+
+def test_huge_custom_id_is_not_echoed(validate):
+    record = assert_invalid(validate(line(custom_id="x" * 1_000_000), 1, SOURCE), ErrorCode.INVALID_CUSTOM_ID)
+    assert record["custom_id"] is None and len(json.dumps(record)) < 1_000
+

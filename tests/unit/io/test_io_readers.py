@@ -260,3 +260,66 @@ def test_s3_range_reader_gives_up_after_the_retries():
 def test_storage_config_defaults_are_bounded():
     storage = StorageConfig()
     assert 0 < storage.retries <= 20 and storage.timeout_s > 0
+
+
+# -- bounds on one line ---------------------------------------------------------------------------------------------
+
+
+class _CountingStream(io.BytesIO):
+    """Records the largest piece any single read handed out: the most of one line held in memory at once."""
+
+    largest = 0
+
+    def readline(self, size: int = -1) -> bytes:  # type: ignore[override]
+        piece = super().readline(size)
+        self.largest = max(self.largest, len(piece))
+        return piece
+
+
+def test_over_long_line_is_a_bad_row_and_never_held_whole():
+    limit = 4096
+    long_line = b'{"custom_id": "big", "body": "' + b"x" * (50 * limit) + b'"}'
+    stream = _CountingStream(b'{"a": 1}\n' + long_line + b'\n{"b": 2}\n')
+    rows = list(iter_jsonl(stream, "f.jsonl", max_line_bytes=limit))
+    assert [r.number for r in rows] == [1, 2, 3]
+    assert rows[0].payload == b'{"a": 1}' and rows[2].payload == b'{"b": 2}'
+    bad = rows[1].payload
+    assert isinstance(bad, BadRow) and bad.code == "line_too_long"
+    assert f"{len(long_line):,} bytes" in bad.message and "limits.max_line_bytes" in bad.message
+    assert stream.largest <= max(limit + 1, 8 << 20)  # the limit, or one bounded skip piece
+    assert stream.largest < len(long_line)
+
+
+def test_line_at_the_limit_is_read():
+    limit = 1024
+    exact = b"[" + b"1," * ((limit - 3) // 2) + b"1]"
+    exact = exact + b" " * (limit - len(exact))
+    rows = list(iter_jsonl(io.BytesIO(exact + b"\n" + exact), "f", max_line_bytes=limit))
+    assert [r.payload for r in rows] == [exact.strip(), exact.strip()]
+
+
+def test_over_long_last_line_without_newline():
+    rows = list(iter_jsonl(io.BytesIO(b"y" * 5000), "f", max_line_bytes=1024))
+    assert len(rows) == 1 and rows[0].payload.code == "line_too_long"
+
+
+def test_parquet_body_strings_are_bounded(tmp_path: Path):
+    deep = "[" * 2_000 + "]" * 2_000
+    table = pa.table(
+        {
+            "custom_id": ["deep", "long", "fine"],
+            "url": ["/v1/completions"] * 3,
+            "body": [deep, json.dumps({"prompt": "x" * 5000}), '{"prompt": "x"}'],
+        }
+    )
+    pq.write_table(table, tmp_path / "s.parquet")
+    source = input_source(str(tmp_path / "s.parquet"))
+    from pipeline.config import InputLimits
+
+    source.limits = InputLimits(max_line_bytes=4096)
+    got = list(source.rows())
+    assert isinstance(got[0].payload, BadRow) and "nested deeper" in got[0].payload.message
+    assert got[0].payload.custom_id == "deep"
+    assert isinstance(got[1].payload, BadRow) and got[1].payload.code == "line_too_long"
+    assert got[1].payload.custom_id == "long"
+    assert got[2].payload["body"] == {"prompt": "x"}
