@@ -56,7 +56,8 @@ def depth(value: Any) -> int:
 def _decode_bounded(raw: str | bytes, max_depth: int) -> tuple[Any, bool]:
     """(value, finite) with nesting bounded. Counting brackets is a C-speed pass over the line: a line with no more
     brackets than `max_depth` cannot nest deeper, so only the rare line with more pays for measuring the value."""
-    brackets = raw.count("[" if isinstance(raw, str) else b"[") + raw.count("{" if isinstance(raw, str) else b"{")
+    array, obj = ("[", "{") if isinstance(raw, str) else (b"[", b"{")
+    brackets = raw.count(array) + raw.count(obj)  # type: ignore[arg-type]
     try:
         try:
             value, finite = _decode(raw), True

@@ -686,6 +686,15 @@ def _no_fit_warning(context: int, capacity: int, recommended: int | None) -> str
 # --- fitting the context to the data ---------------------------------------------------------------------------
 
 
+def requested_max_tokens(body: dict[str, Any]) -> int | None:
+    """The output limit a request sets itself, as vLLM reads it: max_completion_tokens, else max_tokens."""
+    for key in ("max_completion_tokens", "max_tokens"):
+        value = body.get(key)
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            return value
+    return None
+
+
 def output_budget(
     url: str,
     body: dict[str, Any],
@@ -698,10 +707,9 @@ def output_budget(
     request field's default); chat falls back to the model's generation_config `max_new_tokens` when it sets
     one, else it has no limit but the context, so `chat_default` is budgeted and flagged as assumed.
     """
-    for key in ("max_completion_tokens", "max_tokens"):
-        value = body.get(key)
-        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
-            return value, False
+    requested = requested_max_tokens(body)
+    if requested is not None:
+        return requested, False
     if url == "/v1/completions":
         return COMPLETIONS_DEFAULT_MAX_TOKENS, False
     if generation_default:

@@ -63,6 +63,20 @@ class EngineSpec:
     cpus: float = 0.0
 
 
+def unexpected_error_result(custom_id: str, exc: BaseException) -> EngineResult:
+    """A request the engine failed on in a way it did not report itself: a 500 with the exception's message."""
+    message = f"the engine failed on this request: {type(exc).__name__}: {exc}"
+    body = {
+        "error": {
+            "message": message,
+            "type": "InternalServerError",
+            "param": None,
+            "code": ErrorCode.ENGINE_ERROR.value,
+        }
+    }
+    return EngineResult(custom_id, 500, body, ErrorCode.ENGINE_ERROR)
+
+
 class Engine(ABC):
     """One model engine. Lifecycle: start() once, generate() concurrently, stats() any time, stop() once."""
 
@@ -92,21 +106,38 @@ class Engine(ABC):
 
     @abstractmethod
     async def generate(self, request: EngineRequest) -> EngineResult:
-        """Run one request to completion. Never raises for a bad request: returns an error result instead."""
+        """Run one request to completion. Should not raise for a bad request (return an error result); `answer`
+        is the safety net for whatever still does."""
+
+    @classmethod
+    def is_engine_dead(cls, exc: BaseException) -> bool:
+        """Whether an exception means the engine itself is gone (the runtime replaces it), rather than one
+        request failing (that request's error record)."""
+        return False
+
+    async def answer(self, request: EngineRequest) -> EngineResult:
+        """`generate`, with any exception but the engine's death turned into this request's `engine_error`
+        result: one request, whatever it holds, never fails the chunk it came in (nor the job)."""
+        try:
+            return await self.generate(request)
+        except Exception as exc:
+            if self.is_engine_dead(exc):
+                raise
+            return unexpected_error_result(request.custom_id, exc)
 
     async def generate_all(
         self, requests: list[EngineRequest], slots: asyncio.Semaphore | None = None
     ) -> list[EngineResult]:
         """Run requests concurrently, each holding one of `slots` while inside the engine; results in order.
 
-        This is how continuous batching is fed: many `generate` coroutines at once. A backend that can answer a
+        This is how continuous batching is fed: many `answer` coroutines at once. A backend that can answer a
         chunk without waiting on anything may override it and skip the per-request tasks."""
 
         async def one(request: EngineRequest) -> EngineResult:
             if slots is None:
-                return await self.generate(request)
+                return await self.answer(request)
             async with slots:
-                return await self.generate(request)
+                return await self.answer(request)
 
         return list(await asyncio.gather(*(one(request) for request in requests)))
 

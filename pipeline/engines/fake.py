@@ -12,7 +12,14 @@ import hashlib
 import os
 from typing import Any
 
-from pipeline.engines.base import Engine, EngineRequest, EngineResult, EngineSpec, EngineStats
+from pipeline.engines.base import (
+    Engine,
+    EngineRequest,
+    EngineResult,
+    EngineSpec,
+    EngineStats,
+    unexpected_error_result,
+)
 from pipeline.protocol import ErrorCode
 
 _WORDS = (
@@ -94,7 +101,13 @@ class FakeEngine(Engine):
             return await super().generate_all(requests, slots)
         # Every answer is ready at once: nothing to schedule, so one pass and no task per request (at a million
         # rows the tasks alone cost seconds). A chunk is at most a few thousand rows, a few ms of loop time.
-        return [self._answer(request)[0] for request in requests]
+        return [self._answer_now(request) for request in requests]
+
+    def _answer_now(self, request: EngineRequest) -> EngineResult:
+        try:
+            return self._answer(request)[0]
+        except Exception as exc:  # noqa: BLE001 - as Engine.answer: one request never fails the chunk
+            return unexpected_error_result(request.custom_id, exc)
 
     async def generate(self, request: EngineRequest) -> EngineResult:
         result, cost = self._answer(request)

@@ -194,6 +194,12 @@ class VllmEngine(Engine):
         finally:
             del os.environ[_OMP_BIND]
 
+    @classmethod
+    def is_engine_dead(cls, exc: BaseException) -> bool:
+        from vllm.v1.engine.exceptions import EngineDeadError
+
+        return isinstance(exc, EngineDeadError)
+
     def _handler(self, url: str) -> Any:
         return {"/v1/chat/completions": self._chat, "/v1/completions": self._completion}[url]
 
@@ -225,6 +231,14 @@ class VllmEngine(Engine):
         if isinstance(response, ErrorResponse):
             err = response.error
             return _error_result(request.custom_id, int(err.code), err.message, err.type, err.param)
+        if not hasattr(response, "model_dump_json"):
+            # A stream generator: validation refuses streaming requests, so only a body it let through by
+            # mistake gets here. Closing the generator aborts the request inside the engine.
+            with contextlib.suppress(Exception):
+                await response.aclose()
+            return _error_result(
+                request.custom_id, 400, "stream=true is not supported in a batch", "BadRequestError"
+            )
         # Same rendering as the API server's JSONResponse(content=response.model_dump()).
         body = json.loads(response.model_dump_json())
         usage = body.get("usage") or {}

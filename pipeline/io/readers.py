@@ -25,7 +25,6 @@ import glob as globlib
 import gzip
 import hashlib
 import io
-import json
 import os
 import tempfile
 from collections.abc import Callable, Iterator
@@ -385,7 +384,9 @@ def iter_parquet(
             if body is not None:
                 if body_is_text or body_is_binary:
                     if len(body) > max_line_bytes:
-                        yield Row(source, number, _too_long("body", len(body), max_line_bytes, row.get("custom_id")))
+                        yield Row(
+                            source, number, _too_long("body", len(body), max_line_bytes, row.get("custom_id"))
+                        )
                         continue
                     try:
                         row["body"] = json_codec.loads(body, max_json_depth)

@@ -6,12 +6,15 @@ chat template for vLLM, see `pipeline.tokens`). From the measurements:
 
 - max_model_len, unless given: the longest prompt + its output budget, rounded up to a KV block, capped at the
   model's limit. Halving an oversized context doubles the sequences that fit. No request can need more than the
-  fitted length by construction; only requests over the model's own limit can, and vLLM cuts their output there.
+  fitted length by construction; only one that sets no max_tokens and whose default budget passes the model's own
+  limit can, and vLLM cuts its output there.
 - max_num_seqs, unless given: the sequences the KV cache holds when every one grows as long as it can (its prompt +
   output budget, at most max_model_len; at most 256), so the engine never has to preempt. A given max_num_seqs
   above that is kept, with a warning that names the number. Requests are measured even when max_model_len is given.
-- A request whose prompt alone reaches the model's limit (no room for one output token) can never run: it becomes a
-  `context_length_exceeded` error record here and is dropped from the work list, so it never reaches an engine.
+- A request whose prompt alone reaches the model's limit (no room for one output token), or whose own max_tokens
+  does not fit in what its prompt leaves of that limit, can never run as asked: it becomes a
+  `context_length_exceeded` error record here and is dropped from the work list, so it never reaches an engine
+  and never makes the context of every other request the model's limit.
 
 The output budget of a request is what vLLM would allow: max_completion_tokens, else max_tokens; without either,
 16 for /v1/completions, the model's generation_config max_new_tokens, else — for chat, where vLLM lets the answer
@@ -40,7 +43,7 @@ from pipeline.config import DEFAULT_MAX_NUM_SEQS, JobConfig, effective_pools
 from pipeline.io.staging import INGEST_PREFIX, StagedRow, StagingArea
 from pipeline.json_codec import loads
 from pipeline.models import ResolvedModel
-from pipeline.planner import MAX_NUM_SEQS_CAP, round_up
+from pipeline.planner import MAX_NUM_SEQS_CAP, requested_max_tokens, round_up
 from pipeline.protocol import ErrorCode, dumps, failed_request_record
 
 log = structlog.get_logger(__name__)
@@ -193,7 +196,9 @@ class Lengths:
     need_sum: int = 0
     assumed_output: int = 0  # chat requests budgeted the default output (no max_tokens anywhere)
     untokenizable: int = 0  # requests the chat template rejected: left to the engine, which rejects them too
-    output_capped: int = 0  # prompt fits the model's limit, prompt + output budget does not
+    output_capped: int = (
+        0  # set no max_tokens; prompt fits the model's limit, prompt + default budget does not
+    )
     too_long: int = 0  # prompt reaches the model's limit: rejected here
     seconds: float = 0.0
 
@@ -227,11 +232,23 @@ class Lengths:
         }
 
 
-def too_long_message(prompt: int, limit: int) -> str:
-    return (
-        f"This model's maximum context length is {limit} tokens. However, your prompt contains {prompt} input "
-        f"tokens, which leaves no room for even one output token. Please reduce the length of the input prompt."
-    )
+def context_problem(prompt: int, requested: int | None, limit: int) -> str | None:
+    """Why a request can never run within the model's context, or None. A prompt that fills it leaves no room for
+    one output token; a max_tokens the rest of the context cannot hold (1e30, or simply too many) is refused as
+    OpenAI refuses it — never a reason to size every other request's context to the model's limit."""
+    if prompt >= limit:
+        return (
+            f"This model's maximum context length is {limit} tokens. However, your prompt contains {prompt} "
+            f"input tokens, which leaves no room for even one output token. Please reduce the length of the "
+            f"input prompt."
+        )
+    if requested is not None and prompt + requested > limit:
+        return (
+            f"This model's maximum context length is {limit} tokens. However, you requested {prompt + requested} "
+            f"tokens ({prompt} in the messages, {requested} in the completion). Please reduce the length of the "
+            f"messages or completion."
+        )
+    return None
 
 
 def measure(staging: StagingArea, target: FitTarget, limit: int, job_id: str | None = None) -> Lengths:
@@ -252,11 +269,12 @@ def measure(staging: StagingArea, target: FitTarget, limit: int, job_id: str | N
                 if isinstance(prompts, Exception):
                     lengths.untokenizable += 1
                     continue
-                if prompts and max(prompts) >= limit:
+                problem = prompts and context_problem(max(prompts), requested_max_tokens(bodies[i]), limit)
+                if problem:
                     record = failed_request_record(
                         custom_id,
                         ErrorCode.CONTEXT_LENGTH_EXCEEDED,
-                        too_long_message(max(prompts), limit),
+                        problem,
                         seed=f"{job_id}:{custom_id}" if job_id else None,
                     )
                     rejected.append(
@@ -421,8 +439,9 @@ def _decide(
     record["longest_sequence"] = bound
     if lengths.too_long:
         warnings.append(
-            f"{lengths.too_long} request(s) have a prompt of {limit} tokens or more (the model's limit, with no "
-            f"room for output): recorded as context_length_exceeded, not run"
+            f"{lengths.too_long} request(s) cannot run within the model's limit of {limit} tokens (a prompt that "
+            f"fills it, or a max_tokens that does not fit beside the prompt): recorded as context_length_exceeded, "
+            f"not run"
         )
     if given_len and needed and given_len < needed:
         warnings.append(
@@ -443,8 +462,8 @@ def _decide(
         )
     if lengths.output_capped:
         notes.append(
-            f"{lengths.output_capped} request(s) need more than the model's limit ({limit}) for prompt + "
-            f"max_tokens: vLLM cuts their output at the end of the context"
+            f"{lengths.output_capped} request(s) without max_tokens need more than the model's limit ({limit}) "
+            f"for prompt + the default output budget: vLLM cuts their output at the end of the context"
         )
     if lengths.untokenizable:
         warnings.append(

@@ -198,7 +198,7 @@ class EngineWorker:
             self._in_flight += 1
             await self.monitor.solo_started.remote(request.custom_id)
         try:
-            return await self._or_die(engine.generate(request))
+            return await self._or_die(engine.answer(request))
         finally:
             async with gate:
                 self._in_flight -= 1
@@ -210,7 +210,7 @@ class EngineWorker:
         try:
             return await work
         except Exception as exc:
-            if type(exc).__name__ == "EngineDeadError":
+            if engine_class(self.spec.backend).is_engine_dead(exc):
                 # A dead engine cannot be revived in-process. Exiting lets Ray restart this actor with a fresh
                 # engine and re-run every batch that was in flight here (none of their rows were returned).
                 log.error("engine died; restarting the actor", error=str(exc))

@@ -237,7 +237,7 @@ class LineValidator:
         # Exactly as OpenAI's Batch API compares it: HTTP methods are case-sensitive, and only POST is served.
         if request.method != "POST":
             return invalid(
-                ErrorCode.UNSUPPORTED_METHOD, f"method must be \"POST\", got {request.method!r}", custom_id
+                ErrorCode.UNSUPPORTED_METHOD, f'method must be "POST", got {request.method!r}', custom_id
             )
         if request.url not in SUPPORTED_ROUTES:
             supported = ", ".join(sorted(SUPPORTED_ROUTES))

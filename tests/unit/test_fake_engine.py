@@ -232,3 +232,65 @@ def test_stats_and_effective_args():
     assert engine.stats().kv_cache_tokens == 400
     assert engine.effective_args() == {"max_model_len": 100, "max_concurrency": 4}
     assert engine.sampling_defaults() == {}
+
+
+# -- the seam's safety net: one request's exception is that request's error --------------------------------------
+
+
+class _Dead(Exception):
+    """Stands for a backend's own engine-death exception."""
+
+
+class _Brittle(FakeEngine):
+    """Raises for some requests the way a backend bug would; `_Dead` means the engine itself is gone."""
+
+    @classmethod
+    def is_engine_dead(cls, exc: BaseException) -> bool:
+        return isinstance(exc, _Dead)
+
+    async def generate(self, request: EngineRequest) -> EngineResult:
+        if request.custom_id.startswith("boom"):
+            raise AttributeError("'async_generator' object has no attribute 'model_dump_json'")
+        if request.custom_id == "dead":
+            raise _Dead("engine core died")
+        return await super().generate(request)
+
+
+def _brittle(**args: Any) -> _Brittle:
+    return _Brittle(EngineSpec("fake", "/models/fake", MODEL, {"decode_seconds_per_token": 0.001, **args}))
+
+
+def test_unexpected_exception_becomes_that_requests_engine_error():
+    engine = _brittle()
+    results = asyncio.run(engine.generate_all([chat_request("a"), chat_request("boom-1"), chat_request("b")]))
+    assert [r.custom_id for r in results] == ["a", "boom-1", "b"]
+    assert results[0].ok and results[2].ok
+    bad = results[1]
+    assert bad.status_code == 500 and bad.error_code == ErrorCode.ENGINE_ERROR
+    assert bad.body["error"]["code"] == "engine_error"
+    assert (
+        "AttributeError" in bad.body["error"]["message"] and "model_dump_json" in bad.body["error"]["message"]
+    )
+
+
+def test_engine_death_still_propagates():
+    engine = _brittle()
+    with pytest.raises(_Dead):
+        asyncio.run(engine.generate_all([chat_request("a"), chat_request("dead")]))
+    with pytest.raises(_Dead):
+        asyncio.run(engine.answer(chat_request("dead")))
+
+
+def test_instant_fake_chunk_keeps_going_past_a_failing_request(monkeypatch):
+    engine = make_engine()
+    real = engine._answer
+
+    def flaky(request: EngineRequest):
+        if request.custom_id == "boom":
+            raise ValueError("bad body")
+        return real(request)
+
+    monkeypatch.setattr(engine, "_answer", flaky)
+    results = asyncio.run(engine.generate_all([chat_request("a"), chat_request("boom"), chat_request("b")]))
+    assert [r.status_code for r in results] == [200, 500, 200]
+    assert "ValueError: bad body" in results[1].body["error"]["message"]

@@ -357,3 +357,37 @@ def test_embedded_model_capacity_leaves_out_the_null_block():
     assert kv.sequences(512) == 181 and target.model_limit == 8192
     starved = target.capacity({"cpu_kvcache_space_gib": 2, "extra": {"num_gpu_blocks_override": 60}}, "cpu")
     assert starved.tokens == 59 * 128
+
+
+def test_a_max_tokens_the_context_cannot_hold_is_that_requests_error_not_the_jobs_context(tmp_path):
+    """max_tokens 1e30 (as an integer) or merely more than the prompt leaves: refused as OpenAI refuses it, and the
+    context is fitted to the requests that can run."""
+    staging = staged(
+        tmp_path,
+        [
+            [
+                chat("ok", 10, 1, max_tokens=20),
+                chat("astronomic", 5, 2, max_tokens=10**30),
+                chat("just-over", 50, 3, max_tokens=51),
+                chat("just-fits", 50, 4, max_tokens=50),
+            ]
+        ],
+    )
+    lengths = measure(staging, word_target(limit=100), 100, job_id="job")
+    assert lengths.too_long == 2
+    assert request_ids(staging) == ["just-fits", "ok"]
+    assert (lengths.longest_need, lengths.longest_id) == (100, "just-fits")
+    errors = {e["custom_id"]: e["response"]["body"]["error"] for e in error_records(staging)}
+    assert set(errors) == {"astronomic", "just-over"}
+    assert errors["just-over"]["code"] == "context_length_exceeded"
+    assert (
+        "you requested 101 tokens (50 in the messages, 51 in the completion)"
+        in errors["just-over"]["message"]
+    )
+
+    small = staged(
+        tmp_path / "b", [[chat("ok", 10, 1, max_tokens=20), chat("huge", 5, 2, max_tokens=10**30)]]
+    )
+    lengths = measure(small, word_target(limit=1000), 1000)
+    context, _ = fit_max_model_len(lengths, 16, 1000)
+    assert context == 32  # sized for "ok" (10 + 20), not the model's limit

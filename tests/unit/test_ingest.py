@@ -199,14 +199,22 @@ def test_hostile_lines_become_error_records_and_the_rest_run(tmp_path: Path, sta
         chat("stream-int", stream=1),
         chat("stream-off", stream="false"),  # read as false, as vLLM reads it: runs
         "[" * 5_000 + "]" * 5_000,
-        json.dumps({"custom_id": "deep", "url": "/v1/completions", "body": {"prompt": "p", "x": [[[[[[[[[[]]]]]]]]]]}}),
+        json.dumps(
+            {
+                "custom_id": "deep",
+                "url": "/v1/completions",
+                "body": {"prompt": "p", "x": [[[[[[[[[[]]]]]]]]]]},
+            }
+        ),
         json.dumps({"custom_id": "big", "url": "/v1/completions", "body": {"prompt": "y" * 20_000}}),
         chat("x" * 600),
         chat("   "),
         chat("ctl\u0007"),
         chat("tokens", max_tokens=1e30),
         chat("tokens-str", max_tokens="12"),  # read as 12: runs
-        json.dumps({"custom_id": "lower", "method": "post", "url": "/v1/completions", "body": {"prompt": "p"}}),
+        json.dumps(
+            {"custom_id": "lower", "method": "post", "url": "/v1/completions", "body": {"prompt": "p"}}
+        ),
         completion("ok-2"),
     ]
     path = tmp_path / "in.jsonl"
@@ -215,7 +223,12 @@ def test_hostile_lines_become_error_records_and_the_rest_run(tmp_path: Path, sta
     report = ingest(path, MODEL, staging, limits=limits)
     assert report.lines == len(lines) == report.valid + report.invalid
     assert report.invalid_by_code["invalid_json"] == 2
-    assert sorted(r["custom_id"] for r in read_requests(staging)) == ["ok-1", "ok-2", "stream-off", "tokens-str"]
+    assert sorted(r["custom_id"] for r in read_requests(staging)) == [
+        "ok-1",
+        "ok-2",
+        "stream-off",
+        "tokens-str",
+    ]
     codes = {(e["custom_id"], e["error"]["code"]) for e in read_errors(staging)}
     assert codes == {
         ("stream-str", "stream_unsupported"),

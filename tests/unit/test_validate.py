@@ -268,7 +268,9 @@ def test_fields_are_coerced_as_vllm_coerces_them(validate, field, value, read_as
 def test_completions_logprobs_is_a_count(validate):
     outcome = validate(line(url=COMPLETIONS, body=completion_body(logprobs="2")), 1, SOURCE)
     assert isinstance(outcome, ValidRequest) and outcome.body["logprobs"] == 2
-    assert_invalid(validate(line("b", COMPLETIONS, completion_body(logprobs=-1)), 1, SOURCE), ErrorCode.INVALID_REQUEST)
+    assert_invalid(
+        validate(line("b", COMPLETIONS, completion_body(logprobs=-1)), 1, SOURCE), ErrorCode.INVALID_REQUEST
+    )
 
 
 @pytest.mark.parametrize(
@@ -553,4 +555,3 @@ def test_custom_id_at_the_limit_is_fine(validate):
 def test_huge_custom_id_is_not_echoed(validate):
     record = assert_invalid(validate(line(custom_id="x" * 1_000_000), 1, SOURCE), ErrorCode.INVALID_CUSTOM_ID)
     assert record["custom_id"] is None and len(json.dumps(record)) < 1_000
-
