@@ -68,3 +68,16 @@ def test_validate_prints_every_error_record_and_counts(batch):
     assert [r["error"]["code"] for r in records] == ["invalid_json", "duplicate_custom_id"]
     assert [r["error"]["line"] for r in records] == [2, 3]
     assert "lines      3 (1 valid, 2 invalid)" in result.output
+
+
+def test_validate_reports_hostile_lines_without_a_traceback(tmp_path):
+    path = write_lines(
+        tmp_path / "hostile.jsonl",
+        ["[" * 1_000 + "]" * 1_000, chat_line("s", "hi", stream="True"), chat_line("ok", "hi")],
+    )
+    result = invoke("validate", str(path), "--no-tokens")
+    assert result.exit_code == 0, result.output
+    assert "Traceback" not in result.output and result.exception is None
+    records = [json.loads(line) for line in result.output.splitlines() if line.startswith("{")]
+    assert [r["error"]["code"] for r in records] == ["invalid_json", "stream_unsupported"]
+    assert "nested deeper than 128" in records[0]["error"]["message"]

@@ -52,3 +52,26 @@ def test_the_fast_decoder_accepts_and_decodes_exactly_what_json_loads_does(text)
             _loads(raw)
         return
     assert repr(_loads(raw)) == repr(expected)  # repr: NaN compares unequal to itself, its repr does not
+
+
+def test_every_kind_of_hostile_line_is_one_error_record_or_one_request():
+    """The corpus on the real validator: deep nesting, huge strings, control characters, type-confused fields.
+    Nothing raises; each line is exactly one outcome; every code is a stable one; the bounds really fired."""
+    from pipeline.protocol import ErrorCode
+    from pipeline.stages.validate import InvalidLine, LineValidator, ValidRequest
+    from tests.fuzz_lines import hostile_corpus
+
+    validate = LineValidator("smollm2-135m-instruct")
+    lines = hostile_corpus(3000, seed=5)
+    outcomes = [validate(line.encode("utf-8", "surrogatepass"), n, "in") for n, line in enumerate(lines, 1)]
+    assert all(isinstance(o, ValidRequest | InvalidLine) for o in outcomes)
+    codes = {o.code for o in outcomes if isinstance(o, InvalidLine)}
+    assert codes <= {c.value for c in ErrorCode}
+    messages = " ".join(o.record["error"]["message"] for o in outcomes if isinstance(o, InvalidLine))
+    for fired in ("nested deeper than", "control characters", "longer than 512 bytes", "stream=true"):
+        assert fired in messages
+    for request in (o for o in outcomes if isinstance(o, ValidRequest)):
+        for field in ("max_tokens", "n", "seed", "top_logprobs"):
+            value = request.body.get(field)
+            assert value is None or type(value) is int  # read as vLLM reads it, written back
+        assert request.body.get("stream") in (None, False)
