@@ -30,7 +30,13 @@ TYPE_CONFUSED = {
     "logprobs": ["true", 2, "maybe"],
     "top_logprobs": ["2", -1, 1.5],
     "stop": [1, [None], {"a": 1}],
-    "messages": [{"role": "user"}, [{"role": 5, "content": "x"}], [{"role": "user", "content": 5}], [[]], None],
+    "messages": [
+        {"role": "user"},
+        [{"role": 5, "content": "x"}],
+        [{"role": "user", "content": 5}],
+        [[]],
+        None,
+    ],
     "model": [5, None, "", "gpt-4o"],
 }
 CONTROL = "".join(map(chr, [*range(0, 32), 127, 133, 155]))

@@ -208,23 +208,24 @@ class VllmEngine(Engine):
         from vllm.entrypoints.serve.engine.protocol import ErrorResponse
         from vllm.v1.engine.exceptions import EngineDeadError
 
+        from vllm.entrypoints.serve.exception_handling.error_response import create_error_response
+
         try:
             parsed = self._request_types[request.url].model_validate(request.body)
-        except ValidationError as exc:
-            first = exc.errors()[0]
-            where = ".".join(str(p) for p in first["loc"])
-            return _error_result(request.custom_id, 400, f"{where}: {first['msg']}", "BadRequestError")
-        handler = self._handler(request.url)
-        try:
+            handler = self._handler(request.url)
             if request.url == "/v1/chat/completions":
                 response = await handler.create_chat_completion(parsed)
             else:
                 response = await handler.create_completion(parsed)
+        except ValidationError as exc:
+            first = exc.errors()[0]
+            where = ".".join(str(p) for p in first["loc"])
+            return _error_result(request.custom_id, 400, f"{where}: {first['msg']}", "BadRequestError")
         except EngineDeadError:
             raise  # the engine is gone: the runtime must replace it, not record an error per request
         except Exception as exc:  # noqa: BLE001 - one bad request must never take the batch down
-            from vllm.entrypoints.serve.exception_handling.error_response import create_error_response
-
+            # vLLM's server maps its exceptions to HTTP errors this way (a request model's own validator raises
+            # VLLMValidationError, not a pydantic error: 400, as `vllm serve` answers it).
             err = create_error_response(exc).error
             return _error_result(request.custom_id, int(err.code), err.message, err.type, err.param)
 
