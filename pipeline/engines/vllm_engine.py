@@ -206,9 +206,8 @@ class VllmEngine(Engine):
     async def generate(self, request: EngineRequest) -> EngineResult:
         from pydantic import ValidationError
         from vllm.entrypoints.serve.engine.protocol import ErrorResponse
-        from vllm.v1.engine.exceptions import EngineDeadError
-
         from vllm.entrypoints.serve.exception_handling.error_response import create_error_response
+        from vllm.v1.engine.exceptions import EngineDeadError
 
         try:
             parsed = self._request_types[request.url].model_validate(request.body)

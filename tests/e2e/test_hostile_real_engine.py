@@ -9,7 +9,7 @@ import json
 
 import pytest
 
-from tests.conftest import MODEL_NAME, chat_line, completion_line, read_jsonl, write_lines
+from tests.conftest import MODEL_NAME, chat_line, completion_line, read_jsonl
 from tests.e2e.conftest import run_cli
 from tests.fuzz_lines import hostile_corpus
 
