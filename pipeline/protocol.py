@@ -2,7 +2,7 @@
 
 Pure module: imports neither Ray nor vLLM, so validation and finalization run anywhere (tests, `validate`, the
 Batch API server). The response *bodies* are not built here — they come from vLLM's own OpenAI serving layer
-(see `pipeline/engines/vllm_openai.py`); this module only wraps them in the Batch envelope.
+(see `pipeline/engines/vllm_engine.py`); this module only wraps them in the Batch envelope.
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from __future__ import annotations
 import hashlib
 import uuid
 from enum import Enum
-from typing import Any, Literal
+from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -104,19 +104,7 @@ def invalid_line_record(
     }
 
 
-def record_error_code(record: dict[str, Any]) -> str | None:
-    """The stable error code of an error record (either kind), None for a success."""
-    if record.get("error"):
-        return record["error"]["code"]
-    response = record.get("response") or {}
-    if response.get("status_code", 200) >= 400:
-        return ((response.get("body") or {}).get("error") or {}).get("code") or ErrorCode.ENGINE_ERROR.value
-    return None
-
-
 def dumps(record: dict[str, Any]) -> str:
     """One JSON line; non-ASCII kept as is (UTF-8 output), no spaces to keep shards compact."""
     return json_codec.dumps(record)
 
-
-Kind = Literal["result", "error"]
