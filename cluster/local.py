@@ -8,6 +8,8 @@ would (`cluster.tags`), so scheduling by `accelerator:cuda` / `accelerator:rocm`
         ...  # a task with resources={"accelerator:rocm": 1} runs on c.node_ids["gpu-b"]
 
 The first spec is the head. Object stores are kept small so several nodes fit in a CI runner's /dev/shm.
+`LocalCluster.kill_node(name)` loses a worker node the hard way (every process of it SIGKILLed at once), as a
+machine that loses power or its network would: the failure tests use it.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from typing import Any
 
 from pydantic import BaseModel, Field
 
@@ -73,6 +76,37 @@ class LocalCluster:
 
     address: str
     node_ids: dict[str, str] = field(default_factory=dict)
+    _cluster: Any = field(default=None, repr=False)  # ray.cluster_utils.Cluster
+    _nodes: dict[str, Any] = field(default_factory=dict, repr=False)  # name -> ray._private.node.Node
+
+    def kill_node(self, name: str) -> list[int]:
+        """Lose worker node `name` abruptly: SIGKILL its raylet, every worker process under it (engine actors and
+        their children) and its other daemons, all at once, with no chance to drain or say goodbye; then drop it
+        from the cluster's books. Returns the pids killed. The head cannot be killed (the driver is attached to it).
+        """
+        import os
+        import signal
+
+        import psutil
+
+        node = self._nodes.get(name)
+        if node is None or node is self._cluster.head_node:
+            raise ValueError(f"{name!r} is not a worker node of this cluster")
+        pids = {info.process.pid for infos in node.all_processes.values() for info in infos if info.process}
+        for pid in list(pids):
+            try:
+                pids.update(child.pid for child in psutil.Process(pid).children(recursive=True))
+            except psutil.NoSuchProcess:
+                pass
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        # Reaps what was killed and forgets the node (nothing is left to shut down gracefully).
+        self._cluster.remove_node(node, allow_graceful=False)
+        del self._nodes[name]
+        return sorted(pids)
 
 
 def _node_args(spec: NodeSpec) -> dict:
@@ -98,11 +132,12 @@ def mixed_cluster(nodes: Sequence[NodeSpec]) -> Iterator[LocalCluster]:
     head, *workers = nodes
     cluster = Cluster(initialize_head=True, head_node_args={**_node_args(head), "include_dashboard": False})
     try:
-        node_ids = {head.name: cluster.head_node.node_id}
+        nodes = {head.name: cluster.head_node}
         for spec in workers:
-            node_ids[spec.name] = cluster.add_node(**_node_args(spec)).node_id
+            nodes[spec.name] = cluster.add_node(**_node_args(spec))
         cluster.wait_for_nodes()
-        yield LocalCluster(address=cluster.address, node_ids=node_ids)
+        node_ids = {name: node.node_id for name, node in nodes.items()}
+        yield LocalCluster(address=cluster.address, node_ids=node_ids, _cluster=cluster, _nodes=nodes)
     finally:
         # Shut down even when the body failed: leaked raylets would poison the next test's cluster.
         cluster.shutdown()

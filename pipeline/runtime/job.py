@@ -35,7 +35,7 @@ from pipeline.observe.progress import JobCounters, ProgressDisplay
 from pipeline.runtime.finalize import FORMAT_VERSION, commit, write_outputs
 from pipeline.runtime.fit import fit_job
 from pipeline.runtime.ingest import ingest
-from pipeline.runtime.monitor import EngineWatch, preemption_remedy, summarize_engines
+from pipeline.runtime.monitor import EngineWatch, preemption_remedy, summarize_engines, summarize_recovery
 from pipeline.runtime.preflight import (
     PreflightError,
     check_input_source,
@@ -64,6 +64,8 @@ class EngineRun:
     duplicates_dropped: int = 0
     preemption_warned: bool = False  # the live warning went out already
     routing: dict[str, Any] = field(default_factory=dict)
+    # Engines restarted, and those that died with rows in flight: where, why, and who re-ran the rows.
+    recovery: dict[str, Any] = field(default_factory=lambda: summarize_recovery({}))
 
 
 def engine_spec(config: JobConfig, model: ResolvedModel) -> EngineSpec:
@@ -407,6 +409,7 @@ def _run_engines(
         stats["output_tokens_per_s"] = round(stats["completion_tokens"] / span, 2) if span else 0.0
     run.snapshot = ray.get(monitor.snapshot.remote())
     run.retried_requests = len(ray.get(monitor.retries.remote()))
+    run.recovery = summarize_recovery(ray.get(monitor.work.remote()))
     run.preemption_warned = watch.warned
     queued = ray.get(queue.stats.remote())
     # Routing facts: rows each lane ran; "rows_routed" ran on their key's owner, "rows_stolen" on another engine
@@ -562,6 +565,7 @@ def run_job(config: JobConfig, show_progress: bool = True, resume: bool = False)
             "rows_from_earlier_runs": len(finished),
             "requests_retried_after_engine_failure": run.retried_requests,
             "duplicate_deliveries_dropped": run.duplicates_dropped,
+            **run.recovery,
         },
         "pools": run.pools,
         "storage": RetryStats.since(retries_before),

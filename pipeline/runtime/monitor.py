@@ -7,6 +7,8 @@
   may have been a lost node or a neighbour's fault); caught in two, it is run alone, so a third crash is surely its
   own — then it is isolated as an `engine_error` record instead of stalling the job. A poison request therefore
   costs at most three engine restarts.
+- Work per engine: rows each engine began and finished, and where the rows that were in flight on an engine when it
+  died ran again (the manifest's `recovery.engines`: which engine lost work, on which node, and who re-ran it).
 """
 
 from __future__ import annotations
@@ -30,6 +32,8 @@ class JobMonitor:
         self._solo_running: set[str] = (
             set()
         )  # started alone and not finished: if seen again, it killed the engine
+        self._where: dict[str, str] = {}  # custom_id -> the engine that last began it
+        self._work: dict[str, dict[str, Any]] = {}  # engine -> rows begun, finished, re-run elsewhere
 
     # -- engine stats ---------------------------------------------------------------------------------------
     def report(self, actor_id: str, info: dict[str, Any]) -> None:
@@ -39,15 +43,25 @@ class JobMonitor:
         return dict(self._engines)
 
     # -- attempt ledger ---------------------------------------------------------------------------------------
-    def begin(self, custom_ids: list[str]) -> dict[str, str]:
-        """Register a chunk about to run; returns the requests that must not run normally: "solo" or "isolate".
+    def begin(self, custom_ids: list[str], engine: str | None = None) -> dict[str, str]:
+        """Register a chunk about to run (on `engine`, when named); returns the requests that must not run
+        normally: "solo" or "isolate".
 
         Only the exceptions travel back: a chunk can hold thousands of rows and nearly all of them are normal."""
         attempts = self._attempts
+        where = self._where
         plan: dict[str, str] = {}
+        if engine is not None:
+            self._engine_work(engine)["begun"] += len(custom_ids)
         for custom_id in custom_ids:
             count = attempts.get(custom_id, 0) + 1
             attempts[custom_id] = count
+            if engine is not None:
+                before = where.get(custom_id)
+                where[custom_id] = engine
+                if before is not None:  # it was in flight on `before` when that engine died
+                    rerun = self._engine_work(before)["rerun_on"]
+                    rerun[engine] = rerun.get(engine, 0) + 1
             if count == 1:
                 continue
             if custom_id in self._solo_running:
@@ -55,6 +69,38 @@ class JobMonitor:
             elif count >= SOLO_FROM_ATTEMPT:
                 plan[custom_id] = "solo"
         return plan
+
+    def finished(self, engine: str, rows: int) -> None:
+        """`engine` returned `rows` finished rows (the rest of what it began is in flight)."""
+        self._engine_work(engine)["finished"] += rows
+
+    def _engine_work(self, engine: str) -> dict[str, Any]:
+        work = self._work.get(engine)
+        if work is None:
+            work = self._work[engine] = {"begun": 0, "finished": 0, "rerun_on": {}, "cause": None}
+        return work
+
+    def engine_died(self, engine: str, cause: str) -> None:
+        """`engine` saw its engine die (e.g. "EngineDeadError") and is exiting so that Ray restarts it. An engine
+        lost with its node or killed outright says nothing: it is known by the rows it left in flight."""
+        self._engine_work(engine)["cause"] = cause
+
+    def work(self) -> dict[str, dict[str, Any]]:
+        """Per engine: rows begun, finished and in flight, its node, whether it is a restarted actor, and where
+        the rows it had in flight when it died were run again (`rerun_on`: engine -> rows)."""
+        out = {}
+        for engine, work in self._work.items():
+            info = self._engines.get(engine, {})
+            out[engine] = {
+                "node_id": info.get("node_id"),
+                "restarted": bool(info.get("restarted")),
+                "begun": work["begun"],
+                "finished": work["finished"],
+                "in_flight": work["begun"] - work["finished"],
+                "rerun_on": dict(work["rerun_on"]),
+                "cause": work["cause"],
+            }
+        return out
 
     def solo_started(self, custom_id: str) -> None:
         self._solo_running.add(custom_id)
@@ -65,6 +111,32 @@ class JobMonitor:
     def retries(self) -> dict[str, int]:
         """Requests started more than once, and how often (a measure of recomputation after failures)."""
         return {k: v for k, v in self._attempts.items() if v > 1}
+
+
+def summarize_recovery(work: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """The manifest's account of lost engines (see JobMonitor.work): how many engine actors Ray restarted, and per
+    engine that died with work in flight: its node, the cause it reported (None: lost outright, with its process or
+    node), the rows it had in flight (begun, not finished), the rows that ran again elsewhere, and on which engines
+    (and nodes). Rows re-run can exceed rows in flight: a chunk the engine finished whose output had not yet left
+    its process (or its node's object store) is lost with it, and re-runs too."""
+    lost = {}
+    for engine, info in work.items():
+        if not info["rerun_on"] and info["cause"] is None:
+            continue
+        lost[engine] = {
+            "node_id": info["node_id"],
+            "cause": info["cause"],
+            "rows_in_flight": info["in_flight"],
+            "rows_rerun": sum(info["rerun_on"].values()),
+            "rerun_on": [
+                {"engine": other, "node_id": work.get(other, {}).get("node_id"), "rows": rows}
+                for other, rows in sorted(info["rerun_on"].items())
+            ],
+        }
+    return {
+        "engine_restarts": sum(1 for info in work.values() if info["restarted"]),
+        "engines_lost": lost,
+    }
 
 
 def summarize_engines(snapshot: dict[str, dict[str, Any]]) -> dict[str, Any]:

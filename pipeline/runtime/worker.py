@@ -71,6 +71,19 @@ def result_table(
     return pa.table(columns, schema=STAGED_SCHEMA)
 
 
+def _actor_context() -> tuple[str | None, bool]:
+    """This actor's node, and whether Ray restarted it (None, False outside a Ray actor: unit tests)."""
+    try:
+        import ray
+
+        if not ray.is_initialized():
+            return None, False
+        context = ray.get_runtime_context()
+        return context.get_node_id(), bool(context.was_current_actor_reconstructed)
+    except Exception:  # noqa: BLE001 - facts for the manifest, never a reason to fail the engine
+        return None, False
+
+
 class EngineWorker:
     """One engine per actor, started lazily inside the actor's event loop (vLLM binds its tasks to that loop)."""
 
@@ -103,6 +116,7 @@ class EngineWorker:
         self._ready_at: float | None = None  # wall clock: compared across processes
         self._reporter: asyncio.Task | None = None
         self.actor_id = f"{pool}-{os.getpid()}"
+        self._node_id, self._restarted = _actor_context()
         # The engine starts with the first chunk (it must start inside the actor's event loop), but its imports
         # need no loop: they begin now, while the first chunk is still being read.
         self._preloading = threading.Thread(
@@ -155,6 +169,8 @@ class EngineWorker:
             info = {
                 "pool": self.pool,
                 "pid": os.getpid(),
+                "node_id": self._node_id,
+                "restarted": self._restarted,  # Ray restarted this actor (its engine, or its node, died)
                 "ready_at": self._ready_at,
                 "stats": {**stats.__dict__, "kv_cache_usage_peak": self._kv_usage_peak},
                 "effective_args": self.engine.effective_args(),
@@ -214,8 +230,18 @@ class EngineWorker:
                 # A dead engine cannot be revived in-process. Exiting lets Ray restart this actor with a fresh
                 # engine and re-run every batch that was in flight here (none of their rows were returned).
                 log.error("engine died; restarting the actor", error=str(exc))
+                await self._tell_died(type(exc).__name__)
                 os._exit(1)
             raise
+
+    async def _tell_died(self, cause: str) -> None:
+        """Record the cause with the job monitor (for the manifest) before exiting; never wait long for it."""
+        if self.monitor is None:
+            return
+        try:
+            await asyncio.wait_for(self.monitor.engine_died.remote(self.actor_id, cause), timeout=5)
+        except Exception as exc:  # noqa: BLE001 - the restart matters, the record does not
+            log.warning("engine death not recorded", error=str(exc))
 
     async def _plan(self, custom_ids: list[str]) -> dict[str, str]:
         """How to run each request (see JobMonitor.begin). Without a reachable monitor, all run normally: losing
@@ -223,7 +249,7 @@ class EngineWorker:
         if self.monitor is None:
             return {}
         try:
-            return await self.monitor.begin.remote(custom_ids)
+            return await self.monitor.begin.remote(custom_ids, self.actor_id)
         except Exception as exc:  # noqa: BLE001 - RayActorError and friends
             log.warning("job monitor unreachable; running without the attempt ledger", error=str(exc))
             return {}
@@ -245,6 +271,8 @@ class EngineWorker:
         by_id = {result.custom_id: result for result in [*outcomes[0], *outcomes[1:]]}
         if self.queue is not None:
             self.queue.done.remote(self.taker, len(requests))
+        if self.monitor is not None:
+            self.monitor.finished.remote(self.actor_id, len(requests))
         # Reports are rate-limited, but the last one before the engine goes idle must go out: the manifest's
         # engine numbers (prefix-cache hits, preemptions) are read from the monitor when the job ends.
         self._report(force=self._in_flight == 0)

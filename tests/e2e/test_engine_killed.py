@@ -1,5 +1,11 @@
-"""The real vLLM engine's actor is SIGKILLed mid-job: Ray restarts it, its in-flight batches re-run, and the
-output is still exactly once with full accounting."""
+"""README "Failure model", row "an engine process dies (crash, OOM kill, `EngineDeadError`)", on the real engine:
+
+- the engine actor's own process is SIGKILLed mid-job (a crash or an OOM kill of the actor);
+- vLLM's engine-core child process is SIGKILLed under a live actor: vLLM raises `EngineDeadError`, the actor exits
+  on purpose and Ray restarts it.
+
+Either way the batches in flight re-run on the restarted engine and the output is exactly once with full accounting.
+"""
 
 from __future__ import annotations
 
@@ -8,6 +14,7 @@ import signal
 import threading
 import time
 
+import psutil
 import pytest
 
 from pipeline.config import JobConfig
@@ -32,7 +39,7 @@ def private_ray():
 
 
 def test_engine_actor_killed_mid_job(private_ray, tmp_path):
-    import ray
+    """Row "an engine process dies": the actor process itself is SIGKILLed."""
 
     n = 40
     lines = [
@@ -53,17 +60,7 @@ def test_engine_actor_killed_mid_job(private_ray, tmp_path):
     thread = threading.Thread(target=lambda: outcome.update(result=run_job(config, show_progress=False)))
     thread.start()
 
-    deadline = time.monotonic() + 300
-    pid = None
-    while pid is None:
-        assert time.monotonic() < deadline and thread.is_alive(), "the engine never started"
-        try:
-            engines = ray.get(ray.get_actor("nightshift-monitor-engine-kill").snapshot.remote())
-            pid = next((info["pid"] for info in engines.values()), None)
-        except ValueError:
-            pass
-        time.sleep(0.5)
-    time.sleep(3)  # requests are in flight now
+    victim, pid = _engine_with_work_in_flight("engine-kill", thread)
     os.kill(pid, signal.SIGKILL)
 
     thread.join(timeout=900)
@@ -81,4 +78,99 @@ def test_engine_actor_killed_mid_job(private_ray, tmp_path):
     assert errors == []
     assert sorted(r["custom_id"] for r in rows) == [f"k-{i:03d}" for i in range(n)]
     assert all(r["response"]["body"]["choices"][0]["message"]["content"] for r in rows)
-    assert result.manifest["recovery"]["requests_retried_after_engine_failure"] > 0
+    # Killed outright, the engine reported no cause; the rows it had in flight ran again on its restarted actor.
+    recovery = result.manifest["recovery"]
+    assert list(recovery["engines_lost"]) == [victim]
+    lost = recovery["engines_lost"][victim]
+    assert lost["cause"] is None and lost["rows_in_flight"] > 0
+    assert lost["rows_rerun"] >= lost["rows_in_flight"]
+    assert recovery["engine_restarts"] == 1
+    assert recovery["requests_retried_after_engine_failure"] == lost["rows_rerun"]
+
+
+def _engine_with_work_in_flight(job_id: str, job: threading.Thread) -> tuple[str, int]:
+    """The first engine of the job with rows in flight (the monitor's work ledger: begun, not yet returned), and
+    its actor's pid. Rows are begun only once the engine has started."""
+    import ray
+
+    deadline = time.monotonic() + 300
+    while True:
+        assert time.monotonic() < deadline and job.is_alive(), "the engine never got work"
+        try:
+            monitor = ray.get_actor(f"nightshift-monitor-{job_id}")
+            work, engines = ray.get([monitor.work.remote(), monitor.snapshot.remote()])
+        except ValueError:  # the monitor is not up yet
+            work, engines = {}, {}
+        for engine, info in work.items():
+            if info["in_flight"] > 0 and engine in engines:
+                return engine, engines[engine]["pid"]
+        time.sleep(0.1)
+
+
+def _engine_core(actor_pid: int) -> psutil.Process:
+    """vLLM's engine-core process under an engine actor: vLLM titles it `VLLM::EngineCore` (setproctitle)."""
+    cores = [
+        child
+        for child in psutil.Process(actor_pid).children(recursive=True)
+        if "EngineCore" in child.name() or "EngineCore" in " ".join(child.cmdline())
+    ]
+    assert len(cores) == 1, f"expected one engine-core process under the actor, found {cores}"
+    return cores[0]
+
+
+def test_engine_core_killed_under_a_live_actor(private_ray, tmp_path):
+    """Row "an engine process dies (... `EngineDeadError`)": only vLLM's engine-core process is SIGKILLed; the actor
+    lives on until vLLM tells it the engine is dead, then exits so that Ray restarts it with a fresh engine."""
+
+    n = 24
+    lines = [
+        chat_line(f"c-{i:03d}", QUESTIONS[i % len(QUESTIONS)], max_tokens=16, temperature=0) for i in range(n)
+    ]
+    path = write_lines(tmp_path / "in.jsonl", lines)
+    config = JobConfig.model_validate(
+        {
+            "input": str(path),
+            "output": str(tmp_path / "out"),
+            "job_id": "engine-core-kill",
+            "engine": {"backend": "vllm", "vllm": {"max_model_len": 512, "max_num_seqs": 8}},
+            "resources": {"rows_per_task": 4},
+            "output_options": {"rows_per_shard": 16, "staging_rows": 4},
+        }
+    )
+    outcome: dict = {}
+    thread = threading.Thread(target=lambda: outcome.update(result=run_job(config, show_progress=False)))
+    thread.start()
+
+    # Once the engine has rows in flight, kill its engine core and nothing else.
+    victim, actor_pid = _engine_with_work_in_flight("engine-core-kill", thread)
+    core = _engine_core(actor_pid)
+    core.send_signal(signal.SIGKILL)
+    core.wait(timeout=30)
+
+    thread.join(timeout=900)
+    assert not thread.is_alive()
+    result = outcome["result"]
+    rows = read_jsonl(result.output.glob("results-*.jsonl"))
+    errors = read_jsonl(result.output.glob("errors-*.jsonl"))
+    record(
+        "real vLLM engine core SIGKILLed under a live actor",
+        injected=1,
+        input_lines=n,
+        output_ids=[r["custom_id"] for r in rows + errors],
+    )
+    # Exactly once, full accounting, and not one row turned into an error by the kill.
+    assert len(rows) + len(errors) == n == result.manifest["counts"]["total"]
+    assert errors == []
+    assert sorted(r["custom_id"] for r in rows) == [f"c-{i:03d}" for i in range(n)]
+    assert all(r["response"]["body"]["choices"][0]["message"]["content"] for r in rows)
+    # The runtime's own record: the engine reported EngineDeadError, its actor was restarted in a new process,
+    # and the rows it had in flight ran again there.
+    recovery = result.manifest["recovery"]
+    assert list(recovery["engines_lost"]) == [victim]
+    lost = recovery["engines_lost"][victim]
+    assert lost["cause"] == "EngineDeadError"
+    assert lost["rows_in_flight"] > 0
+    assert lost["rows_rerun"] == sum(r["rows"] for r in lost["rerun_on"]) >= lost["rows_in_flight"]
+    assert all(r["engine"] != victim for r in lost["rerun_on"])
+    assert recovery["engine_restarts"] == 1
+    assert recovery["requests_retried_after_engine_failure"] == lost["rows_rerun"]

@@ -95,6 +95,8 @@ def test_exit_and_summary(job):
 
 
 def test_every_bad_input_kind_is_one_error_record(job):
+    """README "Failure model", row "a bad line", on the real engine: each bad line is exactly one error record of
+    its kind, and every other line has its result."""
     input_path, output, lines, _ = job
     results = read_jsonl(output.glob("results-*.jsonl"))
     errors = read_jsonl(output.glob("errors-*.jsonl"))

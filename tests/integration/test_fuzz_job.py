@@ -12,6 +12,7 @@ from tests.fuzz_lines import hostile_corpus
 
 @pytest.mark.usefixtures("local_ray")
 def test_hostile_corpus_job_accounts_for_every_line(tmp_path):
+    """README "Failure model", row "a bad line": thousands of them, each one record, and the job goes on."""
     lines = hostile_corpus(4000, seed=11)
     path = tmp_path / "hostile.jsonl"
     path.write_bytes("\n".join(lines).encode("utf-8", "surrogatepass") + b"\n")

@@ -1,6 +1,6 @@
 """Failures during a job: a poison request, a killed driver followed by `resume` (local output; S3 output resumed
 from another machine). Each asserts exactly-once output and full accounting. (Node loss: test_node_loss.py; a killed
-real engine: tests/e2e.)"""
+real engine: tests/e2e/test_engine_killed.py.) Each test names the README "Failure model" row it covers."""
 
 # ruff: noqa: F811 - pytest fixtures imported from storage_fixtures are re-bound as test arguments
 
@@ -48,6 +48,7 @@ def check_exactly_once(output: Path, expected_lines: int) -> tuple[list[dict], l
 
 @pytest.mark.usefixtures("local_ray")
 def test_poison_request_is_isolated_and_the_job_finishes(tmp_path):
+    """README "Failure model", row "a request that kills its engine every time"."""
     lines = [chat_line(f"row-{i:03d}", f"question {i}") for i in range(60)]
     lines[17] = chat_line("row-017-POISON", "this request kills the engine")
     path = write_lines(tmp_path / "in.jsonl", lines)
@@ -86,6 +87,7 @@ def _staged_ids(output: Path) -> set[str]:
 
 @pytest.mark.slow
 def test_driver_killed_half_way_then_resume(tmp_path):
+    """README "Failure model", row "the driver is killed (SSH drop, `kill -9`)"."""
     n = 3000
     lines = [chat_line(f"id-{(i * 7919) % n:05d}", f"question {i}") for i in range(n)]
     lines[5] = "{not json"  # an error record must survive the crash too
@@ -173,6 +175,7 @@ def test_driver_killed_half_way_then_resume(tmp_path):
 
 
 def test_resume_refuses_a_changed_input(tmp_path):
+    """README "Failure model", row "the input changes before resume"."""
     path = write_lines(tmp_path / "in.jsonl", [chat_line("a", "x")])
     output = tmp_path / "out"
     staging = output / "_staging"
@@ -231,6 +234,7 @@ def _machine(tmp_path: Path, name: str) -> dict[str, str]:
 
 @pytest.mark.slow
 def test_s3_driver_killed_half_way_then_resumed_on_another_machine(moto_s3, tmp_path):
+    """README "Failure model", row "the driver's machine is lost, the OUTPUT is `s3://…`"."""
     n = 2000
     lines = [chat_line(f"id-{(i * 7919) % n:05d}", f"question {i}") for i in range(n)]
     lines[5] = "{not json"

@@ -57,6 +57,7 @@ def finished(mixed_input, tmp_path_factory):
 
 
 def test_accounting_holds(finished):
+    """README "Failure model", row "a bad line": one error record each, and every good line still has its result."""
     output, outcome, n_lines = finished
     results = read_jsonl(output.glob("results-*.jsonl"))
     errors = read_jsonl(output.glob("errors-*.jsonl"))

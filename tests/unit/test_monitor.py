@@ -4,7 +4,13 @@ from __future__ import annotations
 
 from pipeline.observe.progress import engine_line
 from pipeline.runtime import monitor as monitor_module
-from pipeline.runtime.monitor import EngineWatch, JobMonitor, preemption_remedy, summarize_engines
+from pipeline.runtime.monitor import (
+    EngineWatch,
+    JobMonitor,
+    preemption_remedy,
+    summarize_engines,
+    summarize_recovery,
+)
 
 
 def test_preemption_remedy_names_settings_that_fit():
@@ -43,6 +49,46 @@ def test_a_solo_run_that_finishes_clears_suspicion():
     ledger.solo_started("a")
     ledger.solo_finished("a")
     assert ledger.begin(["a"]) == {"a": "solo"}
+
+
+def test_work_ledger_names_the_engine_that_lost_rows_and_where_they_ran_again():
+    ledger = JobMonitor()
+    ledger.report("default-1", {"node_id": "node-a", "restarted": False})
+    ledger.report("default-2", {"node_id": "node-b", "restarted": False})
+    ledger.begin(["a", "b"], "default-1")
+    ledger.begin(["c", "d"], "default-1")
+    ledger.finished("default-1", 2)  # a, b came back; c, d were in flight when it died
+    ledger.begin(["e"], "default-2")
+    ledger.finished("default-2", 1)
+    ledger.report("default-3", {"node_id": "node-b", "restarted": True})  # default-1's actor, restarted
+    ledger.begin(["c", "d"], "default-3")
+    ledger.finished("default-3", 2)
+    work = ledger.work()
+    assert work["default-1"]["in_flight"] == 2 and work["default-3"]["in_flight"] == 0
+    summary = summarize_recovery(work)
+    assert summary == {
+        "engine_restarts": 1,
+        "engines_lost": {
+            "default-1": {
+                "node_id": "node-a",
+                "cause": None,
+                "rows_in_flight": 2,
+                "rows_rerun": 2,
+                "rerun_on": [{"engine": "default-3", "node_id": "node-b", "rows": 2}],
+            }
+        },
+    }
+
+
+def test_an_engine_that_reports_its_death_is_lost_with_its_cause():
+    ledger = JobMonitor()
+    ledger.begin(["a"], "default-1")
+    ledger.engine_died("default-1", "EngineDeadError")
+    ledger.begin(["a"], "default-2")
+    lost = summarize_recovery(ledger.work())["engines_lost"]
+    assert lost["default-1"]["cause"] == "EngineDeadError"
+    assert lost["default-1"]["rerun_on"] == [{"engine": "default-2", "node_id": None, "rows": 1}]
+    assert summarize_recovery(JobMonitor().work()) == {"engine_restarts": 0, "engines_lost": {}}
 
 
 def engine_info(preemptions: int, usage: float, peak: float, hits: int = 0, queries: int = 0) -> dict:
