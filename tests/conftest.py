@@ -32,6 +32,14 @@ def read_jsonl(paths) -> list[dict]:
     return rows
 
 
+@pytest.fixture(scope="session")
+def embedded_model():
+    """The embedded model, converted into NIGHTSHIFT_HOME on first use (about 20 s) and reused after that."""
+    from pipeline.models import resolve_model
+
+    return resolve_model(None)
+
+
 @pytest.fixture
 def make_input(tmp_path):
     def make(lines: list[str], name: str = "input.jsonl") -> Path:

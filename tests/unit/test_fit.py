@@ -6,7 +6,6 @@ import json
 from pathlib import Path
 
 import pyarrow.parquet as pq
-import pytest
 
 from pipeline.config import DEFAULT_MAX_NUM_SEQS, JobConfig
 from pipeline.io.staging import StagingArea
@@ -341,15 +340,10 @@ def test_a_template_error_is_the_requests_alone():
     assert isinstance(results[0], Exception) and results[1] == [3]
 
 
-def test_embedded_model_capacity_leaves_out_the_null_block():
-    from pipeline.models import EMBEDDED_MODEL_NAME, nightshift_home
+def test_embedded_model_capacity_leaves_out_the_null_block(embedded_model):
     from pipeline.runtime.fit import _vllm_target
 
-    if not any((nightshift_home() / "models").glob(f"{EMBEDDED_MODEL_NAME}-*/config.json")):
-        pytest.skip("the embedded model is not prepared")
-    from pipeline.models import resolve_model
-
-    target = _vllm_target(JobConfig(), resolve_model(None))
+    target = _vllm_target(JobConfig(), embedded_model)
     assert not isinstance(target, str), target
     kv = target.capacity({"cpu_kvcache_space_gib": 2, "extra": {}}, "cpu")
     # 2 GiB / (128 tokens x 23,040 B) = 728 blocks, one of which vLLM keeps as its null block.
