@@ -83,7 +83,7 @@ def test_the_crds_and_their_license_are_in_the_repository():
 
 def test_the_manifests_cover_every_kind():
     kinds = {doc.get("kind") for _, doc in documents()}
-    assert {"RayCluster", "RayJob", "RayService", "ConfigMap"} <= kinds
+    assert {"RayCluster", "RayJob", "ConfigMap"} <= kinds
 
 
 @pytest.mark.parametrize("label, doc", ray_documents(), ids=[label for label, _ in ray_documents()])
@@ -105,7 +105,7 @@ def test_kustomization_lists_existing_files():
 
 
 def test_every_cluster_carries_the_same_worker_groups():
-    """rayjob.yaml and rayservice.yaml embed raycluster.yaml's groups; only their replica counts may differ."""
+    """rayjob.yaml embeds raycluster.yaml's groups; only their replica counts may differ."""
 
     def shape(doc: dict) -> list[dict]:
         (_, spec), *_ = cluster_specs(doc)
@@ -114,7 +114,6 @@ def test_every_cluster_carries_the_same_worker_groups():
 
     reference = shape(load("raycluster.yaml"))
     assert shape(load("rayjob.yaml")) == reference
-    assert shape(load("rayservice.yaml")) == reference
 
 
 def test_ray_version_matches_the_package_and_both_images():
@@ -345,7 +344,7 @@ def test_the_vendor_tag_must_count_the_vendors_gpus():
 
 
 def test_a_group_without_containers_is_refused():
-    doc = load("rayservice.yaml")
+    doc = load("rayjob.yaml")
     worker(doc, "nvidia-h100")["template"]["spec"]["containers"] = []
     assert cluster_spec_errors(doc)
 
