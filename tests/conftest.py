@@ -32,6 +32,20 @@ def read_jsonl(paths) -> list[dict]:
     return rows
 
 
+def staged_rows(staging, kind: str) -> list:
+    """Every staged row of `kind` ("results" or "errors"), in the order finalize writes them."""
+    import pyarrow as pa
+
+    from pipeline.io.staging import StagedRow
+    from pipeline.stages.finalize import sort_table
+
+    parts = staging.parts(kind)
+    if not parts:
+        return []
+    table = sort_table(pa.concat_tables(staging.read_part(part) for part in parts), kind)
+    return [StagedRow(**row) for row in table.to_pylist()]
+
+
 @pytest.fixture(scope="session")
 def embedded_model():
     """The embedded model, converted into NIGHTSHIFT_HOME on first use (about 20 s) and reused after that."""

@@ -22,6 +22,7 @@ from pipeline.runtime.fit import (
     measure,
 )
 from pipeline.tokens import PromptCounter
+from tests.conftest import staged_rows
 
 MODEL = ResolvedModel(name="m", path="/nowhere", revision=None, source="local-dir")
 
@@ -73,7 +74,7 @@ def request_ids(staging: StagingArea) -> list[str]:
 
 
 def error_records(staging: StagingArea) -> list[dict]:
-    return [json.loads(row.record) for row in staging.merged("errors")]
+    return [json.loads(row.record) for row in staged_rows(staging, "errors")]
 
 
 # --- deciding ----------------------------------------------------------------------------------------------------
@@ -163,7 +164,7 @@ def test_measure_rejects_prompts_at_the_limit_and_drops_them_from_the_work_list(
         assert (
             body["code"] == "context_length_exceeded" and "maximum context length is 100" in body["message"]
         )
-    rows = list(staging.merged("errors"))
+    rows = list(staged_rows(staging, "errors"))
     assert [(r.line, r.source, r.error_code) for r in rows] == [
         (2, "in", "context_length_exceeded"),
         (4, "in", "context_length_exceeded"),
