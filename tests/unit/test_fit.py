@@ -308,7 +308,7 @@ class CharTokenizer:
             text += json.dumps(tools)
         return text + ("<assistant>" if add_generation_prompt else "")
 
-    def __call__(self, texts, add_special_tokens=False):
+    def __call__(self, texts, add_special_tokens=False, verbose=True):
         return {"input_ids": [[0] * (len(t) + (1 if add_special_tokens else 0)) for t in texts]}
 
 
