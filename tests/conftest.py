@@ -3,11 +3,29 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
 
 MODEL_NAME = "smollm2-135m-instruct"
+
+
+# What a clean run may print on stderr: nightshift's own log lines (structlog's console format), nothing else.
+_OWN_LOG_LINE = re.compile(
+    r"^\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d(\.\d+)?Z \[(debug|info|warning|error|critical) *\] "
+)
+# Lines that have shown up before, named so a failure says which came back: a Ray deprecation warning from our own
+# call, Ray's C++ core (its log-level announcement, its actor-restart notice), vLLM's Triton notice on CPU.
+KNOWN_NOISE = ("DeprecationWarning", "logging.cc", "core_worker.cc", "Triton")
+
+
+def foreign_lines(stdout: str, stderr: str) -> list[str]:
+    """Lines of a run's output that a user cannot act on: anything on stderr that is not one of our log lines,
+    and any known noise anywhere."""
+    lines = [line for line in stderr.splitlines() if line.strip() and not _OWN_LOG_LINE.match(line)]
+    lines += [line for line in (stdout + "\n" + stderr).splitlines() if any(n in line for n in KNOWN_NOISE)]
+    return lines
 
 
 def chat_line(custom_id: str, content: str, **body) -> str:
@@ -30,6 +48,28 @@ def read_jsonl(paths) -> list[dict]:
     for path in sorted(paths):
         rows.extend(json.loads(line) for line in Path(path).read_text().splitlines() if line)
     return rows
+
+
+def staged_rows(staging, kind: str) -> list:
+    """Every staged row of `kind` ("results" or "errors"), in the order finalize writes them."""
+    import pyarrow as pa
+
+    from pipeline.io.staging import StagedRow
+    from pipeline.stages.finalize import sort_table
+
+    parts = staging.parts(kind)
+    if not parts:
+        return []
+    table = sort_table(pa.concat_tables(staging.read_part(part) for part in parts), kind)
+    return [StagedRow(**row) for row in table.to_pylist()]
+
+
+@pytest.fixture(scope="session")
+def embedded_model():
+    """The embedded model, converted into NIGHTSHIFT_HOME on first use (about 20 s) and reused after that."""
+    from pipeline.models import resolve_model
+
+    return resolve_model(None)
 
 
 @pytest.fixture

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import re
 from collections.abc import Iterator
@@ -32,6 +33,12 @@ _OMP_BIND = "VLLM_CPU_OMP_THREADS_BIND"
 
 # Our engine-arg names that are not vLLM fields and must not be set on its args namespace.
 _NOT_VLLM_ARGS = {"cpu_kvcache_space_gib", "extra"}
+
+# vLLM's import-time notices that leave a user nothing to do. On vllm-cpu: "Triton is installed, but doesn't
+# include CPU backend. Disabling Triton." (Triton arrives as a dependency of xgrammar; the CPU backend never uses
+# it.) Set before vLLM is imported in this process: the driver (engine-arg names) and each engine actor.
+for _notice_logger in ("vllm.triton_utils.importing",):
+    logging.getLogger(_notice_logger).setLevel(logging.ERROR)
 
 
 def error_code_for(status_code: int, message: str) -> ErrorCode:

@@ -22,7 +22,6 @@ One `StagingArea` works over a base path on one of two kinds of storage, chosen 
 
 from __future__ import annotations
 
-import heapq
 import json
 import os
 import shutil
@@ -79,15 +78,6 @@ class StagedRow:
     completion_tokens: int
     pool: str
     record: str
-
-
-def result_sort_key(row: StagedRow) -> str:
-    # Python compares str by code point, which is exactly UTF-8 byte order (the contract's order).
-    return row.custom_id or ""
-
-
-def error_sort_key(row: StagedRow) -> tuple[str, int]:
-    return (row.source, row.line)
 
 
 def _is_part(name: str) -> bool:
@@ -438,20 +428,6 @@ class StagingArea:
     def iter_column(self, kind: str, column: str) -> Iterator[Any]:
         for part in self.parts(kind):
             yield from self.read_part(part, [column]).column(column).to_pylist()
-
-    def merged(self, kind: str) -> Iterator[StagedRow]:
-        """All staged rows of `kind` in final order: a k-way merge of the sorted parts, streaming.
-
-        Memory is one read batch per part, not the whole output — this is what keeps finalize bounded.
-        """
-        key = result_sort_key if kind == "results" else error_sort_key
-        return heapq.merge(*(self._iter_part(p) for p in self.parts(kind)), key=key)
-
-    def _iter_part(self, path: str, batch_size: int = 2048) -> Iterable[StagedRow]:
-        for batch in self.files.parquet(path).iter_batches(batch_size=batch_size):
-            columns = batch.to_pydict()
-            for values in zip(*(columns[name] for name in STAGED_SCHEMA.names), strict=True):
-                yield StagedRow(*values)
 
 
 def _name(path: str) -> str:

@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
+import io
 import logging
+import os
 import sys
+from collections.abc import Iterator
 
 import structlog
 
@@ -29,3 +33,43 @@ def configure_logging(log_format: str = "console", level: str = "info") -> None:
         logger_factory=lambda *_: structlog.PrintLogger(sys.stderr),
         cache_logger_on_first_use=False,
     )
+
+
+# sys.stderr's stand-in while fd 2 is quieted: opened once per process, kept open for good.
+_PYTHON_STDERR: io.TextIOWrapper | None = None
+
+
+@contextlib.contextmanager
+def quiet_native_stderr() -> Iterator[None]:
+    """Send what native code writes to file descriptor 2 to /dev/null for the block; Python's `sys.stderr` (our logs,
+    warnings, tracebacks, other threads included) keeps writing to the terminal.
+
+    For Ray's start in the driver: its C++ core announces a RAY_BACKEND_LOG_LEVEL it finds in the environment on
+    stderr (a `logging.cc` line), with no way to turn just that announcement off.
+    """
+    global _PYTHON_STDERR
+    try:
+        python_on_fd2 = sys.stderr is not None and sys.stderr.fileno() == 2
+    except (AttributeError, OSError, ValueError):  # replaced by a test runner or wrapper: not on fd 2
+        python_on_fd2 = False
+    saved_fd2 = os.dup(2)
+    original = sys.stderr
+    if python_on_fd2:
+        if _PYTHON_STDERR is None:
+            # Never closed: a thread may still hold it after the block (one descriptor per process, reused).
+            _PYTHON_STDERR = open(  # noqa: SIM115
+                os.dup(saved_fd2), "w", buffering=1, encoding=original.encoding, errors="backslashreplace"
+            )
+        original.flush()
+        sys.stderr = _PYTHON_STDERR
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, 2)
+    os.close(devnull)
+    try:
+        yield
+    finally:
+        os.dup2(saved_fd2, 2)
+        os.close(saved_fd2)
+        if python_on_fd2:
+            sys.stderr.flush()
+            sys.stderr = original

@@ -77,22 +77,30 @@ def engine_spec(config: JobConfig, model: ResolvedModel) -> EngineSpec:
 
 
 def _start_ray(address: str | None) -> None:
+    import contextlib
     import logging
     import os
 
-    # Ray's C++ core prints start-up chatter to the terminal unless told otherwise; set before Ray starts.
-    os.environ.setdefault("RAY_BACKEND_LOG_LEVEL", "fatal")
     import ray
     from ray.data import DataContext
 
+    from pipeline.observe.logs import quiet_native_stderr
+
     if not ray.is_initialized():
-        # "local" starts a private instance: never attach by accident to a cluster someone else started here.
-        ray.init(
-            address=address or "local",
-            include_dashboard=False,
-            log_to_driver=False,
-            logging_level=logging.ERROR,
-        )
+        # Ray's C++ core writes errors no user can act on to the terminal: e.g. every Ray Data actor pool makes it
+        # log that the actors' constructor arguments live in the object store (ray-project/ray#53727). Fatal only;
+        # the core announces that setting on stderr as it starts, so the start runs with native stderr quieted
+        # (Python's own output is untouched). A level the user set is theirs, and so is its announcement.
+        ours = "RAY_BACKEND_LOG_LEVEL" not in os.environ
+        os.environ.setdefault("RAY_BACKEND_LOG_LEVEL", "fatal")
+        with quiet_native_stderr() if ours else contextlib.nullcontext():
+            # "local" starts a private instance: never attach by accident to a cluster someone else started here.
+            ray.init(
+                address=address or "local",
+                include_dashboard=False,
+                log_to_driver=False,
+                logging_level=logging.ERROR,
+            )
     logging.getLogger("ray.data").setLevel(logging.ERROR)
     ctx = DataContext.get_current()
     ctx.enable_progress_bars = False
@@ -283,7 +291,7 @@ def _pool_dataset(
     job_id: str,
     pending_rows: int,
     lane: int | None = None,
-    readers_on: Any = None,
+    readers_on: str | None = None,
 ):
     """One pool's pipeline: pull chunks from the shared queue → its engine actors.
 
@@ -302,15 +310,16 @@ def _pool_dataset(
     # (a lane may end up doing all of it); the ones that find the queue empty return nothing.
     tasks = max(1, -(-pending_rows // plan.batch_size))
     source = queue_datasource(queue, taker, read_tasks=tasks, chunk_rows=plan.batch_size)
-    # Readers run on the driver's node (`readers_on`): a chunk leaves the queue once, so a read task lost with a
-    # worker node (or its output block, re-made by lineage) would re-run and pull *another* chunk, and the first
-    # one's rows would never be run. On the driver's node they share the job's fate; only engines move.
+    # Readers run on the driver's node (`readers_on`, a node id): a chunk leaves the queue once, so a read task lost
+    # with a worker node (or its output block, re-made by lineage) would re-run and pull *another* chunk, and the
+    # first one's rows would never be run. On the driver's node they share the job's fate; only engines move. Every
+    # Ray node carries its id as a label, which is how Ray Data itself pins reads to a node.
     ds = ray.data.read_datasource(
         source,
         num_cpus=0,
         override_num_blocks=tasks,
         concurrency=min(tasks, 2 * engines),
-        ray_remote_args={"scheduling_strategy": readers_on} if readers_on is not None else None,
+        label_selector={"ray.io/node-id": readers_on} if readers_on is not None else None,
     )
     return ds.map_batches(
         EngineWorker,
@@ -362,7 +371,8 @@ def _run_engines(
     # is what they help survive), and the queue reads the staged work list where the driver wrote it (a local
     # staging directory is on this node's disk).
     # The monitor is named so operators (and tests) can find a job's engines: ray.get_actor(name).snapshot().
-    here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
+    node_id = ray.get_runtime_context().get_node_id()
+    here = NodeAffinitySchedulingStrategy(node_id, soft=False)
     monitor = (
         ray.remote(num_cpus=0)(JobMonitor)
         .options(name=f"nightshift-monitor-{job_id}", scheduling_strategy=here)
@@ -386,7 +396,7 @@ def _run_engines(
     )
     pending_rows = staging.num_rows(files)
     datasets = [
-        _pool_dataset(plan, queue, monitor, job_id, pending_rows, lane, readers_on=here)
+        _pool_dataset(plan, queue, monitor, job_id, pending_rows, lane, readers_on=node_id)
         for plan, lane in takers
     ]
     ds = datasets[0].union(*datasets[1:]) if len(datasets) > 1 else datasets[0]

@@ -113,15 +113,3 @@ def output_problem(exc: BaseException, location: str, storage: StorageConfig | N
     if kind == "http":
         return http_problem(exc, location, action)
     return f"output {location}: {exc}"
-
-
-def check_output(
-    location: str | None, overwrite: bool, resume: bool = False, storage: StorageConfig | None = None
-) -> Path:
-    """A local OUTPUT directory (created if missing), as a Path. Remote outputs: use check_output_target."""
-    if not location:
-        raise PreflightError("no OUTPUT given: pass a directory for the results")
-    target = check_output_target(location, overwrite, storage, resume=resume)
-    if not target.is_local:
-        raise PreflightError(f"output {location}: a local directory is expected here")
-    return Path(target.location.path)

@@ -1,9 +1,7 @@
 """Sort and range-partition finished rows into shards. Pure: the caller supplies the rows and a sink per shard.
 
-Two ways in, the same shards out:
-- `write_shards`: (custom_id, JSON line) pairs already in final order, written one by one.
-- `write_table_shards`: one Arrow table per shard, already sorted (what finalize's external sort produces), written
-  in row batches through a shard encoder (JSONL here, Parquet in `pipeline.io.writers`).
+`write_table_shards` takes one Arrow table per shard, already sorted (what finalize's external sort produces), and
+writes it in row batches through a shard encoder (JSONL here, Parquet in `pipeline.io.writers`).
 
 Shard k holds rows [k*rows_per_shard, (k+1)*rows_per_shard) of the sorted output, so the last id of shard k precedes
 the first id of shard k+1. Every shard's sha256 and byte count are taken from the bytes as they are written.
@@ -134,43 +132,6 @@ class JsonlEncoder:
 
     def close(self) -> None:
         self._sink.close()
-
-
-def write_shards(
-    rows: Iterable[tuple[str | None, str]],
-    total_rows: int,
-    rows_per_shard: int,
-    prefix: str,
-    open_shard: Callable[[str], BinaryIO],
-    extension: str = "jsonl",
-) -> list[ShardInfo]:
-    """Write (custom_id, json line) pairs, in order, into `shard_count` consecutive JSONL shards."""
-    count = shard_count(total_rows, rows_per_shard)
-    shards: list[ShardInfo] = []
-    written = 0
-    sink: HashingSink | None = None
-    current: ShardInfo | None = None
-
-    for custom_id, line in rows:
-        if current is None or current.rows == rows_per_shard:
-            if sink is not None:
-                sink.close()
-            current = ShardInfo(shard_name(prefix, len(shards), count, extension))
-            shards.append(current)
-            sink = HashingSink(open_shard(current.name), current)
-        sink.write((line + "\n").encode())  # type: ignore[union-attr]
-        current.rows += 1
-        if current.first_custom_id is None:
-            current.first_custom_id = custom_id
-        current.last_custom_id = custom_id
-        written += 1
-    if sink is not None:
-        sink.close()
-    if written != total_rows:
-        # The staged counts and the merged stream disagree: never commit such an output.
-        raise RuntimeError(f"{prefix}: expected {total_rows} rows from staging, merged {written}")
-    _pad_empty(shards, count, prefix, extension, open_shard, lambda s: None)
-    return shards
 
 
 def write_table_shards(

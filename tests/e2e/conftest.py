@@ -22,12 +22,5 @@ def run_cli(*args: str, timeout: float = 900, env: dict | None = None) -> subpro
 
 
 @pytest.fixture(scope="session")
-def embedded_model():
-    from pipeline.models import resolve_model
-
-    return resolve_model(None)
-
-
-@pytest.fixture(scope="session")
 def e2e_dir(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("e2e")

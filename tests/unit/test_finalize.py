@@ -1,4 +1,4 @@
-"""stages.finalize.write_shards: range partitioning, shard names, per-shard rows / ids / sha256, empty output."""
+"""stages.finalize.write_table_shards: range partitioning, shard names, per-shard rows / ids / sha256, empty output."""
 
 from __future__ import annotations
 
@@ -7,9 +7,25 @@ import io
 import json
 from pathlib import Path
 
+import pyarrow as pa
 import pytest
 
-from pipeline.stages.finalize import shard_count, shard_name, write_shards
+from pipeline.stages.finalize import shard_count, shard_name, write_table_shards
+
+
+def write_shards(rows, total_rows: int, rows_per_shard: int, prefix: str, open_shard):
+    """(custom_id, JSON line) pairs in final order, cut into one table per shard as finalize's sort hands them over."""
+    rows = list(rows)
+    tables = [
+        pa.table(
+            {
+                "custom_id": pa.array([cid for cid, _ in rows[i : i + rows_per_shard]], pa.string()),
+                "record": pa.array([line for _, line in rows[i : i + rows_per_shard]], pa.string()),
+            }
+        )
+        for i in range(0, len(rows), rows_per_shard)
+    ]
+    return write_table_shards(tables, total_rows, rows_per_shard, prefix, open_shard)
 
 
 class MemorySink:
@@ -113,7 +129,7 @@ def test_empty_output_on_disk(tmp_path: Path):
 
 @pytest.mark.parametrize("given, expected", [(4, 5), (6, 5), (0, 2), (2, 0)])
 def test_count_mismatch_raises(given, expected):
-    with pytest.raises(RuntimeError, match=f"expected {expected} rows"):
+    with pytest.raises(RuntimeError, match=rf"expected {expected} rows|\(of {expected}\)"):
         write_shards(rows_for([f"{i}" for i in range(given)]), expected, 3, "results", MemorySink())
 
 

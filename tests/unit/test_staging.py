@@ -1,4 +1,4 @@
-"""StagingArea parts and merge order; runtime.finalize write_outputs + commit (accounting, commit marker, cleanup)."""
+"""StagingArea parts; runtime.finalize write_outputs + commit (accounting, commit marker, cleanup)."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import random
 import shutil
 from pathlib import Path
 
+import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
@@ -15,6 +16,8 @@ from pipeline.io import staging as staging_module
 from pipeline.io.staging import StagedRow, StagingArea
 from pipeline.runtime import finalize as finalize_module
 from pipeline.runtime.finalize import MANIFEST_NAME, AccountingError, commit, write_outputs
+from pipeline.stages.finalize import sort_table
+from tests.conftest import staged_rows
 
 
 def result_row(custom_id: str, line: int = 1, source: str = "in.jsonl") -> StagedRow:
@@ -75,11 +78,11 @@ def test_create_layout(staging: StagingArea):
     assert Path(staging.root).name == "_staging"
     assert {p.name for p in Path(staging.root).iterdir()} == {"requests", "results", "errors"}
     assert staging.count("results") == staging.count("errors") == 0
-    assert list(staging.merged("results")) == []
+    assert staging.parts("results") == staging.parts("errors") == []
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
-def test_results_merged_globally_sorted_by_custom_id(staging: StagingArea, seed: int):
+def test_result_parts_round_trip_each_sorted_by_custom_id(staging: StagingArea, seed: int):
     rng = random.Random(seed)
     ids = sorted({random_id(rng) for _ in range(120)})
     rows = [result_row(cid, line=i + 1) for i, cid in enumerate(ids)]
@@ -87,15 +90,16 @@ def test_results_merged_globally_sorted_by_custom_id(staging: StagingArea, seed:
 
     assert len(staging.parts("results")) == parts > 10
     assert staging.count("results") == len(ids)
-    merged = list(staging.merged("results"))
-    assert [r.custom_id for r in merged] == sorted(ids, key=lambda s: s.encode("utf-8"))
-    assert merged == sorted(rows, key=lambda r: r.custom_id.encode())  # every field round-trips
+    key = lambda r: r.custom_id.encode()  # noqa: E731
+    assert sorted(staged_rows(staging, "results"), key=key) == sorted(
+        rows, key=key
+    )  # every field round-trips
     for part in staging.parts("results"):  # each part is itself sorted
         part_ids = pq.read_table(part, columns=["custom_id"]).column("custom_id").to_pylist()
         assert part_ids == sorted(part_ids)
 
 
-def test_errors_merged_by_source_then_line(staging: StagingArea):
+def test_errors_sort_by_source_then_line(staging: StagingArea):
     rng = random.Random(7)
     rows = [
         error_row(line, source) for source in ("a.jsonl", "b.jsonl", "c/d.jsonl") for line in range(1, 60)
@@ -106,8 +110,11 @@ def test_errors_merged_by_source_then_line(staging: StagingArea):
     write_in_random_parts(staging, "errors", rows, rng)
 
     assert staging.count("errors") == len(rows)
-    merged = list(staging.merged("errors"))
-    positions = [(r.source, r.line) for r in merged]
+    everything = pa.concat_tables(staging.read_part(part) for part in staging.parts("errors"))
+    ordered = sort_table(everything, "errors")  # the order finalize writes error shards in
+    positions = list(
+        zip(ordered.column("source").to_pylist(), ordered.column("line").to_pylist(), strict=True)
+    )
     assert positions == sorted(positions)
     assert positions[:2] == [("a.jsonl", 1), ("a.jsonl", 2)]  # numeric, not lexical, line order
     assert sorted(staging.iter_column("errors", "error_code")) == sorted(r.error_code for r in rows)
@@ -139,7 +146,7 @@ def test_failed_part_write_leaves_no_visible_part(staging: StagingArea, monkeypa
         staging.write_rows("results", [result_row("b")])
     assert len(staging.parts("results")) == 1
     assert staging.count("results") == 1
-    assert [r.custom_id for r in staging.merged("results")] == ["a"]
+    assert list(staging.iter_column("results", "custom_id")) == ["a"]
 
 
 def test_failed_part_write_removes_its_temp_file(staging: StagingArea, monkeypatch):
@@ -159,7 +166,7 @@ def test_two_writers_share_a_directory(tmp_path: Path):
     a.write_rows("results", [result_row("x"), result_row("m")])
     b.write_rows("results", [result_row("b"), result_row("y")])
     assert len(a.parts("results")) == 2
-    assert [r.custom_id for r in b.merged("results")] == ["b", "m", "x", "y"]
+    assert [r.custom_id for r in staged_rows(b, "results")] == ["b", "m", "x", "y"]
 
 
 # -- write_outputs + commit -----------------------------------------------------------------------------------------

@@ -238,7 +238,7 @@ def test_detect_h100x8(tools: FakeTools):
 
     inventory = detect_node()
 
-    assert (inventory.vendor, inventory.source, inventory.gpu_count) == ("cuda", "nvidia-smi", 8)
+    assert (inventory.vendor, inventory.source, len(inventory.accelerators)) == ("cuda", "nvidia-smi", 8)
     assert inventory.warnings == []
     assert inventory.cpu_count >= 1
     assert tools.calls() == [
@@ -251,7 +251,7 @@ def test_detect_p100_warns_about_compute_capability(tools: FakeTools):
 
     inventory = detect_node()
 
-    assert inventory.vendor == "cuda" and inventory.gpu_count == 2
+    assert inventory.vendor == "cuda" and len(inventory.accelerators) == 2
     assert len(inventory.warnings) == 1 and "compute capability 6.0" in inventory.warnings[0]
 
 
@@ -277,7 +277,7 @@ def test_detect_mi300x_x8_via_amd_smi(tools: FakeTools):
 
     inventory = detect_node()
 
-    assert (inventory.vendor, inventory.source, inventory.gpu_count) == ("rocm", "amd-smi", 8)
+    assert (inventory.vendor, inventory.source, len(inventory.accelerators)) == ("rocm", "amd-smi", 8)
     assert inventory.warnings == []
     assert tools.calls() == ["amd-smi static --json"]
 
@@ -315,7 +315,7 @@ def test_a_broken_nvidia_driver_falls_through_to_amd(tools: FakeTools):
 
     inventory = detect_node()
 
-    assert inventory.vendor == "rocm" and inventory.gpu_count == 8
+    assert inventory.vendor == "rocm" and len(inventory.accelerators) == 8
     assert any("nvidia-smi failed (exit 9)" in warning for warning in inventory.warnings)
 
 

@@ -15,6 +15,7 @@ from pipeline.io.readers import input_source
 from pipeline.io.staging import StagingArea
 from pipeline.json_codec import dumps_body as body_json
 from pipeline.runtime.ingest import ingest
+from tests.conftest import staged_rows
 
 MODEL = "smollm2-135m-instruct"
 
@@ -48,7 +49,7 @@ def test_mixed_shards_share_one_duplicate_check(tmp_path: Path, staging: Staging
     report = ingest(input_source(str(shards)), MODEL, staging, job_id="job1")
     assert (report.lines, report.valid, report.files) == (6, 3, 2)
     assert dict(report.invalid_by_code) == {"duplicate_custom_id": 2, "invalid_json": 1}
-    errors = [json.loads(r.record) for r in staging.merged("errors")]
+    errors = [json.loads(r.record) for r in staged_rows(staging, "errors")]
     assert [(e["custom_id"], e["error"]["code"], e["error"]["line"]) for e in errors] == [
         ("y", "duplicate_custom_id", 1),
         ("w", "invalid_json", 3),
