@@ -46,7 +46,8 @@ def write_lines(path: Path, lines: list[str]) -> Path:
 def read_jsonl(paths) -> list[dict]:
     rows = []
     for path in sorted(paths):
-        rows.extend(json.loads(line) for line in Path(path).read_text().splitlines() if line)
+        # "\n" only: str.splitlines() also breaks at U+2028, U+0085 and friends, which JSON leaves unescaped.
+        rows.extend(json.loads(line) for line in Path(path).read_text().split("\n") if line)
     return rows
 
 
