@@ -19,7 +19,7 @@ timing with someone else's job in it is re-taken (--foreign-retries). The table 
 OUT_DIR/engines.json.
 
     python bench/engines.py --quick                      # smoke run: 16 requests x 8 tokens
-    python bench/engines.py                              # 1024 requests x 64 tokens, once
+    python bench/engines.py                              # 2048 requests x 64 tokens, once
     python bench/engines.py --layout each                # nightshift as one engine per core (default: one on all)
     python bench/engines.py --nightshift-rev HEAD        # time the last commit, not a tree being edited
 """
@@ -831,7 +831,7 @@ def git_state() -> dict[str, Any]:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
-    p.add_argument("--n", type=int, default=1024, help="requests (default 1024: minutes of generation)")
+    p.add_argument("--n", type=int, default=2048, help="requests (default 2048: minutes of generation)")
     p.add_argument("--max-tokens", type=int, default=64, help="max_tokens of every request (default 64)")
     p.add_argument(
         "--max-num-seqs", type=int, default=64, help="engine max_num_seqs for all paths (default 64)"

@@ -25,7 +25,7 @@ Every path runs as its own subprocess, never two at once; before each the script
 (others share it) and watches foreign CPU during the run (bench/engines.py's machinery). Output tokens are counted
 from each path's own outputs. Results go to OUT_DIR/shared_prefix.json.
 
-    python bench/shared_prefix.py                         # 8 prompts x 128 rows x 64 tokens, both workloads
+    python bench/shared_prefix.py                         # 8 prompts x 256 rows x 64 tokens, both workloads
     python bench/shared_prefix.py --quick                 # smoke run: a few rows, a few tokens, no idle wait
     python bench/shared_prefix.py --workloads shared --paths nightshift-1x2,run-batch-1x2
 """
@@ -411,7 +411,7 @@ def format_summary(summary: dict[str, Any]) -> str:
 def parse_args(argv: list[str] | None = None, names: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
     p.add_argument("--prompts", type=int, default=8, help="distinct system prompts (default 8)")
-    p.add_argument("--rows-per-prompt", type=int, default=128, help="rows per system prompt (default 128)")
+    p.add_argument("--rows-per-prompt", type=int, default=256, help="rows per system prompt (default 256)")
     p.add_argument("--max-tokens", type=int, default=64, help="output tokens per request (default 64)")
     p.add_argument(
         "--max-num-seqs", type=int, default=64, help="engine max_num_seqs for all paths (default 64)"
