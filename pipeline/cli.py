@@ -99,7 +99,8 @@ def run(
     cpus_per_engine: Annotated[
         float | None,
         typer.Option(
-            help="Ray CPUs reserved per engine actor; a CPU engine computes on that many cores of its own."
+            help="Ray CPUs reserved per engine actor; a CPU engine computes on that many cores of its own. "
+            "Default: 1 on GPUs; a CPU engine takes its node's cores (shared among the engines there)."
         ),
     ] = None,
     gpus_per_engine: Annotated[float | None, typer.Option(help="Ray GPUs reserved per engine actor.")] = None,

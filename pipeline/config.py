@@ -159,11 +159,13 @@ class ResourcesConfig(_Strict):
 
     address: str | None = Field(default=None, description="Ray address to join; default: start a local Ray.")
     num_engines: int = Field(default=1, ge=1, description="Engine actors (replicas) in the pool.")
-    cpus_per_engine: float = Field(
-        default=1.0,
+    cpus_per_engine: float | None = Field(
+        default=None,
         ge=0,
         description="Ray CPUs reserved per engine actor. A CPU engine computes on that many whole cores of its "
-        "own (claimed per node; vLLM's VLLM_CPU_OMP_THREADS_BIND, when set, wins).",
+        "own (claimed per node; vLLM's VLLM_CPU_OMP_THREADS_BIND, when set, wins). Default: an engine on GPUs 1; "
+        "a CPU engine the cores of the node it runs on, shared out among the engines placed on it (one engine on "
+        "all cores measured faster than one per core: bench/shared_prefix.py).",
     )
     gpus_per_engine: float = Field(default=0.0, ge=0, description="Ray GPUs reserved per engine actor.")
     resources_per_engine: dict[str, float] = Field(
@@ -212,11 +214,13 @@ class PoolConfig(_Strict):
         ge=1,
         description="Engine actors the pool may grow to; default: min_engines (a fixed pool).",
     )
-    cpus_per_engine: float = Field(
-        default=1.0,
+    cpus_per_engine: float | None = Field(
+        default=None,
         ge=0,
         description="Ray CPUs reserved per engine actor. A CPU engine computes on that many whole cores of its "
-        "own (claimed per node; vLLM's VLLM_CPU_OMP_THREADS_BIND, when set, wins).",
+        "own (claimed per node; vLLM's VLLM_CPU_OMP_THREADS_BIND, when set, wins). Default: an engine on GPUs 1; "
+        "a CPU engine the cores of the node it runs on, shared out among the engines placed on it (one engine on "
+        "all cores measured faster than one per core: bench/shared_prefix.py).",
     )
     gpus_per_engine: float = Field(default=0.0, ge=0, description="Ray GPUs reserved per engine actor.")
     resources_per_engine: dict[str, float] = Field(

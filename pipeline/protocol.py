@@ -107,4 +107,3 @@ def invalid_line_record(
 def dumps(record: dict[str, Any]) -> str:
     """One JSON line; non-ASCII kept as is (UTF-8 output), no spaces to keep shards compact."""
     return json_codec.dumps(record)
-

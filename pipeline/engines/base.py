@@ -80,6 +80,10 @@ def unexpected_error_result(custom_id: str, exc: BaseException) -> EngineResult:
 class Engine(ABC):
     """One model engine. Lifecycle: start() once, generate() concurrently, stats() any time, stop() once."""
 
+    # Whether an engine given no GPU computes on the host's CPU cores: then, unless told otherwise, the runtime
+    # gives it whole cores of its node (the more cores, the faster), rather than one Ray CPU.
+    computes_on_cpu_cores: bool = False
+
     def __init__(self, spec: EngineSpec) -> None:
         self.spec = spec
 

