@@ -35,8 +35,8 @@ from pipeline.observe.progress import JobCounters, ProgressDisplay
 from pipeline.runtime.finalize import FORMAT_VERSION, commit, write_outputs
 from pipeline.runtime.fit import fit_job
 from pipeline.runtime.ingest import ingest
-from pipeline.runtime.placement import place_pool
 from pipeline.runtime.monitor import EngineWatch, preemption_remedy, summarize_engines, summarize_recovery
+from pipeline.runtime.placement import place_pool
 from pipeline.runtime.preflight import (
     PreflightError,
     check_input_source,
