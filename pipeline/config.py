@@ -158,7 +158,13 @@ class ResourcesConfig(_Strict):
     """Where engine actors run on the Ray cluster."""
 
     address: str | None = Field(default=None, description="Ray address to join; default: start a local Ray.")
-    num_engines: int = Field(default=1, ge=1, description="Engine actors (replicas) in the pool.")
+    num_engines: int | None = Field(
+        default=None,
+        ge=1,
+        description="Engine actors (replicas) in the pool. Default: 1 on GPUs; for CPU engines one per core of the "
+        "nodes that can host them, as many as their memory holds (on a 2-core box two one-core engines measured "
+        "faster than one engine on both cores: bench/shared_prefix.py).",
+    )
     cpus_per_engine: float | None = Field(
         default=None,
         ge=0,
@@ -383,7 +389,7 @@ def effective_pools(config: JobConfig) -> list[PoolConfig]:
     pools = config.pools or [
         PoolConfig(
             name="default",
-            min_engines=config.resources.num_engines,
+            min_engines=config.resources.num_engines or 1,
             cpus_per_engine=config.resources.cpus_per_engine,
             gpus_per_engine=config.resources.gpus_per_engine,
             resources_per_engine=config.resources.resources_per_engine,

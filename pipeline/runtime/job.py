@@ -367,7 +367,14 @@ def _run_engines(
     files = staging.pending_requests(finished)
     if not files:
         return EngineRun()
-    pools = [place_pool(pool, spec.backend) for pool in effective_pools(config)]
+    pending_rows = staging.num_rows(files)
+    # Engine counts and CPUs the job left open are decided against the cluster Ray now sees; never more engines
+    # than there are chunks to give them (a chunk's size does not depend on how many engines there are).
+    engines_given = bool(config.pools) or config.resources.num_engines is not None
+    pools = [
+        place_pool(pool, spec, engines_given, -(-pending_rows // plan_pool(config, spec, pool).batch_size))
+        for pool in effective_pools(config)
+    ]
     # The monitor and the queue are pinned to the driver's node: they must not go down with a worker node (that
     # is what they help survive), and the queue reads the staged work list where the driver wrote it (a local
     # staging directory is on this node's disk).
@@ -395,7 +402,6 @@ def _run_engines(
         .options(scheduling_strategy=here)
         .remote(files, credit, files_on=staging.files, route=route, window_rows=window)
     )
-    pending_rows = staging.num_rows(files)
     datasets = [
         _pool_dataset(plan, queue, monitor, job_id, pending_rows, lane, readers_on=node_id)
         for plan, lane in takers

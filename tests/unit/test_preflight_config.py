@@ -266,12 +266,41 @@ def test_cpus_per_engine_shares_out_the_nodes_cores(engines, nodes, expected):
     assert cpus_per_engine(engines, nodes) == expected
 
 
-def test_placement_keeps_a_given_value_and_gives_gpu_and_fake_engines_one_cpu(monkeypatch):
+def _spec(backend: str = "vllm"):
+    from pipeline.engines.base import EngineSpec
+
+    return EngineSpec(backend, "/nonexistent/model", "m", {"cpu_kvcache_space_gib": 2})
+
+
+def test_placement_keeps_given_values_and_gives_gpu_and_fake_engines_one_cpu(monkeypatch):
     from pipeline.config import PoolConfig
     from pipeline.runtime import placement
 
-    monkeypatch.setattr(placement, "_node_cpus", lambda pool: [6.0])
-    assert placement.place_pool(PoolConfig(name="a", cpus_per_engine=0.5), "vllm").cpus_per_engine == 0.5
-    assert placement.place_pool(PoolConfig(name="g", gpus_per_engine=1), "vllm").cpus_per_engine == 1.0
-    assert placement.place_pool(PoolConfig(name="f"), "fake").cpus_per_engine == 1.0
-    assert placement.place_pool(PoolConfig(name="c", min_engines=2), "vllm").cpus_per_engine == 3.0
+    monkeypatch.setattr(placement, "_nodes", lambda pool: [placement.Node(6.0, 64 * placement.GiB)])
+    given = placement.place_pool(PoolConfig(name="a", cpus_per_engine=0.5), _spec())
+    assert (given.min_engines, given.cpus_per_engine) == (1, 0.5)
+    assert (
+        placement.place_pool(PoolConfig(name="g", gpus_per_engine=1), _spec(), False).cpus_per_engine == 1.0
+    )
+    fake = placement.place_pool(PoolConfig(name="f"), _spec("fake"), False)
+    assert (fake.min_engines, fake.cpus_per_engine) == (1, 1.0)
+    shared = placement.place_pool(PoolConfig(name="c", min_engines=2), _spec())
+    assert (shared.min_engines, shared.cpus_per_engine) == (2, 3.0)  # given count: the cores shared out
+
+
+def test_cpu_engines_default_to_one_per_core_as_memory_allows(monkeypatch):
+    from pipeline.config import PoolConfig
+    from pipeline.runtime import placement
+
+    box = [placement.Node(2.0, 16 * placement.GiB)]
+    monkeypatch.setattr(placement, "_nodes", lambda pool: box)
+    pool = placement.place_pool(PoolConfig(name="default"), _spec(), engines_given=False)
+    assert (pool.min_engines, pool.max_engines, pool.cpus_per_engine) == (2, None, 1.0)
+    # 4 GiB per engine (2 GiB KV + process): a 64-core node with 20 GiB holds 5 engines, of 12 cores each
+    box[:] = [placement.Node(64.0, 20 * placement.GiB)]
+    pool = placement.place_pool(PoolConfig(name="default"), _spec(), engines_given=False)
+    assert (pool.min_engines, pool.cpus_per_engine) == (5, 12.0)
+    small_job = placement.place_pool(PoolConfig(name="default"), _spec(), engines_given=False, chunks=2)
+    assert (small_job.min_engines, small_job.cpus_per_engine) == (2, 32.0)  # no engine without a chunk
+    box[:] = [placement.Node(8.0, 64 * placement.GiB), placement.Node(4.0, 64 * placement.GiB)]
+    assert placement.engines_per_core(box, 4 * placement.GiB) == 12
