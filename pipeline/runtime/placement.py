@@ -93,6 +93,7 @@ def place_pool(
     engines = update.get("min_engines", pool.max_engines or pool.min_engines)
     if pool.cpus_per_engine is None:
         update["cpus_per_engine"] = cpus_per_engine(engines, [node.cpus for node in nodes])
+    placed = pool.model_copy(update=update)
     if update:
-        log.info("cpu engines placed", pool=pool.name, engines=engines, **update)
-    return pool.model_copy(update=update)
+        log.info("cpu engines placed", pool=pool.name, engines=engines, cpus_per_engine=placed.cpus_per_engine)
+    return placed
