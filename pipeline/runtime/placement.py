@@ -95,5 +95,7 @@ def place_pool(
         update["cpus_per_engine"] = cpus_per_engine(engines, [node.cpus for node in nodes])
     placed = pool.model_copy(update=update)
     if update:
-        log.info("cpu engines placed", pool=pool.name, engines=engines, cpus_per_engine=placed.cpus_per_engine)
+        log.info(
+            "cpu engines placed", pool=pool.name, engines=engines, cpus_per_engine=placed.cpus_per_engine
+        )
     return placed
