@@ -2,7 +2,7 @@
 `<!-- install:cpu -->` with the package name replaced by the wheel, then the example batch with the installed
 `nightshift` console script. If the README's install section drifts from what works, this fails.
 
-Slow: the install takes a few minutes even from a local wheel cache, then the engine starts once.
+The install test is slow: it takes a few minutes even from a local wheel cache, then the engine starts once.
 """
 
 from __future__ import annotations
@@ -16,8 +16,6 @@ import sys
 from pathlib import Path
 
 import pytest
-
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(3600)]
 
 REPO = Path(__file__).resolve().parents[2]
 MARKER = "<!-- install:cpu -->"
@@ -73,6 +71,8 @@ def _wheel(tmp: Path, env: dict) -> Path:
     return wheel
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(3600)
 def test_documented_cpu_install_runs_the_example(tmp_path: Path) -> None:
     commands = documented_cpu_commands((REPO / "README.md").read_text())
     # A clean environment for everything below: no PYTHONPATH pointing at the checkout, no active virtualenv.
