@@ -1,8 +1,9 @@
 """Validate one input line: either a request the engines can run, or an error record.
 
-Pure: no Ray, no vLLM. Checks what can be decided without the model — the Batch envelope, the route, the job's
-model name, `stream`, obviously invalid sampling values — and leaves the full body schema to vLLM's own request
-models at engine time (their rejections become `invalid_request` error records there, with vLLM's message).
+Pure: no Ray, no vLLM. Checks what can be decided without the model — bounds on one line (JSON nesting,
+custom_id), the Batch envelope, the route, the job's model name, `stream` and the sampling fields, read with the
+types vLLM's request models give them — and leaves the full body schema to vLLM's own request models at engine
+time (their rejections become `invalid_request` error records there, with vLLM's message).
 """
 
 from __future__ import annotations
