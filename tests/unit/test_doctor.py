@@ -169,9 +169,25 @@ def test_small_shm_warns(tmp_path):
 
 
 def test_s3_needs_credentials():
-    pytest.importorskip("s3fs")
-    assert doctor.check_s3("s3://b/in", credentials=lambda: None).status == "fail"
+    assert doctor.check_s3("s3://b/in", credentials=lambda: None).status == "warn"  # a role is not probed
     assert doctor.check_s3("s3://b/in", credentials=lambda: "env").status == "ok"
+
+
+def test_s3_credentials_lookup_never_asks_the_network(monkeypatch, tmp_path):
+    """No credentials in the environment or files: the answer is None at once, not a metadata-address probe."""
+    import socket
+
+    for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_PROFILE"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "none"))
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "none"))
+
+    def no_network(*args, **kwargs):
+        raise AssertionError("the credential lookup opened a connection")
+
+    monkeypatch.setattr(socket, "create_connection", no_network)
+    monkeypatch.setattr(socket.socket, "connect", no_network)
+    assert doctor.s3_credentials_source() is None
 
 
 def test_s3_credentials_from_the_environment(monkeypatch):
