@@ -44,18 +44,29 @@ class InvalidLine:
         return self.record["error"]["code"]
 
 
-class _Field(NamedTuple):
-    """How vLLM's request models read one body field: its type (pydantic's lax coercion, as theirs) and the range
-    vLLM's sampling parameters accept (None: unbounded on that side)."""
+class _Type(NamedTuple):
+    """A field type as vLLM's request models read it (pydantic, lax), and the exact Python types that need no
+    reading: the fast path of a million-row input (`type()` is exact, so True is not taken for an int)."""
 
     adapter: TypeAdapter
+    plain: tuple[type, ...]
+
+
+_FLOAT = _Type(TypeAdapter(float), (float, int))
+_INT = _Type(TypeAdapter(int), (int,))
+_BOOL = _Type(TypeAdapter(bool), (bool,))
+_INT64 = (-(2**63), 2**63 - 1)
+
+
+class _Field(NamedTuple):
+    """How vLLM's request models read one body field: its type, and the range vLLM's sampling parameters accept
+    (None: unbounded on that side)."""
+
+    type: _Type
     low: float | None = None
     high: float | None = None
     low_exclusive: bool = False
 
-
-_FLOAT, _INT, _BOOL = TypeAdapter(float), TypeAdapter(int), TypeAdapter(bool)
-_INT64 = (-(2**63), 2**63 - 1)
 
 # Body fields checked up front, so that `nightshift validate` reports them without an engine and so that every later
 # step sees the value vLLM will use: a field is coerced exactly as vLLM's request models coerce it ("0.5" -> 0.5,
@@ -81,18 +92,16 @@ _ROUTE_FIELDS: dict[str, dict[str, _Field]] = {
     "/v1/chat/completions": {"logprobs": _Field(_BOOL)},
     "/v1/completions": {"logprobs": _Field(_INT, 0)},
 }
-# The exact types a field's fast path accepts without asking pydantic: the common case of a million-row input.
-_PLAIN: dict[int, tuple[type, ...]] = {id(_FLOAT): (float, int), id(_INT): (int,), id(_BOOL): (bool,)}
 
 
 def _read_field(name: str, value: Any, spec: _Field) -> tuple[Any, str | None]:
     """(the value vLLM would use, or a problem message)."""
-    if type(value) not in _PLAIN[id(spec.adapter)] or (spec.adapter is not _BOOL and type(value) is bool):
+    if type(value) not in spec.type.plain:
         try:
-            value = spec.adapter.validate_python(value)
+            value = spec.type.adapter.validate_python(value)
         except ValidationError as exc:
             return value, f"body.{name}: {exc.errors()[0]['msg']}, got {_shown(value)}"
-    if spec.adapter is _BOOL:
+    if spec.type is _BOOL:
         return value, None
     if isinstance(value, float) and not math.isfinite(value):  # NaN passes every comparison
         return value, f"body.{name} must be a finite number, got {value}"
