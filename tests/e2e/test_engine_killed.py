@@ -38,19 +38,19 @@ def private_ray():
     ray.shutdown()
 
 
-def test_engine_actor_killed_mid_job(private_ray, tmp_path):
-    """Row "an engine process dies": the actor process itself is SIGKILLed."""
-
-    n = 40
+def _start_job(tmp_path, job_id: str, prefix: str, n: int, max_tokens: int) -> tuple[threading.Thread, dict]:
+    """A job of `n` short chats running on a thread (its outcome lands in the dict): small chunks and staged parts,
+    so a kill finds rows both in flight and already staged."""
     lines = [
-        chat_line(f"k-{i:03d}", QUESTIONS[i % len(QUESTIONS)], max_tokens=48, temperature=0) for i in range(n)
+        chat_line(f"{prefix}-{i:03d}", QUESTIONS[i % len(QUESTIONS)], max_tokens=max_tokens, temperature=0)
+        for i in range(n)
     ]
     path = write_lines(tmp_path / "in.jsonl", lines)
     config = JobConfig.model_validate(
         {
             "input": str(path),
             "output": str(tmp_path / "out"),
-            "job_id": "engine-kill",
+            "job_id": job_id,
             "engine": {"backend": "vllm", "vllm": {"max_model_len": 512, "max_num_seqs": 8}},
             "resources": {"rows_per_task": 4},
             "output_options": {"rows_per_shard": 16, "staging_rows": 4},
@@ -59,6 +59,14 @@ def test_engine_actor_killed_mid_job(private_ray, tmp_path):
     outcome: dict = {}
     thread = threading.Thread(target=lambda: outcome.update(result=run_job(config, show_progress=False)))
     thread.start()
+    return thread, outcome
+
+
+def test_engine_actor_killed_mid_job(private_ray, tmp_path):
+    """Row "an engine process dies": the actor process itself is SIGKILLed."""
+
+    n = 40
+    thread, outcome = _start_job(tmp_path, "engine-kill", "k", n, max_tokens=48)
 
     victim, pid = _engine_with_work_in_flight("engine-kill", thread)
     os.kill(pid, signal.SIGKILL)
@@ -123,23 +131,7 @@ def test_engine_core_killed_under_a_live_actor(private_ray, tmp_path):
     lives on until vLLM tells it the engine is dead, then exits so that Ray restarts it with a fresh engine."""
 
     n = 24
-    lines = [
-        chat_line(f"c-{i:03d}", QUESTIONS[i % len(QUESTIONS)], max_tokens=16, temperature=0) for i in range(n)
-    ]
-    path = write_lines(tmp_path / "in.jsonl", lines)
-    config = JobConfig.model_validate(
-        {
-            "input": str(path),
-            "output": str(tmp_path / "out"),
-            "job_id": "engine-core-kill",
-            "engine": {"backend": "vllm", "vllm": {"max_model_len": 512, "max_num_seqs": 8}},
-            "resources": {"rows_per_task": 4},
-            "output_options": {"rows_per_shard": 16, "staging_rows": 4},
-        }
-    )
-    outcome: dict = {}
-    thread = threading.Thread(target=lambda: outcome.update(result=run_job(config, show_progress=False)))
-    thread.start()
+    thread, outcome = _start_job(tmp_path, "engine-core-kill", "c", n, max_tokens=16)
 
     # Once the engine has rows in flight, kill its engine core and nothing else.
     victim, actor_pid = _engine_with_work_in_flight("engine-core-kill", thread)
