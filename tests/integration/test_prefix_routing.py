@@ -90,8 +90,9 @@ def test_rows_of_one_prompt_run_on_one_engine(local_ray, tmp_path):
     # Only stolen rows (an engine out of its own prompts taking another's so as not to idle) may run elsewhere.
     assert off_owner <= routing["rows_stolen"] <= PROMPTS * ROWS_PER_PROMPT // 4, (spread, routing)
     assert routing["rows_routed"] + routing["rows_stolen"] == PROMPTS * ROWS_PER_PROMPT
-    # Each engine owns whole prompts: every prompt has one engine that ran nearly all of its rows.
-    assert all(max(c.values()) >= 0.75 * ROWS_PER_PROMPT for c in spread.values()), spread
+    # Each engine owns whole prompts: every prompt has one engine that ran most of its rows (a steal takes whole
+    # chunks of the prompt with the most rows waiting, so an owner may lose up to a few chunks near the end).
+    assert all(max(c.values()) > ROWS_PER_PROMPT // 2 for c in spread.values()), spread
 
 
 def test_without_routing_prompts_spread_over_engines(local_ray, tmp_path):
