@@ -278,6 +278,11 @@ class StagingArea:
         self._writer_id = uuid.uuid4().hex[:8]
         self._seq = 0
 
+    @property
+    def is_local(self) -> bool:
+        """On this machine's disk (other hosts of a cluster cannot write it)."""
+        return isinstance(self.files, LocalFiles)
+
     def describe(self) -> str:
         """Where the checkpoint is, for messages: a local path or an s3:// URL."""
         return self.files.url(self.root)

@@ -19,12 +19,17 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-import pyarrow as pa
-import pyarrow.compute as pc
 import structlog
 
 from pipeline import __version__
-from pipeline.config import JobConfig, PoolConfig, StorageConfig, effective_pools, merge_overrides
+from pipeline.config import (
+    DEFAULT_MAX_NUM_SEQS,
+    JobConfig,
+    PoolConfig,
+    StorageConfig,
+    effective_pools,
+    merge_overrides,
+)
 from pipeline.engines.base import EngineSpec, engine_class
 from pipeline.io.locations import RetryStats
 from pipeline.io.readers import InputSource
@@ -43,8 +48,11 @@ from pipeline.runtime.preflight import (
     check_output_target,
     output_problem,
 )
+from pipeline.runtime.sink import ChunkSink
 
 log = structlog.get_logger(__name__)
+
+PROGRESS_POLL_S = 0.5  # how often the driver reads the queue's totals (one small actor call)
 
 
 @dataclass
@@ -65,6 +73,7 @@ class EngineRun:
     duplicates_dropped: int = 0
     preemption_warned: bool = False  # the live warning went out already
     routing: dict[str, Any] = field(default_factory=dict)
+    leases: dict[str, int] = field(default_factory=dict)  # chunks handed out, and handed out again
     # Engines restarted, and those that died with rows in flight: where, why, and who re-ran the rows.
     recovery: dict[str, Any] = field(default_factory=lambda: summarize_recovery({}))
 
@@ -131,6 +140,11 @@ class _InBackground:
         )
         self._thread.start()
 
+    def wait(self, timeout: float) -> bool:
+        """Whether it has finished, waiting at most `timeout` seconds."""
+        self._thread.join(timeout)
+        return not self._thread.is_alive()
+
     def result(self) -> Any:
         self._thread.join()
         if self._error is not None:
@@ -138,190 +152,57 @@ class _InBackground:
         return self._value
 
 
-class _StagingBuffer:
-    """Finished rows waiting to become a staged part: flushed by size or age (the checkpoint cadence)."""
-
-    def __init__(self, staging: StagingArea, max_rows: int, max_age_s: float = 10.0) -> None:
-        self.staging = staging
-        self.max_rows = max_rows
-        self.max_age_s = max_age_s
-        self.tables: list[pa.Table] = []
-        self.rows = 0
-        self._since = time.monotonic()
-
-    def add(self, table: pa.Table) -> None:
-        self.tables.append(table)
-        self.rows += table.num_rows
-        if self.rows >= self.max_rows or time.monotonic() - self._since > self.max_age_s:
-            self.flush()
-
-    def flush(self) -> None:
-        if self.tables:
-            rows = pa.concat_tables(self.tables, promote_options="permissive")
-            failed = pc.is_valid(rows.column("error_code"))
-            self.staging.write_table("results", rows.filter(pc.invert(failed)))
-            self.staging.write_table("errors", rows.filter(failed))
-        self.tables, self.rows = [], 0
-        self._since = time.monotonic()
-
-
-class _ResultSink:
-    """Takes the engines' output blocks on the driver: drops re-deliveries, stages the rest, counts them.
-
-    Works on whole Arrow blocks: a million-row job must not cost a Python object per row here."""
-
-    def __init__(
-        self, staging: StagingArea, staging_rows: int, finished: set[str], counters: JobCounters
-    ) -> None:
-        self.buffer = _StagingBuffer(staging, staging_rows)
-        # A re-executed Ray task (lost node, lineage reconstruction) could hand back rows already seen; the
-        # contract is exactly-once, so the driver keeps the ids it staged and drops repeats.
-        self.staged = set(finished)
-        self.counters = counters
-        self.pools: dict[str, dict[str, float]] = {}
-        self.duplicates_dropped = 0
-        self._started = time.monotonic()
-
-    def add(self, block: pa.Table) -> None:
-        ids = block.column("custom_id").to_pylist()
-        staged = self.staged
-        if not staged.isdisjoint(ids) or len(set(ids)) != len(ids):
-            keep = []
-            for custom_id in ids:
-                keep.append(custom_id not in staged)
-                staged.add(custom_id)
-            block = block.filter(pa.array(keep))
-            self.duplicates_dropped += len(ids) - block.num_rows
-        else:
-            staged.update(ids)
-        if not block.num_rows:
-            return
-        self.buffer.add(block)
-        self.counters.add(
-            block.num_rows,
-            block.num_rows - block.column("error_code").null_count,
-            _sum(block, "prompt_tokens"),
-            _sum(block, "completion_tokens"),
-        )
-        elapsed = round(time.monotonic() - self._started, 3)
-        pools = block.column("pool")
-        names = pc.unique(pools).to_pylist()
-        for name in names:
-            rows = block if len(names) == 1 else block.filter(pc.equal(pools, name))
-            stats = self.pools.setdefault(
-                name, {"rows": 0, "prompt_tokens": 0, "completion_tokens": 0, "first_result_s": None}
-            )
-            stats["rows"] += rows.num_rows
-            stats["prompt_tokens"] += _sum(rows, "prompt_tokens")
-            stats["completion_tokens"] += _sum(rows, "completion_tokens")
-            if stats["first_result_s"] is None:
-                stats["first_result_s"] = elapsed
-            stats["last_result_s"] = elapsed
-
-
-def _sum(table: pa.Table, column: str) -> int:
-    return int(pc.sum(table.column(column)).as_py() or 0)
-
-
-# Chunk sizing for engines whose speed is known up front: each read task and actor call costs tens of ms of Ray
-# Data scheduling, so a chunk should carry seconds of work; the cap bounds what one chunk holds in memory.
+# Chunk sizing for engines whose speed is known up front: each lease and acknowledgement costs a few actor calls,
+# so a chunk should carry seconds of work; the cap bounds what one chunk holds in memory.
 CHUNK_SECONDS = 2.0
 MAX_CHUNK_ROWS = 16384
 
 
 @dataclass(frozen=True)
 class PoolPlan:
-    """How one pool runs: its engine spec, the size of its work chunks and how much work its engines hold."""
+    """How one pool runs: its engine spec, the size of its chunks and how many requests its engines hold."""
 
     pool: PoolConfig
     spec: EngineSpec
-    batch_size: int  # rows per chunk (one Ray Data batch, one actor call)
-    calls_per_actor: int  # chunks each engine actor works on at once
-    in_flight: int  # requests each engine actor keeps inside the engine at once
+    chunk_rows: int  # rows per lease
+    in_flight: (
+        int | None
+    )  # requests each engine keeps inside it; None: 2 x its own max_num_seqs, once started
     max_engines: int
-
-    @property
-    def credit(self) -> int:
-        """Rows the pool may hold at once: what its engines can work on, plus a chunk each to hide the latency."""
-        return self.max_engines * self.engine_credit
-
-    @property
-    def engine_credit(self) -> int:
-        return (self.calls_per_actor + 1) * self.batch_size
-
-    def lanes(self, config: JobConfig, keyed_rows: int) -> int:
-        """Engines that get a lane of their own (prefix-aware routing), or 0 to run the pool as one actor pool.
-
-        Lanes only where they can pay: a job with shared prompts, a pool of several engines; and only for a fixed
-        pool (a lane is one engine; an autoscaling pool keeps Ray Data's actor pool, which can grow)."""
-        pool = self.pool
-        fixed = pool.max_engines is None or pool.max_engines == pool.min_engines
-        if config.routing.prefix_aware and keyed_rows and fixed and self.max_engines > 1:
-            return self.max_engines
-        return 0
 
 
 def plan_pool(config: JobConfig, spec: EngineSpec, pool: PoolConfig) -> PoolPlan:
     spec = replace(spec, args={**spec.args, **pool.engine_overrides}, cpus=pool.cpus_per_engine)
-    limit = spec.args.get("max_num_seqs") or spec.args.get("max_concurrency") or 64
-    in_flight = config.engine.max_in_flight or 2 * int(limit)
-    # A chunk comes back only when all its rows are done (Ray Data hands a task's output on at its end), so for a
-    # real engine chunks stay small — half the in-flight window — and finished rows flow back steadily. An engine
-    # that can say how fast it is gets chunks of about CHUNK_SECONDS of work instead.
-    batch_size = config.resources.rows_per_task
-    if batch_size is None:
-        batch_size = max(1, -(-in_flight // 2))
+    known = spec.args.get("max_num_seqs") or spec.args.get("max_concurrency")
+    in_flight = config.engine.max_in_flight or (2 * int(known) if known else None)
+    # A chunk's rows are staged when all of them are done, so for a real engine chunks stay small — half the
+    # in-flight window — and finished rows reach staging steadily. An engine that can say how fast it is gets
+    # chunks of about CHUNK_SECONDS of work instead. (With max_num_seqs left to the engine, vLLM's usual
+    # default sizes the chunk; the window itself follows the engine's value.)
+    chunk_rows = config.resources.rows_per_task
+    if chunk_rows is None:
+        chunk_rows = max(1, (in_flight or 2 * DEFAULT_MAX_NUM_SEQS) // 2)
         speed = engine_class(spec.backend).rows_per_second(spec)
         if speed:
-            batch_size = int(min(MAX_CHUNK_ROWS, max(batch_size, speed * CHUNK_SECONDS)))
-    # Enough overlapping chunks per actor that `in_flight` requests are always with the engine, so its
-    # continuous batching stays full across chunk boundaries.
-    calls_per_actor = max(2, -(-in_flight // batch_size))
-    return PoolPlan(pool, spec, batch_size, calls_per_actor, in_flight, pool.max_engines or pool.min_engines)
-
-
-def taker_name(pool: str, lane: int | None) -> str:
-    """Whom the work queue serves: a pool, or one lane (engine) of it."""
-    return pool if lane is None else f"{pool}/{lane}"
+            chunk_rows = int(min(MAX_CHUNK_ROWS, max(chunk_rows, speed * CHUNK_SECONDS)))
+    return PoolPlan(pool, spec, chunk_rows, in_flight, pool.max_engines or pool.min_engines)
 
 
 def _pool_dataset(
-    plan: PoolPlan,
-    queue: Any,
-    monitor: Any,
-    job_id: str,
-    pending_rows: int,
-    lane: int | None = None,
-    readers_on: str | None = None,
+    plan: PoolPlan, queue: Any, monitor: Any, sink: ChunkSink, job_id: str, max_in_flight: int | None
 ):
-    """One pool's pipeline: pull chunks from the shared queue → its engine actors.
+    """One pool's pipeline: a ticket per engine → its engine actors, which lease chunks from the shared queue.
 
-    With `lane`, the pipeline of one engine of the pool (an actor pool of one) that pulls as its own taker, so the
-    queue decides which engine runs which requests (prefix-aware routing)."""
+    Ray Data does what it does well — placing the actors by resources and accelerator type, scaling the pool,
+    restarting a dead actor and re-running its ticket; the queue adds what it lacks: leases that come back when
+    their engine dies, prefix-aware routing, and pulling across pools (a faster pool simply leases more)."""
     import ray
 
-    from pipeline.runtime.work_queue import queue_datasource
     from pipeline.runtime.worker import EngineWorker
 
     pool = plan.pool
-    taker = taker_name(pool.name, lane)
-    engines = plan.max_engines if lane is None else 1
-    # Each read task pulls one chunk; a few at a time per engine is plenty of supply, and the queue's credit (not
-    # the number of readers) bounds how much work the pool holds. Every taker gets tasks enough for the whole job
-    # (a lane may end up doing all of it); the ones that find the queue empty return nothing.
-    tasks = max(1, -(-pending_rows // plan.batch_size))
-    source = queue_datasource(queue, taker, read_tasks=tasks, chunk_rows=plan.batch_size)
-    # Readers run on the driver's node (`readers_on`, a node id): a chunk leaves the queue once, so a read task lost
-    # with a worker node (or its output block, re-made by lineage) would re-run and pull *another* chunk, and the
-    # first one's rows would never be run. On the driver's node they share the job's fate; only engines move. Every
-    # Ray node carries its id as a label, which is how Ray Data itself pins reads to a node.
-    ds = ray.data.read_datasource(
-        source,
-        num_cpus=0,
-        override_num_blocks=tasks,
-        concurrency=min(tasks, 2 * engines),
-        label_selector={"ray.io/node-id": readers_on} if readers_on is not None else None,
-    )
+    tickets = [{"ticket": f"{pool.name}/{i}"} for i in range(plan.max_engines)]
+    ds = ray.data.from_items(tickets, override_num_blocks=len(tickets))
     return ds.map_batches(
         EngineWorker,
         fn_constructor_kwargs={
@@ -330,22 +211,39 @@ def _pool_dataset(
             "monitor": monitor,
             "job_id": job_id,
             "queue": queue,
-            "max_in_flight": plan.in_flight,
-            "taker": taker,
+            "sink": sink,
+            "chunk_rows": plan.chunk_rows,
+            "max_in_flight": max_in_flight,
         },
-        batch_size=plan.batch_size,
+        batch_size=1,
         compute=ray.data.ActorPoolStrategy(
-            min_size=pool.min_engines if lane is None else 1,
-            max_size=engines,
-            max_concurrent_calls_per_actor=plan.calls_per_actor,
+            min_size=pool.min_engines, max_size=plan.max_engines, max_concurrent_calls_per_actor=1
         ),
         num_cpus=pool.cpus_per_engine,
         num_gpus=pool.gpus_per_engine or None,
         resources=pool.resources_per_engine or None,
         accelerator_type=pool.accelerator_type,
         batch_format="numpy",
-        zero_copy_batch=True,
     )
+
+
+def _wait_for_earlier_driver(job_id: str, timeout_s: float = 120.0) -> None:
+    """On a long-lived cluster, the engines of a driver that died a moment ago may still be staging their last
+    chunks until Ray reaps them (they share their driver's fate). Pending work is listed only once they are gone,
+    or it would include rows they are about to stage. Their job monitor's name tells whether any are left."""
+    import ray
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            ray.get_actor(f"nightshift-monitor-{job_id}")
+        except ValueError:
+            return
+        if time.monotonic() > deadline:
+            raise PreflightError(
+                f"job {job_id} is still running from another driver on this cluster; stop it before resuming"
+            )
+        time.sleep(0.5)
 
 
 def _run_engines(
@@ -362,8 +260,10 @@ def _run_engines(
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
     from pipeline.runtime.monitor import JobMonitor
+    from pipeline.runtime.sink import PartWriter, engines_share_disk_with_driver
     from pipeline.runtime.work_queue import WorkQueue
 
+    _wait_for_earlier_driver(job_id)
     files = staging.pending_requests(finished)
     if not files:
         return EngineRun()
@@ -372,12 +272,12 @@ def _run_engines(
     # than there are chunks to give them (a chunk's size does not depend on how many engines there are).
     engines_given = bool(config.pools) or config.resources.num_engines is not None
     pools = [
-        place_pool(pool, spec, engines_given, -(-pending_rows // plan_pool(config, spec, pool).batch_size))
+        place_pool(pool, spec, engines_given, -(-pending_rows // plan_pool(config, spec, pool).chunk_rows))
         for pool in effective_pools(config)
     ]
-    # The monitor and the queue are pinned to the driver's node: they must not go down with a worker node (that
-    # is what they help survive), and the queue reads the staged work list where the driver wrote it (a local
-    # staging directory is on this node's disk).
+    # The monitor, the queue and (for a local OUTPUT on a multi-host cluster) the part writer are pinned to the
+    # driver's node: they must not go down with a worker node (that is what they help survive), and a local
+    # staging directory is on this node's disk.
     # The monitor is named so operators (and tests) can find a job's engines: ray.get_actor(name).snapshot().
     node_id = ray.get_runtime_context().get_node_id()
     here = NodeAffinitySchedulingStrategy(node_id, soft=False)
@@ -387,63 +287,81 @@ def _run_engines(
         .remote()
     )
     plans = [plan_pool(config, spec, pool) for pool in pools]
-    # Who pulls from the queue: each pool as a whole, or each of its engines as a lane of its own.
-    takers = [(plan, lane) for plan in plans for lane in range(plan.lanes(config, keyed_rows)) or [None]]
-    credit = {
-        taker_name(plan.pool.name, lane): plan.credit if lane is None else plan.engine_credit
-        for plan, lane in takers
-    }
-    route = any(lane is not None for _, lane in takers)
-    # The queue looks ahead by what all engines hold at once, a few times over, to find rows of each engine's
-    # prompts; bounded, since a million-row job must not be read into memory.
-    window = min(65536, max(8192, 4 * sum(credit.values())))
+    route = config.routing.prefix_aware and keyed_rows > 0 and sum(p.max_engines for p in plans) > 1
+    # The queue looks ahead a few chunks per engine to find rows of each engine's prompts; bounded, since a
+    # million-row job must not be read into memory.
+    window = min(65536, max(8192, 4 * sum(p.max_engines * p.chunk_rows for p in plans)))
     queue = (
         ray.remote(num_cpus=0)(WorkQueue)
         .options(scheduling_strategy=here)
-        .remote(files, credit, files_on=staging.files, route=route, window_rows=window)
+        .remote(files, files_on=staging.files, route=route, window_rows=window, run_id=uuid.uuid4().hex[:8])
     )
+    writer = None
+    if not engines_share_disk_with_driver(staging.is_local):
+        writer = ray.remote(num_cpus=0)(PartWriter).options(scheduling_strategy=here).remote(staging)
+    sink = ChunkSink(staging, writer)
     datasets = [
-        _pool_dataset(plan, queue, monitor, job_id, pending_rows, lane, readers_on=node_id)
-        for plan, lane in takers
+        _pool_dataset(plan, queue, monitor, sink, job_id, config.engine.max_in_flight) for plan in plans
     ]
     ds = datasets[0].union(*datasets[1:]) if len(datasets) > 1 else datasets[0]
 
-    sink = _ResultSink(staging, config.output_options.staging_rows, finished, counters)
     # Live engine numbers (KV usage, preemptions, prefix hits) in the display and logs; warns once on preemptions.
     watch = EngineWatch.of_monitor(monitor, staging.read_job().get("fit"))
+    seen = {"rows": 0, "failed": 0, "prompt_tokens": 0, "completion_tokens": 0}
+    progress_pools: dict[str, dict[str, Any]] = {}
+
+    def take_progress() -> None:
+        latest = ray.get(queue.progress.remote())
+        delta = {key: latest[key] - seen[key] for key in seen}
+        if delta["rows"]:
+            counters.add(delta["rows"], delta["failed"], delta["prompt_tokens"], delta["completion_tokens"])
+            seen.update({key: latest[key] for key in seen})
+        progress_pools.clear()
+        progress_pools.update(latest["pools"])
+
+    # The engines run in Ray; the driver only watches: acknowledgements are counted by the queue.
+    running = _InBackground(lambda: sum(int(b["chunks"].sum()) for b in ds.iter_batches(batch_size=None)))
     with ProgressDisplay(counters, enabled=show_progress, engines=watch.poll) as progress:
-        for block in ds.iter_batches(batch_format="pyarrow", batch_size=None):
-            sink.add(block)
-            progress.update(pools=sink.pools)
-        sink.buffer.flush()
-        progress.update(force=True, pools=sink.pools)
-    run = EngineRun(pools=sink.pools, duplicates_dropped=sink.duplicates_dropped)
+        while not running.wait(PROGRESS_POLL_S):
+            take_progress()
+            progress.update(pools=progress_pools)
+        running.result()
+        take_progress()
+        progress.update(force=True, pools=progress_pools)
+    run = EngineRun(pools={name: dict(stats) for name, stats in progress_pools.items()})
     reserved = {pool.name: pool.cpus_per_engine for pool in pools}
+    snapshot = ray.get(monitor.snapshot.remote())
     for name, stats in run.pools.items():
         stats["cpus_per_engine"] = reserved.get(name) or 0.0
-        stats["engines"] = sum(
-            1 for info in ray.get(monitor.snapshot.remote()).values() if info["pool"] == name
-        )
+        stats["engines"] = sum(1 for info in snapshot.values() if info["pool"] == name)
         span = stats.get("last_result_s") or 0
         stats["output_tokens_per_s"] = round(stats["completion_tokens"] / span, 2) if span else 0.0
-    run.snapshot = ray.get(monitor.snapshot.remote())
+    run.snapshot = snapshot
     run.retried_requests = len(ray.get(monitor.retries.remote()))
     run.recovery = summarize_recovery(ray.get(monitor.work.remote()))
     run.preemption_warned = watch.warned
     queued = ray.get(queue.stats.remote())
-    # Routing facts: rows each lane ran; "rows_routed" ran on their key's owner, "rows_stolen" on another engine
-    # (so that none idled), "rows_unkeyed" had no shared prompt; "keys": prompts that got an owning lane.
+    run.duplicates_dropped = queued["duplicate_acks"]
+    run.leases = {
+        k: queued[k] for k in ("chunks_issued", "chunks_reissued", "rows_reissued", "duplicate_acks")
+    }
+    # Routing facts: rows each engine ran; "rows_routed" ran on their key's owner, "rows_stolen" on another
+    # engine (so that none idled), "rows_unkeyed" had no shared prompt; "keys": prompts that got an owning engine.
     run.routing = {
         "enabled": config.routing.prefix_aware,
-        "lanes_used": route,
+        "used": route,
         "keyed_rows_in_input": keyed_rows,
-        "rows_by_lane": dict(sorted(queued["served_by"].items())) if route else {},
+        "rows_by_engine": dict(sorted(queued["served_by"].items())) if route else {},
         **queued["routing"],
     }
-    for actor in (monitor, queue):
-        ray.kill(actor)
+    for actor in (monitor, queue, writer):
+        if actor is not None:
+            ray.kill(actor)
     if run.duplicates_dropped:
-        log.warning("dropped rows re-delivered by retried tasks", rows=run.duplicates_dropped)
+        log.warning(
+            "dropped chunks that ran twice (their engine died after staging them)",
+            chunks=run.duplicates_dropped,
+        )
     return run
 
 
@@ -584,6 +502,7 @@ def run_job(config: JobConfig, show_progress: bool = True, resume: bool = False)
             "rows_from_earlier_runs": len(finished),
             "requests_retried_after_engine_failure": run.retried_requests,
             "duplicate_deliveries_dropped": run.duplicates_dropped,
+            "leases": run.leases,
             **run.recovery,
         },
         "pools": run.pools,
