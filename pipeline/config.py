@@ -82,6 +82,13 @@ class FakeEngineArgs(_Strict):
     max_concurrency: int = Field(
         default=256, ge=1, description="Sequences the fake engine runs at once (its KV limit)."
     )
+    kv_cache_tokens: int | None = Field(
+        default=None,
+        ge=1,
+        description="A simulated KV cache: when set, the engine decides its max_num_seqs as it starts "
+        "(kv_cache_tokens // max_model_len), as vLLM does on a GPU from its measured memory, instead of using "
+        "max_concurrency.",
+    )
     output_tokens: int = Field(
         default=16, ge=1, description="Tokens generated when the request sets no max_tokens."
     )

@@ -72,7 +72,17 @@ class FakeEngine(Engine):
         super().__init__(spec)
         self.args = spec.args
         self.max_model_len = int(self.args.get("max_model_len") or FAKE_MAX_MODEL_LEN)
-        self._slots = asyncio.Semaphore(int(self.args.get("max_concurrency", 256)))
+        # Sequences at once: its KV model's answer (decided here, as vLLM decides after measuring memory), or
+        # max_concurrency.
+        kv_tokens = self.args.get("kv_cache_tokens")
+        self.max_num_seqs = (
+            max(1, int(kv_tokens) // self.max_model_len)
+            if kv_tokens
+            else int(self.args.get("max_concurrency", 256))
+        )
+        self._slots = asyncio.Semaphore(self.max_num_seqs)
+        self._inside = 0
+        self.peak_inside = 0  # most requests inside the engine at once (running or waiting for a slot)
         # Fixed, so fake outputs are byte-for-byte reproducible (real engines stamp the wall clock).
         self._created = 1_700_000_000
 
@@ -112,8 +122,13 @@ class FakeEngine(Engine):
     async def generate(self, request: EngineRequest) -> EngineResult:
         result, cost = self._answer(request)
         if cost > 0:  # a request that costs no time holds no slot: nothing could wait for it
-            async with self._slots:
-                await asyncio.sleep(cost)
+            self._inside += 1
+            self.peak_inside = max(self.peak_inside, self._inside)
+            try:
+                async with self._slots:
+                    await asyncio.sleep(cost)
+            finally:
+                self._inside -= 1
         return result
 
     def _answer(self, request: EngineRequest) -> tuple[EngineResult, float]:
@@ -184,5 +199,11 @@ class FakeEngine(Engine):
             }
         return EngineResult(request.custom_id, 200, response, None, prompt_tokens, completion_tokens), cost
 
+    def effective_args(self) -> dict[str, Any]:
+        return {**self.args, "max_num_seqs": self.max_num_seqs}
+
     def stats(self) -> EngineStats:
-        return EngineStats(kv_cache_tokens=self.max_model_len * int(self.args.get("max_concurrency", 256)))
+        return EngineStats(
+            kv_cache_tokens=int(self.args.get("kv_cache_tokens") or self.max_model_len * self.max_num_seqs),
+            extra={"peak_requests_inside": self.peak_inside},
+        )

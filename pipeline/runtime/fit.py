@@ -326,9 +326,11 @@ def fit_max_model_len(lengths: Lengths, block_size: int, limit: int) -> tuple[in
 
 
 def choose_max_num_seqs(
-    given: int | None, capacity: KvCapacity | None, context: int
-) -> tuple[int, str, str, str | None]:
-    """(value, source, why, warning) for one pool's max_num_seqs at max_model_len `context`."""
+    given: int | None, capacity: KvCapacity | None, context: int, device: str = "cpu"
+) -> tuple[int | None, str, str, str | None]:
+    """(value, source, why, warning) for one pool's max_num_seqs at max_model_len `context`; value None leaves it
+    to the engine (a GPU's KV capacity is known only once vLLM has measured its memory; the runtime reads the
+    value back and sizes its in-flight window from it)."""
     fits = capacity.sequences(context) if capacity else None
     held = (
         f"the KV cache ({capacity.tokens:,} tokens) holds {fits} sequences of {context:,} tokens"
@@ -345,16 +347,33 @@ def choose_max_num_seqs(
             )
         return given, "given", f"given{'; ' + held if held else ''}", warning
     if capacity is None:
-        return DEFAULT_MAX_NUM_SEQS, "default", "KV capacity unknown before the engine starts", None
+        if device == "cpu":
+            return DEFAULT_MAX_NUM_SEQS, "default", "KV capacity unknown before the engine starts", None
+        return (
+            None,
+            "engine",
+            "KV capacity is known once the engine has measured its memory: vLLM decides",
+            None,
+        )
     if fits == 0:
         warning = (
             f"max_model_len {context:,} does not fit one sequence in the KV cache ({capacity.tokens:,} tokens): "
             f"vLLM will refuse to start; give the KV cache more memory (--cpu-kvcache-space) or lower --max-model-len"
         )
         return 1, "fitted", held, warning
-    value = min(MAX_NUM_SEQS_CAP, fits)
-    why = held + (f"; capped at {MAX_NUM_SEQS_CAP}" if fits > MAX_NUM_SEQS_CAP else "")
+    # On CPU cores, past a few hundred sequences a bigger batch only queues: the cap is a CPU rule. A GPU gets
+    # every sequence its (known) cache holds.
+    value = min(MAX_NUM_SEQS_CAP, fits) if device == "cpu" else fits
+    why = held + (f"; capped at {MAX_NUM_SEQS_CAP}" if value < fits else "")
     return value, "fitted", why, None
+
+
+def unfitted_max_num_seqs(config: JobConfig) -> int | None:
+    """max_num_seqs for a vLLM job that was not fitted: the CPU default when every pool computes on CPU cores;
+    otherwise the engine's own choice (a fixed CPU value would cap a GPU far below what its cache holds)."""
+    if any(pool.gpus_per_engine > 0 for pool in effective_pools(config)):
+        return None
+    return DEFAULT_MAX_NUM_SEQS
 
 
 # --- the job's fit ---------------------------------------------------------------------------------------------
@@ -383,15 +402,19 @@ def apply_fit(config: JobConfig, record: dict[str, Any]) -> JobConfig:
     fitted_len = record.get("max_model_len") or {}
     if vllm["max_model_len"] is None and fitted_len.get("source") == "fitted":
         vllm["max_model_len"] = fitted_len["value"]
-    seqs = {name: s for name, s in (record.get("max_num_seqs") or {}).items() if s["source"] != "given"}
+    seqs = {
+        name: s["value"]
+        for name, s in (record.get("max_num_seqs") or {}).items()
+        if s["source"] != "given" and s["value"] is not None  # None: the engine decides
+    }
     if config.pools:
         for pool in data["pools"]:
             if pool["name"] in seqs:
-                pool["engine_overrides"]["max_num_seqs"] = seqs[pool["name"]]["value"]
+                pool["engine_overrides"]["max_num_seqs"] = seqs[pool["name"]]
     elif "default" in seqs:
-        vllm["max_num_seqs"] = seqs["default"]["value"]
-    if config.engine.backend == "vllm" and vllm["max_num_seqs"] is None:
-        vllm["max_num_seqs"] = DEFAULT_MAX_NUM_SEQS  # every pool has its own; this one only fills the spec
+        vllm["max_num_seqs"] = seqs["default"]
+    if config.engine.backend == "vllm" and vllm["max_num_seqs"] is None and not record.get("max_num_seqs"):
+        vllm["max_num_seqs"] = unfitted_max_num_seqs(config)
     return JobConfig.model_validate(data)
 
 
@@ -477,7 +500,9 @@ def _decide(
             pool_context = args.get("max_model_len") or context
             sized_for = min(pool_context, bound) if bound else pool_context
             capacity = target.capacity(args, device)
-            value, source, why, warning = choose_max_num_seqs(args.get("max_num_seqs"), capacity, sized_for)
+            value, source, why, warning = choose_max_num_seqs(
+                args.get("max_num_seqs"), capacity, sized_for, device
+            )
             record["max_num_seqs"][name] = {
                 "value": value,
                 "source": source,

@@ -175,6 +175,20 @@ def summarize_engines(snapshot: dict[str, dict[str, Any]]) -> dict[str, Any]:
             cores for e in snapshot.values() if (cores := e["stats"].get("extra", {}).get("cpu_cores"))
         ),
         "sampling_defaults": first.get("sampling_defaults", {}),
+        # Per pool: the engine's own max_num_seqs (given, fitted, or decided by the engine as it started) and the
+        # requests each of its actors kept inside it (2 x that, unless max_in_flight was given).
+        "in_flight": {
+            e["pool"]: {
+                "max_num_seqs": (e.get("effective_args") or {}).get("max_num_seqs"),
+                "window": e.get("in_flight_window"),
+                **(
+                    {"peak_requests_inside": peak}
+                    if (peak := e["stats"].get("extra", {}).get("peak_requests_inside")) is not None
+                    else {}
+                ),
+            }
+            for e in snapshot.values()
+        },
     }
 
 
