@@ -43,7 +43,8 @@ class VllmEngineArgs(_Strict):
         default=None,
         ge=1,
         description="Most sequences the engine runs at once. Default: as many as the KV cache holds at "
-        f"max_model_len (at most 256); when that is unknown or fitting is off, {DEFAULT_MAX_NUM_SEQS}.",
+        f"max_model_len (on CPU at most 256; {DEFAULT_MAX_NUM_SEQS} when fitting is off); on a GPU, where the cache "
+        "is measured only as the engine starts, vLLM's own choice, read back to size the in-flight window.",
     )
     gpu_memory_utilization: float = Field(
         default=0.9, gt=0, le=1, description="Share of accelerator memory vLLM may use (weights + KV cache)."
@@ -152,13 +153,6 @@ class EngineConfig(_Strict):
                 "(set engine.backend: fake, or --engine fake, to run the fake engine)"
             ]
         return []
-
-    def in_flight(self) -> int:
-        if self.max_in_flight:
-            return self.max_in_flight
-        if self.backend == "vllm":
-            return 2 * (self.vllm.max_num_seqs or DEFAULT_MAX_NUM_SEQS)
-        return 2 * self.fake.max_concurrency
 
 
 class ResourcesConfig(_Strict):

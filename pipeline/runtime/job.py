@@ -12,6 +12,7 @@ requests that have no staged row yet.
 from __future__ import annotations
 
 import datetime as dt
+import resource
 import threading
 import time
 import uuid
@@ -396,6 +397,7 @@ def run_job(config: JobConfig, show_progress: bool = True, resume: bool = False)
     """Run (or, with resume=True, continue) one job; returns when the output is committed."""
     started_at = dt.datetime.now(dt.timezone.utc)
     t0 = time.monotonic()
+    cpu0 = time.process_time()
     retries_before = RetryStats.snapshot()
     source, output, staging, state = _prepare(config, resume)
     model = resolve_model(config.model, config.served_model_name)
@@ -508,6 +510,12 @@ def run_job(config: JobConfig, show_progress: bool = True, resume: bool = False)
         },
         "pools": run.pools,
         "storage": RetryStats.since(retries_before),
+        # What coordinating cost this process (all its threads): the cluster does the per-row work, so this
+        # should grow with files, chunks and shards, not with rows.
+        "driver": {
+            "cpu_s": round(time.process_time() - cpu0, 3),
+            "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+        },
     }
     commit(output, staging, manifest)
     return JobOutcome(output.where, manifest, counters, run.pools)

@@ -1,23 +1,24 @@
-"""Work is pulled, not split up front: one queue of request chunks that every accelerator pool draws from.
+"""Work is pulled, not split up front: one queue of request chunks that every engine of every pool leases from.
 
-A `WorkQueue` actor (pinned to the driver's node) hands out chunks of requests, reading the staged work list
-through the staging area's storage (local disk, or the bucket of an s3:// OUTPUT).
-Each pool's Ray Data pipeline starts with a `QueueDatasource` whose read tasks keep pulling chunks until the queue
-is empty. Pulling alone is not enough: Ray Data would let a pool's readers run far ahead of its engines and
-buffer half the job. So the queue gives each taker credit — at most as many rows outstanding as its engines can
-hold at once (plus a batch each) — and engines return the credit as they finish rows. (Credit is counted in rows,
-not chunks, because Ray Data may split or bundle blocks on the way.) A pool therefore takes new work
-only as fast as it finishes it, and a slower pool never becomes the tail. The chunks travel through Ray's object
-store, so pools on other nodes never need the driver's disk. The read tasks themselves run on the driver's node:
-a chunk leaves the queue once, so a read task re-run after its node died would pull a different chunk.
+A `WorkQueue` actor (pinned to the driver's node) reads the staged work list through the staging area's storage
+(local disk, or the bucket of an s3:// OUTPUT) a bounded window at a time and hands it out in chunks. Engines pull
+(runtime/worker.py): each leases a chunk when it has room for one, so a faster engine or pool simply leases more and
+a slower one never becomes the tail. The chunks travel through Ray's object store, so engines on other nodes never
+need the driver's disk.
 
-Prefix-aware routing: a "taker" is a pool, or one lane of a pool (one engine with its own pipeline, see
-runtime/job.py). With routing on, the queue reads a bounded window of the work list ahead, groups it by prefix key
-(stages/route.py), and gives each key an owner: the first taker to pull it. A taker's chunk is filled from, in
-order: keys it owns; keys nobody owns yet (it claims them); requests without a key; keys it already took over
-from others; and last, another taker's keys (it steals, so no engine idles while work remains: the key with the
-most rows waiting, where one more prefill of its prompt pays best). Chunks are full (the job sizes its read tasks
-by them) and prefix-homogeneous where the window allows.
+Leases: a chunk stays on the queue's books until its engine acknowledges that its rows are staged. The engines' pull
+loops are Ray Data tasks ("tickets"); when an engine dies, Ray re-runs its ticket on a fresh actor, and the ticket's
+first call hands its unacknowledged chunks out again — same id, same staged part name, so a chunk that was staged but
+not yet acknowledged is rewritten, never doubled. Only chunks in flight are remembered, never the job's rows.
+
+Prefix-aware routing: with routing on, the queue groups its window by prefix key (stages/route.py) and gives each
+key an owner: the first engine to pull it. An engine's chunk is filled from, in order: keys it owns; keys nobody
+owns yet (it claims them); requests without a key; keys it already took over from others; and last, another
+engine's keys (it steals, so no engine idles while work remains: the key with the most rows waiting, where one more
+prefill of its prompt pays best). Chunks are prefix-homogeneous where the window allows.
+
+The work list may still be growing (`add_files` while ingest stages it, then `close_input`): an engine that finds
+the queue empty waits until more arrives or the input is closed.
 """
 
 from __future__ import annotations
