@@ -5,6 +5,7 @@ the integration test checks the same against a real cluster)."""
 from __future__ import annotations
 
 import json
+import os
 import shlex
 import socket
 import stat
@@ -23,6 +24,7 @@ from cluster.auth import (
     AuthError,
     TokenSource,
     create_token_file,
+    driver_environment,
     find_token,
     head_token,
     is_loopback_address,
@@ -325,3 +327,93 @@ def test_node_start_passes_the_token_file_to_ray_start(tmp_path, secured, monkey
     assert recorded["env"][AUTH_MODE_ENV] == "token" and recorded["env"][TOKEN_PATH_ENV] == str(good)
     assert TOKEN_ENV not in recorded["env"]
     assert not any(TOKEN in arg for arg in recorded["argv"])
+
+
+# ----------------------------------------------------------------------------------------- drivers
+
+
+def test_a_local_run_keeps_token_auth_explicit_and_restores_the_environment():
+    with driver_environment(None) as warnings:
+        assert os.environ[AUTH_MODE_ENV] == "token" and warnings == []
+    assert AUTH_MODE_ENV not in os.environ
+
+
+def test_a_local_run_respects_a_mode_the_user_set(monkeypatch):
+    monkeypatch.setenv(AUTH_MODE_ENV, "disabled")
+    with driver_environment(None):
+        assert os.environ[AUTH_MODE_ENV] == "disabled"
+
+
+def test_a_token_file_needs_an_address(tmp_path):
+    with pytest.raises(AuthError, match="needs --address"), driver_environment(None, token_file(tmp_path)):
+        pass
+
+
+def test_a_driver_gets_rays_variables_for_a_secured_cluster(tmp_path, secured, monkeypatch):
+    monkeypatch.setenv(TOKEN_ENV, "stale")
+    good = token_file(tmp_path)
+    with driver_environment(secured.address, good) as warnings:
+        assert os.environ[AUTH_MODE_ENV] == "token" and os.environ[TOKEN_PATH_ENV] == str(good)
+        assert TOKEN_ENV not in os.environ
+        assert os.environ[LOOPBACK_ENV] == "0"  # 127.0.0.1 stays 127.0.0.1 for Ray
+        assert warnings == []
+    assert (
+        os.environ[TOKEN_ENV] == "stale"
+        and TOKEN_PATH_ENV not in os.environ
+        and LOOPBACK_ENV not in os.environ
+    )
+
+
+def test_a_driver_is_warned_about_an_open_cluster_and_sends_no_token(tmp_path, unsecured):
+    with driver_environment(unsecured.address, token_file(tmp_path)) as warnings:
+        assert AUTH_MODE_ENV not in os.environ
+        assert warnings and "does not enforce a token" in warnings[0]
+
+
+@pytest.mark.parametrize("given", [None, "wrong"])
+def test_run_without_the_right_token_says_what_to_set_in_one_line(tmp_path, secured, given):
+    from pipeline.cli import app
+
+    batch = tmp_path / "in.jsonl"
+    batch.write_text("")
+    args = ["run", str(batch), str(tmp_path / "out"), "--engine", "fake", "--address", secured.address]
+    if given:
+        args += ["--token-file", str(token_file(tmp_path, given))]
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 2
+    (line,) = [line for line in result.output.splitlines() if line.strip()]
+    assert line.startswith(f"error: the Ray cluster at {secured.address} ")
+    assert "--token-file" in line and "RAY_AUTH_TOKEN_PATH" in line
+    assert ("refused the token" if given else "none was found") in line
+    assert not (tmp_path / "out").exists()
+
+
+# ----------------------------------------------------------------------------------------- doctor
+
+
+def test_doctor_reports_whether_the_cluster_enforces_a_token(tmp_path, secured, unsecured):
+    from pipeline.doctor import check_cluster_auth
+
+    good = str(token_file(tmp_path))
+    assert check_cluster_auth(secured.address, good).status == "ok"
+    missing = check_cluster_auth(secured.address)
+    assert missing.status == "fail" and "RAY_AUTH_TOKEN_PATH" in missing.fix
+    assert check_cluster_auth(secured.address, str(token_file(tmp_path, "x", name="x"))).status == "fail"
+    open_cluster = check_cluster_auth(unsecured.address)
+    assert open_cluster.status == "warn" and "does not enforce a token" in open_cluster.detail
+    closed = closed_port()
+    assert check_cluster_auth(f"127.0.0.1:{closed}").status == "fail"
+    assert check_cluster_auth("auto").status == "warn"
+
+
+def test_doctor_checks_the_cluster_only_when_given_an_address(secured, monkeypatch):
+    from pipeline import doctor
+    from pipeline.cli import app
+
+    ok = doctor.Finding(name="engine", status="ok", detail="fine")
+    monkeypatch.setattr(doctor, "run_checks", lambda locations: [ok])
+    plain = CliRunner().invoke(app, ["doctor", "--json"])
+    assert [f["name"] for f in json.loads(plain.stdout)] == ["engine"]
+    checked = CliRunner().invoke(app, ["doctor", "--json", "--address", secured.address])
+    findings = json.loads(checked.stdout)
+    assert checked.exit_code == 1 and findings[-1]["name"] == "ray auth" and findings[-1]["status"] == "fail"
