@@ -35,6 +35,7 @@ import ipaddress
 import os
 import secrets
 import stat
+import tempfile
 from collections.abc import Iterator, Mapping, MutableMapping
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -152,10 +153,15 @@ def create_token_file(path: Path) -> None:
     """Write a fresh 256-bit token (Ray's own format: 64 hex digits) to `path`, created with mode 0600 in a 0700
     directory, never replacing an existing file."""
     path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-    # O_EXCL: two heads starting at once must not each write a token and hand out different ones.
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    with os.fdopen(fd, "w") as handle:
-        handle.write(secrets.token_hex(32))
+    # Written whole under a private name, then linked into place: link() fails if the file exists, so two heads
+    # starting at once never hand out different tokens, and no reader ever sees an empty file.
+    fd, scratch = tempfile.mkstemp(dir=path.parent, prefix=".auth_token-")  # mode 0600
+    try:
+        with os.fdopen(fd, "w") as handle:
+            handle.write(secrets.token_hex(32))
+        os.link(scratch, path)
+    finally:
+        os.unlink(scratch)
 
 
 def head_token(
