@@ -136,12 +136,13 @@ def find_token(
 ) -> TokenSource | None:
     """The first token source that is set: --token-file, RAY_AUTH_TOKEN, RAY_AUTH_TOKEN_PATH, the default file."""
     env = os.environ if env is None else env
+    # Absolute: Ray's processes read the file from their own working directories.
     if token_file is not None:
-        return TokenSource(f"--token-file {token_file}", Path(token_file).expanduser())
+        return TokenSource(f"--token-file {token_file}", Path(token_file).expanduser().absolute())
     if env.get(TOKEN_ENV, "").strip():
         return TokenSource(TOKEN_ENV, None)
     if env.get(TOKEN_PATH_ENV):
-        path = Path(env[TOKEN_PATH_ENV]).expanduser()
+        path = Path(env[TOKEN_PATH_ENV]).expanduser().absolute()
         return TokenSource(f"{TOKEN_PATH_ENV}={path}", path)
     default = default_token_path()
     if default.is_file():

@@ -151,6 +151,14 @@ def test_token_sources_in_order(tmp_path, monkeypatch):
     assert find_token(given).path == given and find_token(given).where == f"--token-file {given}"
 
 
+def test_a_relative_token_file_reaches_ray_as_an_absolute_path(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    token_file(tmp_path, name="ray.token")
+    assert find_token("ray.token").ray_environment()[TOKEN_PATH_ENV] == str(tmp_path / "ray.token")
+    monkeypatch.setenv(TOKEN_PATH_ENV, "ray.token")
+    assert find_token().path == tmp_path / "ray.token"
+
+
 def test_an_empty_or_unreadable_token_names_the_file(tmp_path):
     with pytest.raises(AuthError, match="empty.*--token-file"):
         TokenSource("x", token_file(tmp_path, value="  ")).read()
