@@ -274,22 +274,24 @@ def require_access(
 def driver_environment(
     address: str | None, token_file: str | Path | None = None, env: MutableMapping[str, str] | None = None
 ) -> Iterator[list[str]]:
-    """The environment a driver needs to join the cluster at `address`, in place while the block runs (restored
-    after it); yields warnings to show. Raises AuthError when the cluster wants a token this driver lacks.
+    """The environment a driver needs to join the cluster at `address`, in place while the block runs; yields
+    warnings to show. Raises AuthError when the cluster wants a token this driver lacks.
 
-    No address: a private local Ray, which nightshift starts with token authentication explicitly (Ray 2.60 does so
-    by default; this keeps it so whatever the default becomes), unless RAY_AUTH_MODE was set by the user.
+    No address: a private local Ray, started with token authentication explicitly (Ray 2.60 does so by default, and
+    sets RAY_AUTH_MODE=token in the process for good; this keeps it so whatever the default becomes), unless the
+    user set RAY_AUTH_MODE. A cluster: Ray's variables for its token, restored after the block.
     """
     env = os.environ if env is None else env
-    before = {key: env.get(key) for key in (AUTH_MODE_ENV, TOKEN_PATH_ENV, TOKEN_ENV, LOOPBACK_ENV)}
     warnings: list[str] = []
+    if not address or address == "local":
+        if token_file is not None:
+            raise AuthError("--token-file needs --address: a local Ray makes its own token")
+        env.setdefault(AUTH_MODE_ENV, "token")
+        yield warnings
+        return
+    before = {key: env.get(key) for key in (AUTH_MODE_ENV, TOKEN_PATH_ENV, TOKEN_ENV, LOOPBACK_ENV)}
     try:
-        if not address or address == "local":
-            if token_file is not None:
-                raise AuthError("--token-file needs --address: a local Ray makes its own token")
-            env.setdefault(AUTH_MODE_ENV, "token")
-        else:
-            _prepare_cluster_driver(address, token_file, env, warnings)
+        _prepare_cluster_driver(address, token_file, env, warnings)
         yield warnings
     finally:
         for key, value in before.items():
