@@ -88,7 +88,7 @@ class NodeAuth(BaseModel):
     )
     source: str = Field(default="", description="Where the token comes from, for the printout.")
     loopback: bool = Field(
-        default=False, description="Bind every Ray port to 127.0.0.1 (one-machine cluster)."
+        default=False, description="Bind every Ray port to 127.0.0.1: a single-node cluster (--no-auth)."
     )
 
 
