@@ -113,6 +113,13 @@ def run(
     address: Annotated[
         str | None, typer.Option(help="Ray cluster address; default: start a local Ray.")
     ] = None,
+    token_file: Annotated[
+        Path | None,
+        typer.Option(
+            help="With --address: file holding the cluster's Ray token. Default: RAY_AUTH_TOKEN, "
+            "RAY_AUTH_TOKEN_PATH, then $NIGHTSHIFT_HOME/ray/auth_token (the head's own)."
+        ),
+    ] = None,
     num_engines: Annotated[int | None, typer.Option(help="Engine actors (replicas).")] = None,
     cpus_per_engine: Annotated[
         float | None,
@@ -218,7 +225,7 @@ def run(
         job = merge_overrides(load_job_config(config), overrides, labels=FLAG_FOR_KEY)
     except ConfigError as exc:
         _fail(str(exc))
-    _run(job, progress, resume)
+    _run(job, progress, resume, token_file)
 
 
 @app.command("resume")
@@ -237,6 +244,10 @@ def resume_command(
     s3_region: Annotated[
         str | None, typer.Option(help="S3 region (default: AWS_REGION); given, it replaces the job's.")
     ] = None,
+    token_file: Annotated[
+        Path | None,
+        typer.Option(help="File holding the Ray token of the job's cluster (as for `run --token-file`)."),
+    ] = None,
     log_format: Annotated[str, typer.Option(help="Logs: console or json.")] = "console",
     progress: Annotated[bool, typer.Option("--progress/--no-progress", help="Live progress display.")] = True,
 ) -> None:
@@ -254,7 +265,7 @@ def resume_command(
         job = load_resumable(output, {"s3_endpoint_url": s3_endpoint_url, "s3_region": s3_region})
     except (PreflightError, ConfigError) as exc:
         _fail(str(exc))
-    _run(job, progress, resume=True)
+    _run(job, progress, resume=True, token_file=token_file)
 
 
 def _check_environment(job: JobConfig) -> None:
@@ -271,7 +282,10 @@ def _check_environment(job: JobConfig) -> None:
         _fail(describe(problems[-1]))
 
 
-def _run(job: JobConfig, progress: bool, resume: bool = False) -> None:
+def _run(job: JobConfig, progress: bool, resume: bool = False, token_file: Path | None = None) -> None:
+    import structlog
+
+    from cluster.auth import AuthError, driver_environment
     from pipeline.io.locations import LocationError
     from pipeline.models import MissingDependencyError, ModelNotFoundError
     from pipeline.observe.summary import print_summary
@@ -280,8 +294,13 @@ def _run(job: JobConfig, progress: bool, resume: bool = False) -> None:
 
     _check_environment(job)
     try:
-        outcome = run_job(job, show_progress=progress, resume=resume)
+        # The cluster's token (or none) is checked here, in milliseconds, and handed to Ray the way Ray reads it.
+        with driver_environment(job.resources.address, token_file) as warnings:
+            for warning in warnings:
+                structlog.get_logger("nightshift").warning(warning)
+            outcome = run_job(job, show_progress=progress, resume=resume)
     except (
+        AuthError,
         PreflightError,
         ModelNotFoundError,
         MissingDependencyError,
@@ -293,8 +312,6 @@ def _run(job: JobConfig, progress: bool, resume: bool = False) -> None:
     except KeyboardInterrupt:
         _fail("interrupted; finished rows are kept in OUTPUT/_staging/", code=130)
     except Exception as exc:  # noqa: BLE001 - the job failed: say why in one line, keep the traceback in the log
-        import structlog
-
         structlog.get_logger("nightshift").exception("job failed")
         root = exc
         while root.__cause__ is not None:
@@ -352,12 +369,22 @@ def doctor(
         ),
     ] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Findings as a JSON list.")] = False,
+    address: Annotated[
+        str | None,
+        typer.Option(help="Ray cluster a job would join: check it enforces a token and takes this node's."),
+    ] = None,
+    token_file: Annotated[
+        str | None, typer.Option(help="File holding the cluster's Ray token (as for `run --token-file`).")
+    ] = None,
 ) -> None:
     """Check this node can run a job: engine stack for its accelerators, torch builds, the embedded model, Ray and
-    Python versions, /dev/shm, S3 credentials. Each finding comes with its fix; exit 1 when a job would fail."""
-    from pipeline.doctor import failures, run_checks
+    Python versions, /dev/shm, S3 credentials, and with --address the cluster's token authentication. Each finding
+    comes with its fix; exit 1 when a job would fail."""
+    from pipeline.doctor import check_cluster_auth, failures, run_checks
 
     findings = run_checks(locations or [])
+    if address:
+        findings = [*findings, check_cluster_auth(address, token_file)]
     if as_json:
         sys.stdout.write(json.dumps([f.model_dump() for f in findings], indent=2) + "\n")
     else:
