@@ -480,7 +480,7 @@ def run_job(config: JobConfig, show_progress: bool = True, resume: bool = False)
     t0 = time.monotonic()
     retries_before = RetryStats.snapshot()
     source, output, staging, state = _prepare(config, resume)
-    model = resolve_model(config.model, config.served_model_name)
+    model = resolve_model(config.model, config.served_model_name, config.engine.vllm.runner)
     spec = engine_spec(config, model)
     engine_class(spec.backend).check_spec(spec)
     for unused in config.engine.unused_settings():
@@ -496,7 +496,9 @@ def run_job(config: JobConfig, show_progress: bool = True, resume: bool = False)
             staging.discard_ingest()
             state["model"] = model.model_dump()
             staging.write_job(state)
-            report = ingest(source, model.name, staging, job_id=job_id, limits=config.limits)
+            # The model's task rejects a route it cannot serve at validation (unsupported_task), before any engine.
+            served = {model.name: model.task}
+            report = ingest(source, served, staging, job_id=job_id, limits=config.limits)
             state["input"] = {
                 "location": source.describe(),
                 "fingerprint": report.fingerprint,
