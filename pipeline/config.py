@@ -298,6 +298,18 @@ class PoolConfig(_Strict):
         default_factory=dict,
         description="Engine args for this pool only, over the job's (e.g. {gpu_memory_utilization: 0.85}).",
     )
+    model: str | None = Field(
+        default=None,
+        description="The model this pool's engines serve (a directory, a hub id, or embedded:NAME), e.g. an "
+        "embedding model beside the job's chat model. Each request runs on a pool serving its body's `model`. "
+        "Default: the job's model. The job's fitted max_model_len / max_num_seqs apply to the job's model only; "
+        "a pool of another model runs with vLLM's defaults for it, or its engine_overrides.",
+    )
+    served_model_name: str | None = Field(
+        default=None,
+        description="The name requests use for this pool's model. Default: its `model` as given (embedded models: "
+        "their own name).",
+    )
 
     @model_validator(mode="after")
     def _bounds(self) -> PoolConfig:

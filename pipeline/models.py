@@ -250,6 +250,28 @@ def resolve_model(
     )
 
 
+def resolve_models(
+    wanted: list[tuple[str, str | None, str | None]], runner: str = "auto"
+) -> dict[str, ResolvedModel]:
+    """Each (key, model argument, served name) resolved once per distinct model and name: the models of a job's
+    pools (key: the pool's name). Two keys naming the same served name must name the same model."""
+    resolved: dict[tuple[str | None, str | None], ResolvedModel] = {}
+    out: dict[str, ResolvedModel] = {}
+    for key, model, served in wanted:
+        if (model, served) not in resolved:
+            resolved[(model, served)] = resolve_model(model, served, runner)
+        out[key] = resolved[(model, served)]
+    by_name: dict[str, ResolvedModel] = {}
+    for found in out.values():
+        other = by_name.setdefault(found.name, found)
+        if other.path != found.path:
+            raise ModelNotFoundError(
+                f"two different models are served as {found.name!r} ({other.path} and {found.path}): give them "
+                f"different served_model_name values"
+            )
+    return out
+
+
 # vLLM's defaults by architecture suffix (vllm/config/model.py `_SUFFIX_TO_DEFAULTS`, in its order): the runner,
 # and for pooling the task its converter gives the model.
 _SUFFIX_TASKS: tuple[tuple[str, str], ...] = (

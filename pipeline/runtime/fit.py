@@ -138,7 +138,7 @@ def _vllm_target(config: JobConfig, model: ResolvedModel) -> FitTarget | str:
 
     return FitTarget(
         counted_by=f"{model.name} tokenizer + chat template",
-        count=counter.count_batch,
+        count=_own_requests(model.name, counter.count_batch),
         output_budget=lambda url, body: output_budget(url, body, generation_default, chat_default),
         model_limit=shape.max_model_len_limit,
         block_size=block_size,
@@ -155,6 +155,8 @@ def _fake_target(config: JobConfig, model: ResolvedModel) -> FitTarget:
     def count(requests: Sequence[tuple[str, dict]]) -> list[list[int] | Exception]:
         return [sequence_tokens(url, body) for url, body in requests]
 
+    count = _own_requests(model.name, count)
+
     def output(url: str, body: dict) -> tuple[int, bool]:
         endpoint = endpoint_for(url)
         if endpoint is None or not endpoint.generates:
@@ -170,6 +172,24 @@ def _fake_target(config: JobConfig, model: ResolvedModel) -> FitTarget:
         capacity=lambda args, device: None,
         notes=["fake engine: its concurrency is engine.fake.max_concurrency; max_num_seqs is not fitted"],
     )
+
+
+def _own_requests(
+    name: str, count: Callable[[Sequence[tuple[str, dict]]], list[list[int] | Exception]]
+) -> Callable[[Sequence[tuple[str, dict]]], list[list[int] | Exception]]:
+    """`count` for the requests of the model fitting is for; a request for another model of the job (a pool of
+    its own) starts no sequence here: that pool runs with its model's own limits (runtime.job.pool_spec)."""
+
+    def counted(requests: Sequence[tuple[str, dict]]) -> list[list[int] | Exception]:
+        own = [i for i, (_, body) in enumerate(requests) if body.get("model") in (None, name)]
+        if len(own) == len(requests):
+            return count(requests)
+        out: list[list[int] | Exception] = [[] for _ in requests]
+        for i, result in zip(own, count([requests[i] for i in own]), strict=True):
+            out[i] = result
+        return out
+
+    return counted
 
 
 _TARGETS: dict[str, Callable[[JobConfig, ResolvedModel], FitTarget | str]] = {

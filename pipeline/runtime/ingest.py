@@ -128,6 +128,7 @@ def ingest(
                     "line": outcome.line,
                     "source": outcome.source,
                     "prefix_key": key,
+                    "model": outcome.body.get("model"),
                 }
             )
             if len(requests) >= part_rows:

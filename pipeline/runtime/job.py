@@ -24,13 +24,20 @@ import pyarrow.compute as pc
 import structlog
 
 from pipeline import __version__
-from pipeline.config import JobConfig, PoolConfig, StorageConfig, effective_pools, merge_overrides
+from pipeline.config import (
+    DEFAULT_MAX_NUM_SEQS,
+    JobConfig,
+    PoolConfig,
+    StorageConfig,
+    effective_pools,
+    merge_overrides,
+)
 from pipeline.engines.base import EngineSpec, engine_class
 from pipeline.io.locations import RetryStats
 from pipeline.io.readers import InputSource
 from pipeline.io.staging import StagingArea
 from pipeline.io.writers import OutputTarget, output_target
-from pipeline.models import ResolvedModel, resolve_model
+from pipeline.models import ResolvedModel, resolve_models
 from pipeline.observe.progress import JobCounters, ProgressDisplay
 from pipeline.runtime.finalize import FORMAT_VERSION, commit, write_outputs
 from pipeline.runtime.fit import fit_job
@@ -348,6 +355,48 @@ def _pool_dataset(
     )
 
 
+def pool_spec(
+    spec: EngineSpec, model: ResolvedModel, fit: dict[str, Any] | None, pool: PoolConfig
+) -> EngineSpec:
+    """The engine spec of a pool serving `model`. Engine args fitted to the data are the job model's: a pool of
+    another model drops them (vLLM then sizes its context from the model itself) and keeps what was given."""
+    if model.path == spec.model_path and model.name == spec.served_model_name:
+        return spec
+    args = dict(spec.args)
+    fit = fit or {}
+    if (fit.get("max_model_len") or {}).get(
+        "source"
+    ) == "fitted" and "max_model_len" not in pool.engine_overrides:
+        args["max_model_len"] = None
+    if (fit.get("max_num_seqs") or {}).get(pool.name, {}).get("source") != "given":
+        args["max_num_seqs"] = pool.engine_overrides.get("max_num_seqs", DEFAULT_MAX_NUM_SEQS)
+    return replace(spec, model_path=model.path, served_model_name=model.name, args=args)
+
+
+def models_summary(
+    pool_models: dict[str, ResolvedModel], pools: dict[str, dict[str, float]]
+) -> dict[str, dict[str, Any]]:
+    """Per served model: where it came from, its task, the pools serving it, and the rows and tokens they answered."""
+    out: dict[str, dict[str, Any]] = {}
+    for pool, model in pool_models.items():
+        entry = out.setdefault(
+            model.name,
+            {
+                "path": model.path,
+                "task": model.task,
+                "pools": [],
+                "rows": 0,
+                "prompt_tokens": 0,
+                "completion_tokens": 0,
+            },
+        )
+        entry["pools"].append(pool)
+        stats = pools.get(pool) or {}
+        for key in ("rows", "prompt_tokens", "completion_tokens"):
+            entry[key] += int(stats.get(key) or 0)
+    return out
+
+
 def _run_engines(
     config: JobConfig,
     spec: EngineSpec,
@@ -357,6 +406,7 @@ def _run_engines(
     job_id: str,
     finished: set[str],
     keyed_rows: int = 0,
+    pool_models: dict[str, ResolvedModel] | None = None,
 ) -> EngineRun:
     import ray
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
@@ -367,13 +417,32 @@ def _run_engines(
     files = staging.pending_requests(finished)
     if not files:
         return EngineRun()
-    pending_rows = staging.num_rows(files)
+    # Each pool serves one model (its own, or the job's); with several models, each model's requests are a work
+    # list of their own, pulled only by the pools serving that model.
+    fit = staging.read_job().get("fit")
+    specs, model_of = {}, {}
+    for pool in effective_pools(config):
+        model = (pool_models or {}).get(pool.name)
+        specs[pool.name] = pool_spec(spec, model, fit, pool) if model is not None else spec
+        model_of[pool.name] = specs[pool.name].served_model_name
+    models = list(dict.fromkeys(model_of.values()))
+    work = (
+        {m: staging.requests_for_model(files, m) for m in models} if len(models) > 1 else {models[0]: files}
+    )
+    rows_of = {m: staging.num_rows(paths) for m, paths in work.items()}
     # Engine counts and CPUs the job left open are decided against the cluster Ray now sees; never more engines
-    # than there are chunks to give them (a chunk's size does not depend on how many engines there are).
+    # than there are chunks to give them (a chunk's size does not depend on how many engines there are). A pool
+    # whose model has no requests starts no engine.
     engines_given = bool(config.pools) or config.resources.num_engines is not None
     pools = [
-        place_pool(pool, spec, engines_given, -(-pending_rows // plan_pool(config, spec, pool).batch_size))
+        place_pool(
+            pool,
+            specs[pool.name],
+            engines_given,
+            -(-rows_of[model_of[pool.name]] // plan_pool(config, specs[pool.name], pool).batch_size),
+        )
         for pool in effective_pools(config)
+        if rows_of[model_of[pool.name]]
     ]
     # The monitor and the queue are pinned to the driver's node: they must not go down with a worker node (that
     # is what they help survive), and the queue reads the staged work list where the driver wrote it (a local
@@ -386,26 +455,32 @@ def _run_engines(
         .options(name=f"nightshift-monitor-{job_id}", scheduling_strategy=here)
         .remote()
     )
-    plans = [plan_pool(config, spec, pool) for pool in pools]
+    plans = [plan_pool(config, specs[pool.name], pool) for pool in pools]
     # Who pulls from the queue: each pool as a whole, or each of its engines as a lane of its own.
     takers = [(plan, lane) for plan in plans for lane in range(plan.lanes(config, keyed_rows)) or [None]]
-    credit = {
-        taker_name(plan.pool.name, lane): plan.credit if lane is None else plan.engine_credit
-        for plan, lane in takers
-    }
     route = any(lane is not None for _, lane in takers)
-    # The queue looks ahead by what all engines hold at once, a few times over, to find rows of each engine's
-    # prompts; bounded, since a million-row job must not be read into memory.
-    window = min(65536, max(8192, 4 * sum(credit.values())))
-    queue = (
-        ray.remote(num_cpus=0)(WorkQueue)
-        .options(scheduling_strategy=here)
-        .remote(files, credit, files_on=staging.files, route=route, window_rows=window)
-    )
-    datasets = [
-        _pool_dataset(plan, queue, monitor, job_id, pending_rows, lane, readers_on=node_id)
-        for plan, lane in takers
-    ]
+    queues, datasets = [], []
+    for model in models:
+        mine = [(plan, lane) for plan, lane in takers if model_of[plan.pool.name] == model]
+        if not mine:
+            continue
+        credit = {
+            taker_name(plan.pool.name, lane): plan.credit if lane is None else plan.engine_credit
+            for plan, lane in mine
+        }
+        # The queue looks ahead by what all engines hold at once, a few times over, to find rows of each engine's
+        # prompts; bounded, since a million-row job must not be read into memory.
+        window = min(65536, max(8192, 4 * sum(credit.values())))
+        queue = (
+            ray.remote(num_cpus=0)(WorkQueue)
+            .options(scheduling_strategy=here)
+            .remote(work[model], credit, files_on=staging.files, route=route, window_rows=window)
+        )
+        queues.append(queue)
+        datasets += [
+            _pool_dataset(plan, queue, monitor, job_id, rows_of[model], lane, readers_on=node_id)
+            for plan, lane in mine
+        ]
     ds = datasets[0].union(*datasets[1:]) if len(datasets) > 1 else datasets[0]
 
     sink = _ResultSink(staging, config.output_options.staging_rows, finished, counters)
@@ -430,7 +505,7 @@ def _run_engines(
     run.retried_requests = len(ray.get(monitor.retries.remote()))
     run.recovery = summarize_recovery(ray.get(monitor.work.remote()))
     run.preemption_warned = watch.warned
-    queued = ray.get(queue.stats.remote())
+    queued = _merged_stats(ray.get([queue.stats.remote() for queue in queues]))
     # Routing facts: rows each lane ran; "rows_routed" ran on their key's owner, "rows_stolen" on another engine
     # (so that none idled), "rows_unkeyed" had no shared prompt; "keys": prompts that got an owning lane.
     run.routing = {
@@ -440,11 +515,22 @@ def _run_engines(
         "rows_by_lane": dict(sorted(queued["served_by"].items())) if route else {},
         **queued["routing"],
     }
-    for actor in (monitor, queue):
+    for actor in (monitor, *queues):
         ray.kill(actor)
     if run.duplicates_dropped:
         log.warning("dropped rows re-delivered by retried tasks", rows=run.duplicates_dropped)
     return run
+
+
+def _merged_stats(stats: list[dict[str, Any]]) -> dict[str, Any]:
+    """The work queues' numbers as one (a job serving several models has a queue per model)."""
+    merged: dict[str, Any] = {"served_rows": 0, "served_by": {}, "routing": {}}
+    for one in stats:
+        merged["served_rows"] += one["served_rows"]
+        merged["served_by"].update(one["served_by"])
+        for key, value in one["routing"].items():
+            merged["routing"][key] = merged["routing"].get(key, 0) + value
+    return merged
 
 
 def _prepare(
@@ -480,7 +566,20 @@ def run_job(config: JobConfig, show_progress: bool = True, resume: bool = False)
     t0 = time.monotonic()
     retries_before = RetryStats.snapshot()
     source, output, staging, state = _prepare(config, resume)
-    model = resolve_model(config.model, config.served_model_name, config.engine.vllm.runner)
+    # The model of each pool (a pool without one serves the job's); the first pool's is the job's own: the one
+    # fitting measures and the manifest names first.
+    pool_models = resolve_models(
+        [
+            (
+                p.name,
+                p.model or config.model,
+                p.served_model_name or (None if p.model else config.served_model_name),
+            )
+            for p in effective_pools(config)
+        ],
+        config.engine.vllm.runner,
+    )
+    model = next(iter(pool_models.values()))
     spec = engine_spec(config, model)
     engine_class(spec.backend).check_spec(spec)
     for unused in config.engine.unused_settings():
@@ -496,8 +595,9 @@ def run_job(config: JobConfig, show_progress: bool = True, resume: bool = False)
             staging.discard_ingest()
             state["model"] = model.model_dump()
             staging.write_job(state)
-            # The model's task rejects a route it cannot serve at validation (unsupported_task), before any engine.
-            served = {model.name: model.task}
+            # Each line goes to a model some pool serves (model_not_found otherwise); the model's task rejects a
+            # route it cannot serve at validation (unsupported_task), before any engine.
+            served = {m.name: m.task for m in pool_models.values()}
             report = ingest(source, served, staging, job_id=job_id, limits=config.limits)
             state["input"] = {
                 "location": source.describe(),
@@ -532,7 +632,9 @@ def run_job(config: JobConfig, show_progress: bool = True, resume: bool = False)
     if state["input"]["valid"] > len(finished):
         _start_ray(config.resources.address)
         keyed = state["input"].get("prefix_keyed", 0)
-        run = _run_engines(config, spec, staging, counters, show_progress, job_id, finished, keyed)
+        run = _run_engines(
+            config, spec, staging, counters, show_progress, job_id, finished, keyed, pool_models
+        )
 
     outputs = write_outputs(
         output, staging, config.output_options.rows_per_shard, lines, format=config.output_options.format
@@ -558,6 +660,8 @@ def run_job(config: JobConfig, show_progress: bool = True, resume: bool = False)
         "finished_at": dt.datetime.now(dt.timezone.utc).isoformat(),
         "input": {k: state["input"][k] for k in ("location", "fingerprint", "size_bytes", "lines")},
         "model": model.model_dump(),
+        # Rows answered and tokens, per served model (a job may serve one model per pool).
+        "models": models_summary(pool_models, run.pools),
         "engine": {
             "backend": spec.backend,
             "args": engines.get("effective_args") or spec.args,

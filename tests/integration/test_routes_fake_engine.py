@@ -104,3 +104,81 @@ def test_jsonl_results_keep_the_whole_body(tmp_path):
     (record,) = read_jsonl((tmp_path / "out").glob("results-*.jsonl"))
     body = record["response"]["body"]
     assert body["object"] == "list" and len(body["data"][0]["embedding"]) == 384
+
+
+def test_one_model_per_pool_each_line_runs_on_a_pool_serving_its_model(tmp_path):
+    """A chat pool and an embedding pool in one job: each line goes to the pool serving its `model` (or, without
+    one, to the first model that can serve its route); another name is model_not_found."""
+    lines = [
+        route_line("a-chat", "/v1/chat/completions", messages=[{"role": "user", "content": "hi"}]),
+        route_line(
+            "b-chat",
+            "/v1/chat/completions",
+            model="smollm2-135m-instruct",
+            messages=[{"role": "user", "content": "yo"}],
+        ),
+        route_line("c-emb", "/v1/embeddings", input="no model named"),
+        route_line("d-emb", "/v1/embeddings", model="all-minilm-l6-v2", input=["x", "y"]),
+        route_line("e-rerank", "/v1/rerank", query="q", documents=["a", "b"]),
+        route_line("f-resp", "/v1/responses", input="hello"),
+        route_line("g-missing", "/v1/embeddings", model="gpt-4o", input="x"),
+        route_line("h-wrong", "/v1/embeddings", model="smollm2-135m-instruct", input="x"),
+    ]
+    path = tmp_path / "in.jsonl"
+    path.write_text("\n".join(lines) + "\n")
+    config = JobConfig.model_validate(
+        {
+            "input": str(path),
+            "output": str(tmp_path / "out"),
+            "engine": {"backend": "fake", "fake": {"output_tokens": 3}},
+            "pools": [
+                {"name": "chat", "cpus_per_engine": 0.5},
+                {"name": "embed", "model": "embedded:minilm", "cpus_per_engine": 0.5},
+            ],
+        }
+    )
+    outcome = run_job(config, show_progress=False)
+    results = {r["custom_id"]: r for r in read_jsonl((tmp_path / "out").glob("results-*.jsonl"))}
+    errors = {
+        r["custom_id"]: r["error"]["code"] for r in read_jsonl((tmp_path / "out").glob("errors-*.jsonl"))
+    }
+    served_by = {custom_id: r["response"]["body"]["model"] for custom_id, r in results.items()}
+    assert served_by == {
+        "a-chat": "smollm2-135m-instruct",
+        "b-chat": "smollm2-135m-instruct",
+        "c-emb": "all-minilm-l6-v2",
+        "d-emb": "all-minilm-l6-v2",
+        "e-rerank": "all-minilm-l6-v2",
+        "f-resp": "smollm2-135m-instruct",
+    }
+    assert errors == {"g-missing": "model_not_found", "h-wrong": "unsupported_task"}
+    manifest = outcome.manifest
+    models = manifest["models"]
+    assert (
+        models["smollm2-135m-instruct"]["pools"] == ["chat"] and models["smollm2-135m-instruct"]["rows"] == 3
+    )
+    assert models["all-minilm-l6-v2"]["pools"] == ["embed"] and models["all-minilm-l6-v2"]["rows"] == 3
+    assert (
+        models["all-minilm-l6-v2"]["completion_tokens"] == 0
+        and models["smollm2-135m-instruct"]["completion_tokens"] == 9
+    )
+    assert manifest["pools"]["chat"]["rows"] == 3 and manifest["pools"]["embed"]["rows"] == 3
+    assert manifest["counts"]["total"] == len(lines) and manifest["counts"]["succeeded"] == 6
+
+
+def test_a_pool_whose_model_has_no_lines_starts_no_engine(tmp_path):
+    path = tmp_path / "in.jsonl"
+    path.write_text(route_line("only", "/v1/embeddings", input="x") + "\n")
+    config = JobConfig.model_validate(
+        {
+            "input": str(path),
+            "output": str(tmp_path / "out"),
+            "engine": {"backend": "fake"},
+            "pools": [
+                {"name": "chat", "cpus_per_engine": 0.5},
+                {"name": "embed", "model": "embedded:minilm", "cpus_per_engine": 0.5},
+            ],
+        }
+    )
+    manifest = run_job(config, show_progress=False).manifest
+    assert set(manifest["pools"]) == {"embed"} and manifest["models"]["smollm2-135m-instruct"]["rows"] == 0
