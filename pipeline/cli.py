@@ -53,6 +53,14 @@ FLAG_FOR_KEY = {
     "engine.vllm.enforce_eager": "--enforce-eager",
     "engine.vllm.seed": "--seed",
     "engine.vllm.cpu_kvcache_space_gib": "--cpu-kvcache-space",
+    "engine.vllm.runner": "--runner",
+    "engine.vllm.chat_template": "--chat-template",
+    "engine.vllm.tool_call_parser": "--tool-call-parser",
+    "engine.vllm.enable_auto_tool_choice": "--enable-auto-tool-choice",
+    "engine.vllm.reasoning_parser": "--reasoning-parser",
+    "engine.vllm.response_role": "--response-role",
+    "engine.vllm.generation_config": "--generation-config",
+    "engine.vllm.override_generation_config": "--override-generation-config",
     "engine.max_in_flight": "--max-in-flight",
     "engine.fit.enabled": "--fit/--no-fit",
     "engine.fit.default_max_tokens": "--default-max-tokens",
@@ -149,6 +157,41 @@ def run(
     ] = None,
     seed: Annotated[int | None, typer.Option(help="vLLM: engine seed.")] = None,
     cpu_kvcache_space: Annotated[int | None, typer.Option(help="CPU engines: KV cache GiB.")] = None,
+    runner: Annotated[
+        str | None,
+        typer.Option(
+            help="vLLM: generate or pooling (embeddings, score, rerank). Default: auto, by the model."
+        ),
+    ] = None,
+    chat_template: Annotated[
+        str | None,
+        typer.Option(
+            help="vLLM: chat template (Jinja text, a file, or one vLLM ships). Default: the model's."
+        ),
+    ] = None,
+    tool_call_parser: Annotated[
+        str | None, typer.Option(help="vLLM: tool-call parser (hermes, llama3_json, mistral, ...).")
+    ] = None,
+    enable_auto_tool_choice: Annotated[
+        bool | None,
+        typer.Option(
+            "--enable-auto-tool-choice", help="vLLM: tool_choice 'auto' (needs --tool-call-parser)."
+        ),
+    ] = None,
+    reasoning_parser: Annotated[
+        str | None, typer.Option(help="vLLM: reasoning parser (deepseek_r1, qwen3, ...).")
+    ] = None,
+    response_role: Annotated[
+        str | None, typer.Option(help="vLLM: role of generated chat messages. Default: assistant.")
+    ] = None,
+    generation_config: Annotated[
+        str | None,
+        typer.Option(help="vLLM: sampling defaults from 'auto' (the model's), 'vllm', or a directory."),
+    ] = None,
+    override_generation_config: Annotated[
+        str | None,
+        typer.Option(help="vLLM: sampling defaults over the generation config, as a JSON object."),
+    ] = None,
     max_in_flight: Annotated[int | None, typer.Option(help="Requests kept in flight per engine.")] = None,
     fit: Annotated[
         bool | None,
@@ -194,6 +237,16 @@ def run(
     configure_logging(log_format)
     try:
         overrides = {
+            "engine.vllm.runner": runner,
+            "engine.vllm.chat_template": chat_template,
+            "engine.vllm.tool_call_parser": tool_call_parser,
+            "engine.vllm.enable_auto_tool_choice": enable_auto_tool_choice,
+            "engine.vllm.reasoning_parser": reasoning_parser,
+            "engine.vllm.response_role": response_role,
+            "engine.vllm.generation_config": generation_config,
+            "engine.vllm.override_generation_config": _json_option(
+                override_generation_config, "--override-generation-config"
+            ),
             "input": input,
             "output": output,
             "model": model,
@@ -226,6 +279,21 @@ def run(
     except ConfigError as exc:
         _fail(str(exc))
     _run(job, progress, resume, token_file)
+
+
+def _json_option(value: str | None, flag: str) -> dict | None:
+    """A flag that takes a JSON object, as vLLM's own flags of that kind do."""
+    if value is None:
+        return None
+    try:
+        parsed = json.loads(value)
+    except ValueError as exc:
+        raise ConfigError(
+            f"{flag}: not valid JSON ({exc}); give an object, e.g. '{{\"temperature\": 0.5}}'"
+        ) from exc
+    if not isinstance(parsed, dict):
+        raise ConfigError(f"{flag}: must be a JSON object, got {type(parsed).__name__}")
+    return parsed
 
 
 @app.command("resume")
@@ -345,13 +413,13 @@ def validate(
 ) -> None:
     """Dry run: counts, every error record (JSON lines on stdout), token statistics. No engine is started."""
     from pipeline.config import StorageConfig
-    from pipeline.models import EMBEDDED_MODEL_NAME, MissingDependencyError, ModelNotFoundError
+    from pipeline.models import MissingDependencyError, ModelNotFoundError, served_name
     from pipeline.observe.dry_run import dry_run
     from pipeline.runtime.preflight import PreflightError, check_input_source
 
     try:
         source = check_input_source(input, StorageConfig(s3_endpoint_url=s3_endpoint_url))
-        name = served_model_name or model or EMBEDDED_MODEL_NAME
+        name = served_name(model, served_model_name)
         report = dry_run(source, name, model if tokens else None, tokenize=tokens)
     except (PreflightError, ModelNotFoundError, MissingDependencyError) as exc:
         _fail(str(exc))
