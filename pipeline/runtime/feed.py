@@ -113,8 +113,13 @@ def _pool_dataset(
             "max_in_flight": max_in_flight,
         },
         batch_size=1,
+        # One ticket per actor, never queued behind another: a ticket runs until the queue is empty, so a second
+        # one queued on a busy actor would leave an engine of the pool idle the whole job.
         compute=ray.data.ActorPoolStrategy(
-            min_size=pool.min_engines, max_size=plan.max_engines, max_concurrent_calls_per_actor=1
+            min_size=pool.min_engines,
+            max_size=plan.max_engines,
+            max_concurrent_calls_per_actor=1,
+            max_tasks_in_flight_per_actor=1,
         ),
         num_cpus=pool.cpus_per_engine,
         num_gpus=pool.gpus_per_engine or None,
