@@ -187,7 +187,7 @@ class VllmEngine(Engine):
         self._request_types: dict[str, Any] = {}  # endpoint name -> TypeAdapter of vLLM's request model
         self.task: str | None = None  # the task the engine runs the model for
         self._namespace: Any = None
-        self._cores: Any = None  # the CoreClaim a CPU engine computes on, held for the engine's life
+        self._cores: list[int] | None = None  # the cores a CPU engine computes on
 
     async def start(self) -> None:
         from vllm.platforms import current_platform
@@ -236,23 +236,21 @@ class VllmEngine(Engine):
 
     @contextlib.contextmanager
     def _cpu_cores_env(self) -> Iterator[None]:
-        """Give a CPU engine's compute threads cores of their own while it starts (cluster/cpu_cores.py: why).
+        """Bind a CPU engine's compute threads to the cores the runtime claimed for it, while it starts (vLLM's own
+        binding would put every engine of a node on the same first cores; see cluster/cpu_cores.py).
 
-        A bind the user set (`VLLM_CPU_OMP_THREADS_BIND` in the actor's environment) is theirs and kept; with no
-        whole CPU reserved for the engine, or no cores free, vLLM binds as it would on its own.
+        A bind the user set (`VLLM_CPU_OMP_THREADS_BIND` in the actor's environment) is theirs and kept; without
+        claimed cores, vLLM binds as it would on its own.
         """
-        from cluster.cpu_cores import claim_cores
-
-        if not _on_cpu() or _OMP_BIND in os.environ:
+        cores = self.spec.cpu_cores
+        if not _on_cpu() or _OMP_BIND in os.environ or not cores:
+            if _on_cpu() and not cores:
+                log.info("cpu engine left to vLLM's own core binding", cpus=self.spec.cpus)
             yield
             return
-        self._cores = claim_cores(int(self.spec.cpus))
-        if self._cores is None:
-            log.info("cpu engine left to vLLM's own core binding", cpus=self.spec.cpus)
-            yield
-            return
-        log.info("cpu engine bound to its own cores", cores=self._cores.cores)
-        os.environ[_OMP_BIND] = self._cores.omp_bind
+        self._cores = list(cores)
+        log.info("cpu engine bound to its own cores", cores=self._cores)
+        os.environ[_OMP_BIND] = ",".join(str(core) for core in cores)
         try:
             yield
         finally:
@@ -375,7 +373,7 @@ class VllmEngine(Engine):
             num_preemptions=int(values.get("vllm:num_preemptions", 0)),
             prefix_cache_queries=int(values.get("vllm:prefix_cache_queries", 0)),
             prefix_cache_hits=int(values.get("vllm:prefix_cache_hits", 0)),
-            extra={"cpu_cores": self._cores.cores} if self._cores is not None else {},
+            extra={"cpu_cores": self._cores} if self._cores is not None else {},
         )
 
     async def stop(self) -> None:
@@ -385,8 +383,6 @@ class VllmEngine(Engine):
         # Without this the engine-core subprocess outlives a retired actor and keeps its memory.
         if self._client is not None:
             self._client.shutdown()
-        if self._cores is not None:
-            self._cores.release()
 
 
 def _body(response: Any) -> Any:

@@ -19,6 +19,7 @@ import os
 import threading
 import time
 from collections.abc import Awaitable
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
@@ -84,6 +85,15 @@ def in_flight_window(engine: Engine) -> int:
     return 2 * int(args.get("max_num_seqs") or args.get("max_concurrency") or DEFAULT_MAX_NUM_SEQS)
 
 
+def _has_gpus() -> bool:
+    try:
+        import ray
+
+        return ray.is_initialized() and bool(ray.get_gpu_ids())
+    except Exception:  # noqa: BLE001 - outside an actor: no accelerators were assigned
+        return False
+
+
 def _actor_context() -> tuple[str | None, bool]:
     """This actor's node, and whether Ray restarted it (None, False outside a Ray actor: unit tests)."""
     try:
@@ -132,6 +142,9 @@ class EngineWorker:
         self._kv_usage_peak: float | None = None
         self._ready_at: float | None = None  # wall clock: compared across processes
         self._reporter: asyncio.Task | None = None
+        self._core_claim: Any = (
+            None  # cluster.cpu_cores.CoreClaim of a CPU engine, held while the actor lives
+        )
         self.actor_id = f"{pool}-{os.getpid()}"
         self._node_id, self._restarted = _actor_context()
         # The engine starts with the first ticket (it must start inside the actor's event loop), but its imports
@@ -148,7 +161,7 @@ class EngineWorker:
             async with self._starting:
                 if self.engine is None:
                     await asyncio.to_thread(self._preloading.join)
-                    engine = build_engine(self.spec)
+                    engine = build_engine(self._spec_with_cores())
                     await engine.start()
                     self._ready_at = time.time()
                     self.engine = engine
@@ -159,6 +172,19 @@ class EngineWorker:
                         # must see the KV cache fill (and preemptions start) while it happens.
                         self._reporter = asyncio.get_running_loop().create_task(self._report_loop())
         return self.engine
+
+    def _spec_with_cores(self) -> EngineSpec:
+        """A CPU engine computes on whole cores of its own: claimed here, on its node, for the life of this actor
+        (the claim is released with the process, so a restarted actor's engine can take them again)."""
+        spec = self.spec
+        if not engine_class(spec.backend).computes_on_cpu_cores or spec.cpus < 1 or _has_gpus():
+            return spec
+        from cluster.cpu_cores import claim_cores
+
+        self._core_claim = claim_cores(int(spec.cpus))
+        if self._core_claim is None:
+            return spec
+        return replace(spec, cpu_cores=tuple(self._core_claim.cores))
 
     async def _report_loop(self) -> None:
         while True:
