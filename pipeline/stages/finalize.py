@@ -318,59 +318,6 @@ def group_parts(part_rows: Sequence[int], target_rows: int) -> list[list[int]]:
     return groups
 
 
-@dataclass
-class Partitioning:
-    """Shard boundaries over a total order: a row belongs to shard `searchsorted(boundaries, key, "right")`."""
-
-    kind: str
-    total_rows: int
-    rows_per_shard: int
-    boundaries: np.ndarray  # first key of shards 1..n-1
-    sources: list[str] | None = None  # errors: the sorted distinct sources, to build (source, line) keys
-
-    @property
-    def count(self) -> int:
-        return shard_count(self.total_rows, self.rows_per_shard)
-
-    def keys(self, table: pa.Table) -> np.ndarray:
-        """One comparable key per row: the custom_id (results), or source rank << 32 | line (errors)."""
-        if self.kind == "results":
-            return table.column("custom_id").to_numpy(zero_copy_only=False)
-        rank = pc.index_in(table.column("source"), value_set=pa.array(self.sources, pa.string())).fill_null(
-            -1
-        )
-        return (rank.to_numpy(zero_copy_only=False).astype(np.int64) << 32) | table.column("line").to_numpy(
-            zero_copy_only=False
-        ).astype(np.int64)
-
-    def assign(self, table: pa.Table) -> np.ndarray:
-        """The shard index of every row of `table`."""
-        if not len(self.boundaries):
-            return np.zeros(table.num_rows, dtype=np.int64)
-        return np.searchsorted(self.boundaries, self.keys(table), side="right")
-
-
-def plan_partitioning(key_table: pa.Table, kind: str, rows_per_shard: int) -> Partitioning:
-    """Exact boundaries from every row's sort key (custom_id, or source + line): shard k gets rows
-    [k*rows_per_shard, (k+1)*rows_per_shard) of the sorted order. Raises ValueError on a duplicate result id."""
-    total = key_table.num_rows
-    count = shard_count(total, rows_per_shard)
-    if kind == "results":
-        ids = key_table.column("custom_id")
-        sorted_ids = ids.take(pc.sort_indices(ids))
-        duplicate = first_duplicate(sorted_ids)
-        if duplicate is not None:
-            raise ValueError(f"custom_id {duplicate!r} staged twice as a result")
-        picks = [k * rows_per_shard for k in range(1, count)]
-        boundaries = np.array(sorted_ids.take(pa.array(picks, pa.int64())).to_pylist(), dtype=object)
-        return Partitioning(kind, total, rows_per_shard, boundaries)
-    sources = sorted(pc.unique(key_table.column("source")).drop_null().to_pylist())
-    part = Partitioning(kind, total, rows_per_shard, np.array([], dtype=np.int64), sources)
-    keys = np.sort(part.keys(key_table))
-    part.boundaries = keys[[k * rows_per_shard for k in range(1, count)]]
-    return part
-
-
 def split_by_shard(table: pa.Table, shard_of_row: Sequence[int] | np.ndarray) -> dict[int, pa.Table]:
     """Group the rows of `table` by shard index (row order within a group kept)."""
     shard_of_row = np.asarray(shard_of_row)
