@@ -39,6 +39,7 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
+import pyarrow.parquet as pq
 import structlog
 
 from pipeline.config import StorageConfig
@@ -108,9 +109,12 @@ class _Context:
     storage: StorageConfig
     format: str
     _target: OutputTarget | None = field(default=None, repr=False)
+    # Staged parts in a bucket are read through this machine's read cache (see staging.ObjectStoreFiles) only in
+    # the driver, which clears it at the commit; a task, maybe on another host, leaves nothing behind.
+    _cached_reads: bool = True
 
     def __getstate__(self) -> dict[str, Any]:
-        return {**self.__dict__, "_target": None}
+        return {**self.__dict__, "_target": None, "_cached_reads": False}
 
     def target(self) -> OutputTarget:
         if self._target is None:
@@ -136,7 +140,11 @@ class _Context:
     def read(self, path: str, columns: list[str]) -> pa.Table:
         """A staged part (Parquet) or one of finalize's pieces (Arrow IPC)."""
         if path.endswith(".parquet"):
-            return self.files.parquet(path).read(columns=columns, use_threads=False)
+            if self._cached_reads or isinstance(self.files, LocalFiles):
+                part = self.files.parquet(path)
+            else:
+                part = pq.ParquetFile(pa.BufferReader(self.files.read_bytes(path)))
+            return part.read(columns=columns, use_threads=False)
         with pa.ipc.open_stream(pa.py_buffer(self.files.read_bytes(path))) as reader:
             return reader.read_all().select(columns)
 
