@@ -44,7 +44,7 @@ import structlog
 
 from pipeline.config import StorageConfig
 from pipeline.io.files import atomic_write_json
-from pipeline.io.locations import Location
+from pipeline.io.locations import Location, RetryStats
 from pipeline.io.staging import STAGED_SCHEMA, LocalFiles, PartFiles, StagingArea
 from pipeline.io.writers import MANIFEST_NAME, OutputTarget, output_target, shard_encoder
 from pipeline.stages.finalize import (
@@ -108,13 +108,18 @@ class _Context:
     location: Location
     storage: StorageConfig
     format: str
+    driver_host: str | None = None  # the driver's node address, when tasks run on Ray
     _target: OutputTarget | None = field(default=None, repr=False)
-    # Staged parts in a bucket are read through this machine's read cache (see staging.ObjectStoreFiles) only in
-    # the driver, which clears it at the commit; a task, maybe on another host, leaves nothing behind.
+    # Staged parts in a bucket go through the driver's read cache (see staging.ObjectStoreFiles) only on the
+    # driver's host, where the commit clears it; a task on another host leaves nothing behind.
     _cached_reads: bool = True
 
     def __getstate__(self) -> dict[str, Any]:
-        return {**self.__dict__, "_target": None, "_cached_reads": False}
+        return {**self.__dict__, "_target": None}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._cached_reads = self.driver_host is not None and _this_host() == self.driver_host
 
     def target(self) -> OutputTarget:
         if self._target is None:
@@ -293,10 +298,20 @@ def _running_ray() -> Any | None:
     return ray if ray is not None and ray.is_initialized() else None
 
 
-def _on_node(fn: Callable[..., Any], *args: Any) -> tuple[str, Any]:
+def _this_host() -> str:
     import ray
 
-    return ray.get_runtime_context().get_node_id(), fn(*args)
+    return ray.util.get_node_ip_address()
+
+
+def _on_node(fn: Callable[..., Any], *args: Any) -> tuple[str, Any, dict[str, int]]:
+    """A task: `fn(*args)`, where it ran, and the storage retries it made (counted per process, so the driver adds
+    them to its own count, which the manifest reports)."""
+    import ray
+
+    before = RetryStats.snapshot()
+    value = fn(*args)
+    return ray.get_runtime_context().get_node_id(), value, RetryStats.since(before)["by_operation"]
 
 
 class _Tasks:
@@ -306,6 +321,7 @@ class _Tasks:
     def __init__(self, local_paths: bool) -> None:
         self.ray = _running_ray()
         self.placement: Counter[str] = Counter()
+        self.host: str | None = None  # the driver's node address, with Ray
         self._remote: Any = None
         if self.ray is None:
             log.debug("finalize runs in the driver (no Ray)")
@@ -315,9 +331,9 @@ class _Tasks:
 
         node_id = ray.get_runtime_context().get_node_id()
         nodes = ray.nodes()
+        here = next((n for n in nodes if n["NodeID"] == node_id), {})
         strategy: Any = "SPREAD"
         if local_paths and spans_hosts(nodes, node_id):
-            here = next(n for n in nodes if n["NodeID"] == node_id)
             if here.get("Resources", {}).get("CPU", 0) < 1:
                 # A head that offers no CPUs to tasks (KubeRay's usual `num-cpus: 0`) could never run them.
                 log.warning(
@@ -327,6 +343,7 @@ class _Tasks:
                 self.ray = None
                 return
             strategy = NodeAffinitySchedulingStrategy(node_id, soft=False)
+        self.host = here.get("NodeManagerAddress")
         log.info("finalize tasks", placement="driver's node" if strategy != "SPREAD" else "spread")
         self._remote = ray.remote(num_cpus=1)(_on_node).options(scheduling_strategy=strategy)
 
@@ -343,8 +360,11 @@ class _Tasks:
             # to redo.
             self.ray.wait(refs, num_returns=len(refs), fetch_local=False)
         results = []
-        for node_id, value in self.ray.get(refs):
+        for node_id, value, retries in self.ray.get(refs):
             self.placement[node_id[:8]] += 1
+            for operation, n in retries.items():
+                for _ in range(n):
+                    RetryStats.record(operation)
             results.append(value)
         return results
 
@@ -456,10 +476,16 @@ def write_outputs(
             f"but the input has {expected_rows}; output not committed"
         )
     shard_encoder(format)  # an unknown format fails here, before anything is written
-    ctx = _Context(
-        staging.files, staging.finalize_dir, target.location, target.storage, format, _target=target
-    )
     tasks = _Tasks(local_paths=isinstance(staging.files, LocalFiles) or target.is_local)
+    ctx = _Context(
+        staging.files,
+        staging.finalize_dir,
+        target.location,
+        target.storage,
+        format,
+        tasks.host,
+        _target=target,
+    )
 
     started = time.monotonic()
     plan = _load_plan(ctx, parts, rows_per_shard)
