@@ -322,9 +322,9 @@ class _Tasks:
         self.ray = _running_ray()
         self.placement: Counter[str] = Counter()
         self.host: str | None = None  # the driver's node address, with Ray
+        self.where = "in the driver"  # for the log
         self._remote: Any = None
         if self.ray is None:
-            log.debug("finalize runs in the driver (no Ray)")
             return
         ray = self.ray
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
@@ -344,7 +344,7 @@ class _Tasks:
                 return
             strategy = NodeAffinitySchedulingStrategy(node_id, soft=False)
         self.host = here.get("NodeManagerAddress")
-        log.info("finalize tasks", placement="driver's node" if strategy != "SPREAD" else "spread")
+        self.where = "spread over the cluster" if strategy == "SPREAD" else "on the driver's node"
         self._remote = ray.remote(num_cpus=1)(_on_node).options(scheduling_strategy=strategy)
 
     def run(self, fn: Callable[..., Any], calls: Sequence[tuple[Any, ...]]) -> list[Any]:
@@ -548,6 +548,7 @@ def write_outputs(
         map_s=round(routed - planned, 2),
         reduce_s=round(time.monotonic() - routed, 2),
         tasks=sum(tasks.placement.values()),
+        ran=tasks.where,
         shards_written=len(reduce_calls),
     )
     by_code: Counter[str] = Counter()
