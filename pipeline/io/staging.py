@@ -10,6 +10,7 @@ the job runs. Finalize reads only this directory, so whatever reached staging su
       pending/part-*.parquet     on resume: the requests that still have no staged row
       results/*.parquet          finished result rows, each part sorted by custom_id
       errors/*.parquet           error records, each part sorted by source position
+      finalize/                  the final sort's plan, pieces and finished-shard records (runtime/finalize.py)
 
 One `StagingArea` works over a base path on one of two kinds of storage, chosen by the output location:
 - `LocalFiles` (a local OUTPUT, and the local stand-in for an http(s):// OUTPUT, which cannot be listed): each part
@@ -263,8 +264,8 @@ class ObjectStoreFiles:
 class StagingArea:
     """`<output>/_staging/` on `files` (local disk unless told otherwise).
 
-    `scratch` is local disk for temporary files that are not part of the checkpoint (the final sort's spills); by
-    default the staging directory itself.
+    `scratch` is local disk for temporary files that are not part of the checkpoint; by default the staging
+    directory itself.
     """
 
     def __init__(
@@ -278,6 +279,7 @@ class StagingArea:
         self.pending_dir = f"{self.root}/pending"
         self.results_dir = f"{self.root}/results"
         self.errors_dir = f"{self.root}/errors"
+        self.finalize_dir = f"{self.root}/finalize"
         self._writer_id = uuid.uuid4().hex[:8]
         self._seq = 0
 

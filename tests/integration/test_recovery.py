@@ -356,3 +356,77 @@ def test_s3_driver_killed_half_way_then_resumed_on_another_machine(moto_s3, tmp_
     assert not (Path(machine_b["NIGHTSHIFT_HOME"]) / "jobs").exists() or not any(
         (Path(machine_b["NIGHTSHIFT_HOME"]) / "jobs").iterdir()
     )  # machine B's scratch (read cache, spills, upload spools) is gone too
+
+
+# The driver of `nightshift run`, killed during finalize: once three shards are written and recorded.
+_KILLED_DURING_FINALIZE = """
+import os, signal
+from pipeline.runtime import finalize
+
+real_run = finalize._Tasks.run
+
+def run(self, fn, calls):
+    if fn is finalize._reduce_task and len(calls) > 3:
+        real_run(self, fn, calls[:3])
+        os.kill(os.getpid(), signal.SIGKILL)
+    return real_run(self, fn, calls)
+
+finalize._Tasks.run = run
+from pipeline.cli import app
+app(prog_name="nightshift")
+"""
+
+
+@pytest.mark.slow
+def test_driver_killed_during_finalize_then_resume(tmp_path):
+    """README "Failure model", row "the driver is killed (SSH drop, `kill -9`)" — during finalize: `resume` keeps
+    the shards already written and writes only the others."""
+    n = 600
+    lines = [chat_line(f"id-{(i * 7919) % n:05d}", f"question {i}") for i in range(n)]
+    lines[9] = "{not json"
+    path = write_lines(tmp_path / "in.jsonl", lines)
+    config = tmp_path / "job.yaml"
+    config.write_text(
+        json.dumps(
+            {
+                "job_id": "finalize-kill",
+                "engine": {"backend": "fake", "fake": {"output_tokens": 4}},
+                "output_options": {"rows_per_shard": 50, "staging_rows": 100},
+            }
+        )
+    )
+    output = tmp_path / "out"
+    args = ["run", str(path), str(output), "-c", str(config), "--no-progress"]
+    killed = subprocess.run(
+        [sys.executable, "-c", _KILLED_DURING_FINALIZE, *args], capture_output=True, text=True, timeout=600
+    )
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
+    assert not (output / "manifest.json").exists()
+    written = {p.name: (p.stat().st_ino, p.stat().st_mtime_ns) for p in output.glob("results-*")}
+    assert len(written) == 3
+
+    resumed = subprocess.run(
+        [sys.executable, "-m", "pipeline", "resume", str(output), "--no-progress"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    for name, stamp in written.items():  # not written again
+        assert ((output / name).stat().st_ino, (output / name).stat().st_mtime_ns) == stamp, name
+    manifest = json.loads((output / "manifest.json").read_text())
+    assert [s["rows"] for s in manifest["shards"]["results"]] == [50] * 11 + [49]
+    check_exactly_once(output, n)
+
+    clean = tmp_path / "clean"
+    uninterrupted = subprocess.run(
+        [sys.executable, "-m", "pipeline", *args[:2], str(clean), *args[3:]],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert uninterrupted.returncode == 0, uninterrupted.stderr[-3000:]
+    names = sorted(p.name for p in clean.glob("*-of-*.jsonl"))
+    assert names == sorted(p.name for p in output.glob("*-of-*.jsonl"))
+    for name in names:
+        assert (clean / name).read_bytes() == (output / name).read_bytes(), name
