@@ -443,16 +443,6 @@ class StagingArea:
     def count(self, kind: str) -> int:
         return self.num_rows(self.parts(kind))
 
-    def column_sum(self, column: str) -> int:
-        """Sum of a numeric column over every staged row (results and errors) — e.g. tokens across resumes."""
-        import pyarrow.compute as pc
-
-        total = 0
-        for kind in ("results", "errors"):
-            for part in self.parts(kind):
-                total += pc.sum(self.read_part(part, [column]).column(column)).as_py() or 0
-        return total
-
     def iter_column(self, kind: str, column: str) -> Iterator[Any]:
         for part in self.parts(kind):
             yield from self.read_part(part, [column]).column(column).to_pylist()

@@ -78,7 +78,9 @@ SAMPLE_PARTS = 128  # staged parts the driver reads keys from to place the bucke
 SAMPLE_KEYS_PER_BUCKET = 64  # ... and how many keys it takes per bucket (at most MAX_SAMPLE_PER_PART a part)
 MAX_SAMPLE_PER_PART = 4096
 KEY_COLUMNS = {"results": ["custom_id"], "errors": ["source", "line"]}
-READ_COLUMNS = ["custom_id", "source", "line", "error_code", "record"]
+# The token columns ride along so each shard's task sums them: the manifest's totals (across resumes too) cost the
+# driver nothing.
+READ_COLUMNS = ["custom_id", "source", "line", "error_code", "prompt_tokens", "completion_tokens", "record"]
 PIECE_OPTIONS = pa.ipc.IpcWriteOptions(compression="lz4")
 
 
@@ -275,7 +277,13 @@ def _reduce_task(ctx: _Context, kind: str, shard: int, count: int, sources: list
             raise AccountingError(f"custom_id {duplicate!r} staged twice as a result")
     encoder, extension = shard_encoder(ctx.format)
     info = write_shard(table, shard_name(kind, shard, count, extension), ctx.target().open_write, encoder)
-    record: dict[str, Any] = {"shard": info.as_manifest()}
+    record: dict[str, Any] = {
+        "shard": info.as_manifest(),
+        "tokens": {
+            "prompt": int(pc.sum(table.column("prompt_tokens")).as_py() or 0),
+            "completion": int(pc.sum(table.column("completion_tokens")).as_py() or 0),
+        },
+    }
     if kind == "errors":
         codes = pc.value_counts(table.column("error_code").drop_null()).to_pylist() if table.num_rows else []
         record["error_codes"] = {c["values"]: c["counts"] for c in codes}
@@ -554,6 +562,11 @@ def write_outputs(
     by_code: Counter[str] = Counter()
     for record in done["errors"].values():
         by_code.update(record.get("error_codes", {}))
+    tokens = {"prompt": 0, "completion": 0}
+    for kind in KINDS:
+        for record in done[kind].values():
+            for key in tokens:
+                tokens[key] += record.get("tokens", {}).get(key, 0)
     return {
         "counts": {
             "total": expected_rows,
@@ -562,6 +575,7 @@ def write_outputs(
             "by_error_code": dict(sorted(by_code.items())),
         },
         "shards": shards,
+        "tokens": tokens,
         # Which nodes ran finalize's tasks (a node id's first 8 characters, or "driver"), this attempt only.
         "placement": {"finalize": dict(sorted(tasks.placement.items()))},
     }

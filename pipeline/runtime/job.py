@@ -174,10 +174,6 @@ def run_job(config: JobConfig, show_progress: bool = True, resume: bool = False)
     outputs = write_outputs(
         output, staging, config.output_options.rows_per_shard, lines, format=config.output_options.format
     )
-    tokens = {
-        "prompt": staging.column_sum("prompt_tokens"),
-        "completion": staging.column_sum("completion_tokens"),
-    }
     wall = time.monotonic() - t0
     engines = summarize_engines(run.snapshot)
     remedy = preemption_remedy(
@@ -210,8 +206,6 @@ def run_job(config: JobConfig, show_progress: bool = True, resume: bool = False)
             "fitted": state.get("fit"),
         },
         **outputs,
-        # From staging, not from this run's counters: a resumed job's totals include the rows of earlier runs.
-        "tokens": tokens,
         "wall_time_s": round(wall, 3),
         "throughput": {
             "rows_per_s": round(counters.done / wall, 2) if wall else 0.0,
