@@ -8,7 +8,7 @@ a small box they would time each other's contention):
   pyarrow-jsonl        pyarrow.json.read_json → sort by custom_id → sharded Parquet (zstd)      (the floor)
   raydata-rows         the anchor: ray.data.read_json → map_batches building one OpenAI Batch result line per row
                        in Python (fake chat response: id, choices, usage; json.dumps per row) → sort("custom_id")
-                       → write_json, ~rows_per_shard rows a file (min_rows_per_file)
+                       → repartition(target_num_rows_per_block=rows_per_shard) → write_json, a file per block
   raydata-bare         the same without the per-row step: read_json → sort → write_json
   nightshift-jsonl     `python -m pipeline run IN.jsonl OUT --engine fake --no-progress ...`   (local → local)
   pyarrow-parquet      pyarrow.parquet.read_table → sort → sharded Parquet          (unless --skip-parquet)
@@ -398,10 +398,15 @@ def raydata_worker(input_path: str, out: str, rows_per_shard: int, per_row: bool
     ctx.print_on_execution_start = False
     ctx.enable_auto_log_stats = False
     shutil.rmtree(out, ignore_errors=True)
-    ds = ray.data.read_json(input_path, lines=True)
+    # Ray's default JSON reader (pyarrow's, which reads JSON Lines); `lines=True` would switch to pandas' reader,
+    # several times slower. Ray splits the one file's blocks so the per-row step runs on every core.
+    ds = ray.data.read_json(input_path)
     if per_row:
         ds = ds.map_batches(_respond, batch_format="pyarrow")
-    ds.sort("custom_id").write_json(out, min_rows_per_file=rows_per_shard)
+    # A single input file sorts in one partition, which would be written as one file by one task: split the sorted
+    # rows into blocks of rows_per_shard (streaming), one file each, written in parallel.
+    ds = ds.sort("custom_id").repartition(target_num_rows_per_block=rows_per_shard)
+    ds.write_json(out)
     t_done = time.monotonic()
     ray.shutdown()
     print(
