@@ -64,6 +64,9 @@ REQUEST_SCHEMA = pa.schema(
         # Names the request's shared leading prompt (stages/route.py), null when it has none: the work queue sends
         # requests of one key to one engine, so that engine's prefix cache pays.
         ("prefix_key", pa.string()),
+        # The served model the request runs on (its body's `model`): a job with one model per pool sends each
+        # request only to the pools serving its model.
+        ("model", pa.string()),
     ]
 )
 
@@ -353,6 +356,24 @@ class StagingArea:
                 self.files.write_parquet(left, target)
                 pending.append(target)
         return pending
+
+    def requests_for_model(self, paths: list[str], model: str) -> list[str]:
+        """Copies (under `pending/`) of the request parts holding only `model`'s requests: the work list of the
+        pools that serve it, in a job that serves several models. Memory: one part at a time."""
+        import pyarrow.compute as pc
+
+        out = []
+        for path in paths:
+            table = self.files.parquet(path).read()
+            if "model" not in table.column_names:  # staged before requests named their model: the job's own
+                continue
+            mine = table.filter(pc.equal(table.column("model"), model))
+            if mine.num_rows:
+                target = f"{self.pending_dir}/{self._next_name('part')}"
+                self.files.makedirs(self.pending_dir)
+                self.files.write_parquet(mine, target)
+                out.append(target)
+        return out
 
     def num_rows(self, paths: Iterable[str]) -> int:
         return sum(self.files.parquet(p).metadata.num_rows for p in paths)

@@ -21,6 +21,7 @@ import structlog
 from pipeline.config import DEFAULT_MAX_NUM_SEQS, JobConfig, PoolConfig, effective_pools
 from pipeline.engines.base import EngineSpec, engine_class
 from pipeline.io.staging import StagingArea
+from pipeline.models import ResolvedModel
 from pipeline.observe.progress import JobCounters, ProgressDisplay
 from pipeline.runtime.monitor import EngineWatch, summarize_recovery
 from pipeline.runtime.placement import place_pool
@@ -112,8 +113,13 @@ def _pool_dataset(
             "max_in_flight": max_in_flight,
         },
         batch_size=1,
+        # One ticket per actor, never queued behind another: a ticket runs until the queue is empty, so a second
+        # one queued on a busy actor would leave an engine of the pool idle the whole job.
         compute=ray.data.ActorPoolStrategy(
-            min_size=pool.min_engines, max_size=plan.max_engines, max_concurrent_calls_per_actor=1
+            min_size=pool.min_engines,
+            max_size=plan.max_engines,
+            max_concurrent_calls_per_actor=1,
+            max_tasks_in_flight_per_actor=1,
         ),
         num_cpus=pool.cpus_per_engine,
         num_gpus=pool.gpus_per_engine or None,
@@ -151,6 +157,7 @@ def run_engines(
     job_id: str,
     finished: set[str],
     keyed_rows: int = 0,
+    pool_models: dict[str, ResolvedModel] | None = None,
 ) -> EngineRun:
     import ray
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
@@ -163,15 +170,34 @@ def run_engines(
     files = staging.pending_requests(finished)
     if not files:
         return EngineRun()
-    pending_rows = staging.num_rows(files)
+    # Each pool serves one model (its own, or the job's); with several models, each model's requests are a work
+    # list of their own, leased only by the pools serving that model.
+    fit = staging.read_job().get("fit")
+    specs, model_of = {}, {}
+    for pool in effective_pools(config):
+        model = (pool_models or {}).get(pool.name)
+        specs[pool.name] = pool_spec(spec, model, fit, pool) if model is not None else spec
+        model_of[pool.name] = specs[pool.name].served_model_name
+    models = list(dict.fromkeys(model_of.values()))
+    work = (
+        {m: staging.requests_for_model(files, m) for m in models} if len(models) > 1 else {models[0]: files}
+    )
+    rows_of = {m: staging.num_rows(paths) for m, paths in work.items()}
     # Engine counts and CPUs the job left open are decided against the cluster Ray now sees; never more engines
-    # than there are chunks to give them (a chunk's size does not depend on how many engines there are).
+    # than there are chunks to give them (a chunk's size does not depend on how many engines there are). A pool
+    # whose model has no requests starts no engine.
     engines_given = bool(config.pools) or config.resources.num_engines is not None
     pools = [
-        place_pool(pool, spec, engines_given, -(-pending_rows // plan_feed(config, spec, pool).chunk_rows))
+        place_pool(
+            pool,
+            specs[pool.name],
+            engines_given,
+            -(-rows_of[model_of[pool.name]] // plan_feed(config, specs[pool.name], pool).chunk_rows),
+        )
         for pool in effective_pools(config)
+        if rows_of[model_of[pool.name]]
     ]
-    # The monitor, the queue and (for a local OUTPUT on a multi-host cluster) the part writer are pinned to the
+    # The monitor, the queues and (for a local OUTPUT on a multi-host cluster) the part writer are pinned to the
     # driver's node: they must not go down with a worker node (that is what they help survive), and a local
     # staging directory is on this node's disk.
     # The monitor is named so operators (and tests) can find a job's engines: ray.get_actor(name).snapshot().
@@ -182,23 +208,38 @@ def run_engines(
         .options(name=f"nightshift-monitor-{job_id}", scheduling_strategy=here)
         .remote()
     )
-    plans = [plan_feed(config, spec, pool) for pool in pools]
-    route = config.routing.prefix_aware and keyed_rows > 0 and sum(p.max_engines for p in plans) > 1
-    # The queue looks ahead a few chunks per engine to find rows of each engine's prompts; bounded, since a
-    # million-row job must not be read into memory.
-    window = min(65536, max(8192, 4 * sum(p.max_engines * p.chunk_rows for p in plans)))
-    queue = (
-        ray.remote(num_cpus=0)(WorkQueue)
-        .options(scheduling_strategy=here)
-        .remote(files, files_on=staging.files, route=route, window_rows=window, run_id=uuid.uuid4().hex[:8])
-    )
+    plans = [plan_feed(config, specs[pool.name], pool) for pool in pools]
     writer = None
     if not engines_share_disk_with_driver(staging.is_local):
         writer = ray.remote(num_cpus=0)(PartWriter).options(scheduling_strategy=here).remote(staging)
     sink = ChunkSink(staging, writer)
-    datasets = [
-        _pool_dataset(plan, queue, monitor, sink, job_id, config.engine.max_in_flight) for plan in plans
-    ]
+    run_id = uuid.uuid4().hex[:8]
+    queues, datasets = [], []
+    route = False
+    for model in models:
+        mine = [plan for plan in plans if model_of[plan.pool.name] == model]
+        if not mine:
+            continue
+        routed = config.routing.prefix_aware and keyed_rows > 0 and sum(p.max_engines for p in mine) > 1
+        route |= routed
+        # The queue looks ahead a few chunks per engine to find rows of each engine's prompts; bounded, since a
+        # million-row job must not be read into memory.
+        window = min(65536, max(8192, 4 * sum(p.max_engines * p.chunk_rows for p in mine)))
+        queue = (
+            ray.remote(num_cpus=0)(WorkQueue)
+            .options(scheduling_strategy=here)
+            .remote(
+                work[model],
+                files_on=staging.files,
+                route=routed,
+                window_rows=window,
+                run_id=f"{run_id}{len(queues)}" if len(models) > 1 else run_id,
+            )
+        )
+        queues.append(queue)
+        datasets += [
+            _pool_dataset(plan, queue, monitor, sink, job_id, config.engine.max_in_flight) for plan in mine
+        ]
     ds = datasets[0].union(*datasets[1:]) if len(datasets) > 1 else datasets[0]
 
     # Live engine numbers (KV usage, preemptions, prefix hits) in the display and logs; warns once on preemptions.
@@ -207,7 +248,7 @@ def run_engines(
     progress_pools: dict[str, dict[str, Any]] = {}
 
     def take_progress() -> None:
-        latest = ray.get(queue.progress.remote())
+        latest = _merged_progress(ray.get([queue.progress.remote() for queue in queues]))
         delta = {key: latest[key] - seen[key] for key in seen}
         if delta["rows"]:
             counters.add(delta["rows"], delta["failed"], delta["prompt_tokens"], delta["completion_tokens"])
@@ -236,7 +277,7 @@ def run_engines(
     run.retried_requests = len(ray.get(monitor.retries.remote()))
     run.recovery = summarize_recovery(ray.get(monitor.work.remote()))
     run.preemption_warned = watch.warned
-    queued = ray.get(queue.stats.remote())
+    queued = _merged_stats(ray.get([queue.stats.remote() for queue in queues]))
     run.duplicates_dropped = queued["duplicate_acks"]
     run.leases = {
         k: queued[k] for k in ("chunks_issued", "chunks_reissued", "rows_reissued", "duplicate_acks")
@@ -250,7 +291,7 @@ def run_engines(
         "rows_by_engine": dict(sorted(queued["served_by"].items())) if route else {},
         **queued["routing"],
     }
-    for actor in (monitor, queue, writer):
+    for actor in (monitor, *queues, writer):
         if actor is not None:
             ray.kill(actor)
     if run.duplicates_dropped:
@@ -259,3 +300,69 @@ def run_engines(
             chunks=run.duplicates_dropped,
         )
     return run
+
+
+def pool_spec(
+    spec: EngineSpec, model: ResolvedModel, fit: dict[str, Any] | None, pool: PoolConfig
+) -> EngineSpec:
+    """The engine spec of a pool serving `model`. Engine args fitted to the data are the job model's: a pool of
+    another model drops them (vLLM then sizes its context and batch from the model itself) and keeps what was
+    given."""
+    if model.path == spec.model_path and model.name == spec.served_model_name:
+        return spec
+    args = dict(spec.args)
+    fit = fit or {}
+    if (fit.get("max_model_len") or {}).get(
+        "source"
+    ) == "fitted" and "max_model_len" not in pool.engine_overrides:
+        args["max_model_len"] = None
+    if (fit.get("max_num_seqs") or {}).get(pool.name, {}).get("source") != "given":
+        cpu_default = DEFAULT_MAX_NUM_SEQS if pool.gpus_per_engine == 0 else None
+        args["max_num_seqs"] = pool.engine_overrides.get("max_num_seqs", cpu_default)
+    return replace(spec, model_path=model.path, served_model_name=model.name, args=args)
+
+
+def models_summary(
+    pool_models: dict[str, ResolvedModel], pools: dict[str, dict[str, float]]
+) -> dict[str, dict[str, Any]]:
+    """Per served model: where it came from, its task, the pools serving it, and the rows and tokens they answered."""
+    out: dict[str, dict[str, Any]] = {}
+    for pool, model in pool_models.items():
+        entry = out.setdefault(
+            model.name,
+            {
+                "path": model.path,
+                "task": model.task,
+                "pools": [],
+                "rows": 0,
+                "prompt_tokens": 0,
+                "completion_tokens": 0,
+            },
+        )
+        entry["pools"].append(pool)
+        stats = pools.get(pool) or {}
+        for key in ("rows", "prompt_tokens", "completion_tokens"):
+            entry[key] += int(stats.get(key) or 0)
+    return out
+
+
+def _merged_progress(each: list[dict[str, Any]]) -> dict[str, Any]:
+    """The work queues' totals as one (a job serving several models has a queue per model)."""
+    merged: dict[str, Any] = {"rows": 0, "failed": 0, "prompt_tokens": 0, "completion_tokens": 0, "pools": {}}
+    for one in each:
+        for key in ("rows", "failed", "prompt_tokens", "completion_tokens"):
+            merged[key] += one[key]
+        merged["pools"].update(one["pools"])  # a pool leases from its model's queue only
+    return merged
+
+
+def _merged_stats(each: list[dict[str, Any]]) -> dict[str, Any]:
+    merged: dict[str, Any] = {"served_by": {}, "routing": {}}
+    for one in each:
+        merged["served_by"].update(one["served_by"])
+        for key, value in one.items():
+            if isinstance(value, int):
+                merged[key] = merged.get(key, 0) + value
+        for key, value in one["routing"].items():
+            merged["routing"][key] = merged["routing"].get(key, 0) + value
+    return merged

@@ -104,10 +104,16 @@ def _vllm_target(config: JobConfig, model: ResolvedModel) -> FitTarget | str:
         shape = model_shape(model_dir)
     except PlanError as exc:
         return f"cannot read the model's shape: {exc}"
-    counter = PromptCounter.for_model(model_dir)
+    args = config.engine.vllm
+    try:
+        counter = PromptCounter.for_model(model_dir, args.chat_template, model.task)
+    except ValueError as exc:  # a --chat-template that names no file: the engine would refuse it as well
+        return str(exc)
     if counter is None:
         return "measuring requests needs the model's tokenizer: pip install 'nightshift-batch[model]'"
-    generation_default = generation_max_tokens(model_dir)
+    generation_default = generation_max_tokens(
+        model_dir, args.generation_config, args.override_generation_config
+    )
     chat_default = config.engine.fit.default_max_tokens
 
     def block_size(args: dict, device: str) -> int:
@@ -132,7 +138,7 @@ def _vllm_target(config: JobConfig, model: ResolvedModel) -> FitTarget | str:
 
     return FitTarget(
         counted_by=f"{model.name} tokenizer + chat template",
-        count=counter.count_batch,
+        count=_own_requests(model.name, counter.count_batch),
         output_budget=lambda url, body: output_budget(url, body, generation_default, chat_default),
         model_limit=shape.max_model_len_limit,
         block_size=block_size,
@@ -141,15 +147,21 @@ def _vllm_target(config: JobConfig, model: ResolvedModel) -> FitTarget | str:
 
 
 def _fake_target(config: JobConfig, model: ResolvedModel) -> FitTarget:
-    from pipeline.engines.fake import FAKE_MAX_MODEL_LEN, prompt_tokens
+    from pipeline.endpoints import endpoint_for
+    from pipeline.engines.fake import FAKE_MAX_MODEL_LEN, sequence_tokens
 
     default_output = config.engine.fake.output_tokens
 
     def count(requests: Sequence[tuple[str, dict]]) -> list[list[int] | Exception]:
-        return [[prompt_tokens(url, body)] for url, body in requests]
+        return [sequence_tokens(url, body) for url, body in requests]
+
+    count = _own_requests(model.name, count)
 
     def output(url: str, body: dict) -> tuple[int, bool]:
-        return int(body.get("max_completion_tokens") or body.get("max_tokens") or default_output), False
+        endpoint = endpoint_for(url)
+        if endpoint is None or not endpoint.generates:
+            return 0, False  # pooling routes generate nothing
+        return int(requested_max_tokens(body) or default_output), False
 
     return FitTarget(
         counted_by="the fake engine's word count",
@@ -160,6 +172,24 @@ def _fake_target(config: JobConfig, model: ResolvedModel) -> FitTarget:
         capacity=lambda args, device: None,
         notes=["fake engine: its concurrency is engine.fake.max_concurrency; max_num_seqs is not fitted"],
     )
+
+
+def _own_requests(
+    name: str, count: Callable[[Sequence[tuple[str, dict]]], list[list[int] | Exception]]
+) -> Callable[[Sequence[tuple[str, dict]]], list[list[int] | Exception]]:
+    """`count` for the requests of the model fitting is for; a request for another model of the job (a pool of
+    its own) starts no sequence here: that pool runs with its model's own limits (runtime.job.pool_spec)."""
+
+    def counted(requests: Sequence[tuple[str, dict]]) -> list[list[int] | Exception]:
+        own = [i for i, (_, body) in enumerate(requests) if body.get("model") in (None, name)]
+        if len(own) == len(requests):
+            return count(requests)
+        out: list[list[int] | Exception] = [[] for _ in requests]
+        for i, result in zip(own, count([requests[i] for i in own]), strict=True):
+            out[i] = result
+        return out
+
+    return counted
 
 
 _TARGETS: dict[str, Callable[[JobConfig, ResolvedModel], FitTarget | str]] = {

@@ -9,7 +9,7 @@ plus the custom_id set the duplicate check needs.
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -103,7 +103,7 @@ def invalid_to_staged(item: InvalidLine) -> StagedRow:
 
 def ingest(
     location: InputSource | Path | str,
-    model_name: str,
+    served: str | Mapping[str, str | None],
     staging: StagingArea,
     part_rows: int = 50_000,
     storage: StorageConfig | None = None,
@@ -113,7 +113,7 @@ def ingest(
     """Validate the whole input into staging. Memory: one part of requests plus the custom_id set."""
     source = as_source(location, storage)
     report = IngestReport(source=str(location) if isinstance(location, Path | str) else source.describe())
-    validator = LineValidator(model_name, job_id, limits)
+    validator = LineValidator(served, job_id, limits)
     requests: list[dict] = []
     errors: list[StagedRow] = []
     for payload, outcome in _validated(source, validator, report):
@@ -128,6 +128,7 @@ def ingest(
                     "line": outcome.line,
                     "source": outcome.source,
                     "prefix_key": key,
+                    "model": outcome.body.get("model"),
                 }
             )
             if len(requests) >= part_rows:

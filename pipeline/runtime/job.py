@@ -27,19 +27,15 @@ from typing import Any
 import structlog
 
 from pipeline import __version__
-from pipeline.config import (
-    JobConfig,
-    StorageConfig,
-    merge_overrides,
-)
+from pipeline.config import JobConfig, StorageConfig, effective_pools, merge_overrides
 from pipeline.engines.base import EngineSpec, engine_class
 from pipeline.io.locations import RetryStats
 from pipeline.io.readers import InputSource
 from pipeline.io.staging import StagingArea
 from pipeline.io.writers import OutputTarget, output_target
-from pipeline.models import ResolvedModel, resolve_model
+from pipeline.models import ResolvedModel, resolve_models
 from pipeline.observe.progress import JobCounters
-from pipeline.runtime.feed import EngineRun, run_engines
+from pipeline.runtime.feed import EngineRun, models_summary, run_engines
 from pipeline.runtime.finalize import FORMAT_VERSION, commit, write_outputs
 from pipeline.runtime.fit import fit_job
 from pipeline.runtime.ingest import ingest
@@ -105,7 +101,20 @@ def run_job(config: JobConfig, show_progress: bool = True, resume: bool = False)
     cpu0 = time.process_time()
     retries_before = RetryStats.snapshot()
     source, output, staging, state = _prepare(config, resume)
-    model = resolve_model(config.model, config.served_model_name)
+    # The model of each pool (a pool without one serves the job's); the first pool's is the job's own: the one
+    # fitting measures and the manifest names first.
+    pool_models = resolve_models(
+        [
+            (
+                p.name,
+                p.model or config.model,
+                p.served_model_name or (None if p.model else config.served_model_name),
+            )
+            for p in effective_pools(config)
+        ],
+        config.engine.vllm.runner,
+    )
+    model = next(iter(pool_models.values()))
     spec = engine_spec(config, model)
     engine_class(spec.backend).check_spec(spec)
     for unused in config.engine.unused_settings():
@@ -121,7 +130,10 @@ def run_job(config: JobConfig, show_progress: bool = True, resume: bool = False)
             staging.discard_ingest()
             state["model"] = model.model_dump()
             staging.write_job(state)
-            report = ingest(source, model.name, staging, job_id=job_id, limits=config.limits)
+            # Each line goes to a model some pool serves (model_not_found otherwise); the model's task rejects a
+            # route it cannot serve at validation (unsupported_task), before any engine.
+            served = {m.name: m.task for m in pool_models.values()}
+            report = ingest(source, served, staging, job_id=job_id, limits=config.limits)
             state["input"] = {
                 "location": source.describe(),
                 "fingerprint": report.fingerprint,
@@ -155,7 +167,9 @@ def run_job(config: JobConfig, show_progress: bool = True, resume: bool = False)
     if state["input"]["valid"] > len(finished):
         start_ray(config.resources.address)
         keyed = state["input"].get("prefix_keyed", 0)
-        run = run_engines(config, spec, staging, counters, show_progress, job_id, finished, keyed)
+        run = run_engines(
+            config, spec, staging, counters, show_progress, job_id, finished, keyed, pool_models
+        )
 
     outputs = write_outputs(
         output, staging, config.output_options.rows_per_shard, lines, format=config.output_options.format
@@ -181,6 +195,8 @@ def run_job(config: JobConfig, show_progress: bool = True, resume: bool = False)
         "finished_at": dt.datetime.now(dt.timezone.utc).isoformat(),
         "input": {k: state["input"][k] for k in ("location", "fingerprint", "size_bytes", "lines")},
         "model": model.model_dump(),
+        # Rows answered and tokens, per served model (a job may serve one model per pool).
+        "models": models_summary(pool_models, run.pools),
         "engine": {
             "backend": spec.backend,
             "args": engines.get("effective_args") or spec.args,

@@ -167,7 +167,10 @@ def test_flatten_records_shapes():
     completion = {
         "id": "x",
         "custom_id": "c",
-        "response": {"status_code": 200, "body": {"choices": [{"text": "t", "finish_reason": "length"}]}},
+        "response": {
+            "status_code": 200,
+            "body": {"object": "text_completion", "choices": [{"text": "t", "finish_reason": "length"}]},
+        },
         "error": None,
     }
     failed = {
