@@ -54,6 +54,7 @@ class WorkQueue:
         window_rows: int = 32768,
         run_id: str = "run",
         input_closed: bool = True,
+        shrink_tail: bool = True,
     ) -> None:
         """`files_on`: the staging area's storage (`pipeline.io.staging.PartFiles`); default: local paths.
         `route`: group by prefix key and give each key an owner; `window_rows`: how far ahead the queue reads to
@@ -83,6 +84,12 @@ class WorkQueue:
         # Leases: chunks handed out and not yet acknowledged, by id, with the ticket that holds them. Only chunks
         # in flight are kept (bounded by engines x their windows), never the job's rows.
         self._next_chunk = 0
+        # Guided self-scheduling: near the end, chunks shrink to a share of what is left per engine, so the last
+        # chunks finish together instead of one engine running a full chunk on alone (the tail of a job).
+        self._total_rows = sum(self._rows_in(f) for f in self._files)
+        self._new_rows_out = 0
+        self._takers: set[str] = set()
+        self._shrink_tail = shrink_tail
         self._leases: dict[int, Lease] = {}
         self._reissue: deque[Lease] = deque()
         self.chunks_reissued = 0
@@ -240,9 +247,22 @@ class WorkQueue:
             self._changed = asyncio.Condition()
         return self._changed
 
+    def _rows_in(self, path: str) -> int:
+        return self._open(path).metadata.num_rows
+
+    def _chunk_rows(self, rows: int) -> int:
+        """`rows`, or less near the end: half an even share per engine of what is left (never under 1/16 of a chunk,
+        which bounds the per-chunk overhead). Only once the work list is complete is what is left known."""
+        if not self._shrink_tail or not self._input_closed or not self._takers:
+            return rows
+        left = self._total_rows - self._new_rows_out
+        share = -(-left // (2 * len(self._takers)))
+        return max(min(rows, share), max(1, rows // 16))
+
     async def add_files(self, files: list[str]) -> None:
         """More of the work list was staged (ingest still running)."""
         async with self._condition():
+            self._total_rows += sum(self._rows_in(f) for f in files)
             self._files.extend(files)
             self._changed.notify_all()
 
@@ -274,17 +294,19 @@ class WorkQueue:
         attempt, rows), or None when every row has been handed out. A chunk handed out again keeps its id and
         name, so staging its rows twice writes the same part twice, never two parts."""
         async with self._condition():
+            self._takers.add(taker)
             while True:
                 if self._reissue:
                     old = self._reissue.popleft()
                     lease = Lease(old.chunk_id, old.name, old.attempt + 1, ticket, taker, old.table)
                     break
-                pieces = self._fill(taker, rows)
+                pieces = self._fill(taker, self._chunk_rows(rows))
                 if pieces:
                     chunk_id = self._next_chunk
                     self._next_chunk += 1
                     name = f"chunk-{self._run_id}-{chunk_id:08d}"
                     lease = Lease(chunk_id, name, 1, ticket, taker, self._chunk(pieces))
+                    self._new_rows_out += lease.table.num_rows
                     break
                 if self._exhausted():
                     return None
