@@ -200,6 +200,7 @@ def run_job(config: JobConfig, show_progress: bool = True, resume: bool = False)
             "engines": engines.get("engines", 0),
             "kv_cache_tokens_per_engine": engines.get("kv_cache_tokens_per_engine"),
             "in_flight": engines.get("in_flight"),
+            "per_engine": engines.get("per_engine"),
             "kv_cache_usage_peak": engines.get("kv_cache_usage_peak"),
             "cpu_cores": engines.get("cpu_cores") or None,
             "first_ready_at": _iso(engines.get("first_ready_at")),  # engine start ends, generation begins

@@ -175,6 +175,11 @@ def summarize_engines(snapshot: dict[str, dict[str, Any]]) -> dict[str, Any]:
             cores for e in snapshot.values() if (cores := e["stats"].get("extra", {}).get("cpu_cores"))
         ),
         "sampling_defaults": first.get("sampling_defaults", {}),
+        # Per engine: its node, the rows and chunks it ran, and how busy it was between its first and last request.
+        "per_engine": {
+            actor: {"pool": e["pool"], "node_id": e.get("node_id"), **(e.get("activity") or {})}
+            for actor, e in sorted(snapshot.items())
+        },
         # Per pool: the engine's own max_num_seqs (given, fitted, or decided by the engine as it started) and the
         # requests each of its actors kept inside it (2 x that, unless max_in_flight was given).
         "in_flight": {

@@ -78,6 +78,49 @@ def result_table(
     return pa.table(columns, schema=STAGED_SCHEMA)
 
 
+class Activity:
+    """When an engine had chunks inside it: first start, last finish, and the seconds with at least one running.
+    Busy seconds over the span between its first and last request show whether it waited on the queue."""
+
+    def __init__(self) -> None:
+        self.first: float | None = None
+        self.last: float | None = None
+        self.busy_s = 0.0
+        self.rows = 0
+        self.chunks = 0
+        self._running = 0
+        self._since = 0.0
+
+    def begin(self) -> None:
+        now = time.time()
+        if self.first is None:
+            self.first = now
+        if not self._running:
+            self._since = now
+        self._running += 1
+
+    def end(self, rows: int) -> None:
+        now = time.time()
+        self._running -= 1
+        if not self._running:
+            self.busy_s += now - self._since
+        self.last = now
+        self.rows += rows
+        self.chunks += 1
+
+    def as_dict(self) -> dict[str, Any]:
+        busy = self.busy_s + (time.time() - self._since if self._running else 0.0)
+        span = (self.last or 0.0) - (self.first or 0.0)
+        return {
+            "rows": self.rows,
+            "chunks": self.chunks,
+            "first_request_at": self.first,
+            "last_result_at": self.last,
+            "busy_s": round(busy, 3),
+            "busy_share": round(min(1.0, busy / span), 4) if span > 0 else None,
+        }
+
+
 def in_flight_window(engine: Engine) -> int:
     """2 x the sequences the engine runs at once, as it reports them after starting (vLLM decides max_num_seqs
     itself when it was not given), so one batch waits inside while the next runs."""
@@ -142,6 +185,7 @@ class EngineWorker:
         self._kv_usage_peak: float | None = None
         self._ready_at: float | None = None  # wall clock: compared across processes
         self._reporter: asyncio.Task | None = None
+        self.activity = Activity()  # when this engine had work: its busy share, for the manifest
         self._core_claim: Any = (
             None  # cluster.cpu_cores.CoreClaim of a CPU engine, held while the actor lives
         )
@@ -213,6 +257,7 @@ class EngineWorker:
             info = {
                 "pool": self.pool,
                 "in_flight_window": self.window,
+                "activity": self.activity.as_dict(),
                 "pid": os.getpid(),
                 "node_id": self._node_id,
                 "restarted": self._restarted,  # Ray restarted this actor (its engine, or its node, died)
@@ -320,7 +365,11 @@ class EngineWorker:
         return result_table([by_id[i] for i in ids], lines, sources, self.pool, self.job_id)
 
     async def _run_lease(self, chunk: int, name: str, attempt: int, table: pa.Table) -> int:
-        finished = await self.run_chunk(table, chunk, attempt)
+        self.activity.begin()
+        try:
+            finished = await self.run_chunk(table, chunk, attempt)
+        finally:
+            self.activity.end(table.num_rows)
         # Staging is file or object-store I/O: off the event loop, which keeps feeding the engine meanwhile.
         staged = await asyncio.to_thread(self.sink.stage, name, finished)
         await self.queue.ack.remote(chunk, self.pool, staged)

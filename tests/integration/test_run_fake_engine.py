@@ -214,3 +214,7 @@ def test_the_in_flight_window_follows_the_engines_own_max_num_seqs(tmp_path):
     # The engine saw the window fill (10 running, 10 waiting for a slot) and never more.
     assert window["peak_requests_inside"] == 20
     assert outcome.manifest["counts"]["succeeded"] == 240
+    engines = outcome.manifest["engine"]["per_engine"]
+    assert sum(e["rows"] for e in engines.values()) == 240 and all(e["node_id"] for e in engines.values())
+    # One engine fed from the queue with a window of 20: never waiting for work between its first and last request.
+    assert all(e["busy_share"] >= 0.9 for e in engines.values()), engines
