@@ -33,6 +33,7 @@ import structlog
 
 from pipeline import json_codec
 from pipeline.config import StorageConfig
+from pipeline.io.encoders import WRITE_BATCH_ROWS, HashingSink
 from pipeline.io.files import atomic_write_bytes
 from pipeline.io.locations import (
     HttpStatusError,
@@ -50,7 +51,6 @@ from pipeline.io.locations import (
     with_retries,
 )
 from pipeline.io.staging import ObjectStoreFiles, StagingArea
-from pipeline.stages.finalize import WRITE_BATCH_ROWS, HashingSink
 
 log = structlog.get_logger(__name__)
 
@@ -145,7 +145,7 @@ class ParquetEncoder:
 
 
 def shard_encoder(fmt: str) -> tuple[Callable[[HashingSink], Any], str]:
-    from pipeline.stages.finalize import JsonlEncoder
+    from pipeline.io.encoders import JsonlEncoder
 
     if fmt == "parquet":
         return ParquetEncoder, "parquet"

@@ -13,14 +13,14 @@ in it of each exact shard boundary from per-bucket row counts, and `assign_shard
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field
-from typing import Any, BinaryIO, Protocol
+from typing import Any, BinaryIO
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
+
+from pipeline.io.encoders import HashingSink, JsonlEncoder, ShardEncoder, ShardInfo
 
 # How finished rows are ordered: results by custom_id (UTF-8 byte order, which is also Python's str order and
 # Arrow's string order), error records by source position.
@@ -28,7 +28,6 @@ SORT_KEYS: dict[str, list[tuple[str, str]]] = {
     "results": [("custom_id", "ascending")],
     "errors": [("source", "ascending"), ("line", "ascending")],
 }
-WRITE_BATCH_ROWS = 16_384
 
 
 def shard_count(total_rows: int, rows_per_shard: int) -> int:
@@ -38,104 +37,6 @@ def shard_count(total_rows: int, rows_per_shard: int) -> int:
 
 def shard_name(prefix: str, index: int, count: int, extension: str) -> str:
     return f"{prefix}-{index:05d}-of-{count:05d}.{extension}"
-
-
-@dataclass
-class ShardInfo:
-    name: str
-    rows: int = 0
-    first_custom_id: str | None = None
-    last_custom_id: str | None = None
-    bytes: int = 0
-    sha256: str = ""
-    _hash: object = field(default_factory=hashlib.sha256, repr=False)
-
-    def as_manifest(self) -> dict:
-        return {
-            "name": self.name,
-            "rows": self.rows,
-            "first_custom_id": self.first_custom_id,
-            "last_custom_id": self.last_custom_id,
-            "bytes": self.bytes,
-            "sha256": self.sha256,
-        }
-
-
-class HashingSink:
-    """A write-only file that forwards to `target` and keeps the sha256 and size of everything written."""
-
-    def __init__(self, target: BinaryIO, info: ShardInfo) -> None:
-        self._target = target
-        self._info = info
-        self.closed = False
-
-    def write(self, data) -> int:
-        view = memoryview(data).cast("B")
-        self._info._hash.update(view)  # type: ignore[attr-defined]
-        self._info.bytes += view.nbytes
-        self._target.write(view)
-        return view.nbytes
-
-    def tell(self) -> int:
-        return self._info.bytes
-
-    def flush(self) -> None:
-        self._target.flush()
-
-    def writable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return False
-
-    def close(self) -> None:
-        if not self.closed:
-            self.closed = True
-            self._target.close()
-            self._info.sha256 = self._info._hash.hexdigest()  # type: ignore[attr-defined]
-
-
-class ShardEncoder(Protocol):
-    def write_table(self, table: pa.Table) -> None: ...
-
-    def close(self) -> None: ...
-
-
-def string_bytes(array: pa.Array) -> memoryview:
-    """The bytes of a string/binary array's values, back to back (no copy)."""
-    large = pa.types.is_large_string(array.type) or pa.types.is_large_binary(array.type)
-    width = 8 if large else 4
-    _, offsets_buffer, data = array.buffers()
-    if data is None or not len(array):
-        return memoryview(b"")
-    offsets = np.frombuffer(
-        offsets_buffer,
-        dtype=np.int64 if large else np.int32,
-        count=len(array) + 1,
-        offset=array.offset * width,
-    )
-    return memoryview(data)[int(offsets[0]) : int(offsets[-1])]
-
-
-class JsonlEncoder:
-    """JSONL shards: the staged `record` column, one line per row — joined in Arrow, no Python object per row."""
-
-    extension = "jsonl"
-
-    def __init__(self, sink: HashingSink) -> None:
-        self._sink = sink
-
-    def write_table(self, table: pa.Table) -> None:
-        records = table.column("record")
-        if records.null_count:
-            raise ValueError("a staged row has no output record")
-        for start in range(0, table.num_rows, WRITE_BATCH_ROWS):
-            lines = pc.binary_join_element_wise(records.slice(start, WRITE_BATCH_ROWS), "", "\n")
-            for chunk in lines.chunks:
-                self._sink.write(string_bytes(chunk))
-
-    def close(self) -> None:
-        self._sink.close()
 
 
 def write_shard(
