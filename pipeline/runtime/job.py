@@ -2,8 +2,8 @@
 
     read ─▶ validate ─▶ fit ─▶ (resume filter) ─▶ engine actors ─▶ stage ─▶ finalize
 
-The driver streams: it validates the input into staging (while Ray starts), fits the engine args to it, hands Ray
-Data the staged work list, and writes
+The driver coordinates: it starts Ray, has the cluster validate and measure the input into staging
+(runtime/ingest.py), fits the engine args to the measured aggregate, hands Ray Data the staged work list, and writes
 finished rows back into staging as they arrive. Nothing here holds the whole input or output in memory.
 Staging is the checkpoint: a job interrupted at any point is continued by `resume`, which re-runs only the
 requests that have no staged row yet.
@@ -12,7 +12,6 @@ requests that have no staged row yet.
 from __future__ import annotations
 
 import datetime as dt
-import threading
 import time
 import uuid
 from dataclasses import dataclass, field, replace
@@ -27,13 +26,13 @@ from pipeline import __version__
 from pipeline.config import JobConfig, PoolConfig, StorageConfig, effective_pools, merge_overrides
 from pipeline.engines.base import EngineSpec, engine_class
 from pipeline.io.locations import RetryStats
-from pipeline.io.readers import InputSource
+from pipeline.io.readers import RANGE_BYTES, InputSource
 from pipeline.io.staging import StagingArea
 from pipeline.io.writers import OutputTarget, output_target
 from pipeline.models import ResolvedModel, resolve_model
 from pipeline.observe.progress import JobCounters, ProgressDisplay
 from pipeline.runtime.finalize import FORMAT_VERSION, commit, write_outputs
-from pipeline.runtime.fit import fit_job
+from pipeline.runtime.fit import fit_job, measuring
 from pipeline.runtime.ingest import ingest
 from pipeline.runtime.monitor import EngineWatch, preemption_remedy, summarize_engines, summarize_recovery
 from pipeline.runtime.placement import place_pool
@@ -111,31 +110,6 @@ def _start_ray(address: str | None) -> None:
     ctx.execution_options.preserve_order = False
     # Without this, engines asking for resources no node has would wait forever in silence.
     ctx.wait_for_min_actors_s = 300
-
-
-class _InBackground:
-    """Run a function on a daemon thread (a Ctrl-C must not wait for it); `result()` joins and re-raises."""
-
-    def __init__(self, fn: Any, *args: Any, **kwargs: Any) -> None:
-        self._value: Any = None
-        self._error: BaseException | None = None
-
-        def target() -> None:
-            try:
-                self._value = fn(*args, **kwargs)
-            except BaseException as exc:  # noqa: BLE001 - handed to the caller by result()
-                self._error = exc
-
-        self._thread = threading.Thread(
-            target=target, name=getattr(fn, "__name__", "background"), daemon=True
-        )
-        self._thread.start()
-
-    def result(self) -> Any:
-        self._thread.join()
-        if self._error is not None:
-            raise self._error
-        return self._value
 
 
 class _StagingBuffer:
@@ -458,7 +432,7 @@ def _prepare(
         state = staging.read_job()
         stored = state.get("input", {}).get("fingerprint")
         if stored:
-            current = source.fingerprint()
+            current = source.fingerprint(state["input"].get("range_bytes", RANGE_BYTES))
             if current != stored:
                 raise PreflightError(
                     f"input {config.input} changed since the job started ({stored} → {current}); resuming would "
@@ -496,7 +470,15 @@ def run_job(config: JobConfig, show_progress: bool = True, resume: bool = False)
             staging.discard_ingest()
             state["model"] = model.model_dump()
             staging.write_job(state)
-            report = ingest(source, model.name, staging, job_id=job_id, limits=config.limits)
+            # Validated and measured by tasks on the cluster; too-long prompts are error records already.
+            report = ingest(
+                source,
+                model.name,
+                staging,
+                job_id=job_id,
+                limits=config.limits,
+                measure=measuring(config, model),
+            )
             state["input"] = {
                 "location": source.describe(),
                 "fingerprint": report.fingerprint,
@@ -505,19 +487,23 @@ def run_job(config: JobConfig, show_progress: bool = True, resume: bool = False)
                 "valid": report.valid,
                 "invalid": report.invalid,
                 "prefix_keyed": report.keyed,
+                "range_bytes": report.range_bytes,
+            }
+            if report.lengths is not None:
+                state["lengths"] = report.lengths.to_dict()
+            state["ingest"] = {
+                "nodes": report.nodes(),
+                "tasks_by_node": report.placement,
+                "seconds": {step: round(s, 3) for step, s in report.seconds.items()},
             }
             state["ingested"] = True
             staging.write_job(state)
-        # Engine args fitted to the data, too-long prompts failed before any engine (runtime/fit.py; kept in state).
+        # Engine args fitted to the measured aggregate (runtime/fit.py; kept in state).
         return fit_job(config, model, staging, state)
 
-    # Ray's start-up (seconds of process launches, mostly waiting) overlaps validation and fitting instead of
-    # following them; engines are needed unless every row is invalid or already finished, which is rare.
-    preparing = _InBackground(prepare_work)
-    try:
-        _start_ray(config.resources.address)
-    finally:
-        config = preparing.result()
+    # Ingest runs as tasks on the cluster, so Ray starts first.
+    _start_ray(config.resources.address)
+    config = prepare_work()
     spec = engine_spec(config, model)
     lines = state["input"]["lines"]
     log.info("input validated", lines=lines, valid=state["input"]["valid"], invalid=state["input"]["invalid"])
@@ -555,6 +541,7 @@ def run_job(config: JobConfig, show_progress: bool = True, resume: bool = False)
         "created_at": started_at.isoformat(),
         "finished_at": dt.datetime.now(dt.timezone.utc).isoformat(),
         "input": {k: state["input"][k] for k in ("location", "fingerprint", "size_bytes", "lines")},
+        "ingest": state.get("ingest"),  # where validation ran (Ray node ids), per step
         "model": model.model_dump(),
         "engine": {
             "backend": spec.backend,
