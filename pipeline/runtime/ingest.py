@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from pipeline.config import InputLimits, StorageConfig
+from pipeline.io.locations import RetryStats
 from pipeline.io.readers import (
     RANGE_BYTES,
     BadRow,
@@ -384,6 +385,13 @@ class _InProcess:
         return [fn(job, item) for item in items]
 
 
+def _counting_retries(fn: Callable[[IngestJob, Any], Any], job: IngestJob, item: Any) -> tuple[Any, dict]:
+    """A task in a worker process: its result, and the storage retries it made there."""
+    before = RetryStats.snapshot()
+    result = fn(job, item)
+    return result, RetryStats.since(before)["by_operation"]
+
+
 class _RayTasks:
     """Runs each step's tasks as Ray tasks, pinned to `node` when given (the input or the staging area is on that
     node's disk), else spread over the cluster. A task takes one CPU; on a node that offers none (a head started
@@ -412,7 +420,7 @@ class _RayTasks:
         ray = self._ray
         if self._job is None or self._job[0] is not job:
             self._job = (job, ray.put(job))  # shipped once, not once per task
-        remote = ray.remote(fn).options(
+        remote = ray.remote(_counting_retries).options(
             num_cpus=self._cpus, max_retries=3, scheduling_strategy=self._strategy
         )
         refs: list[Any] = []
@@ -422,10 +430,14 @@ class _RayTasks:
                 if len(pending) >= self.in_flight:
                     done, pending = ray.wait(pending, num_returns=1)
                     ray.get(done)  # a failure stops the step before the rest is submitted
-                ref = remote.remote(self._job[1], item)
+                ref = remote.remote(fn, self._job[1], item)
                 refs.append(ref)
                 pending.append(ref)
-            return ray.get(refs)
+            results = []
+            for result, retries in ray.get(refs):
+                RetryStats.add(retries)  # the job's storage statistics include what its tasks retried
+                results.append(result)
+            return results
         except ray.exceptions.RayTaskError as exc:
             for ref in refs:
                 ray.cancel(ref)
