@@ -40,6 +40,7 @@ def main() -> None:
         "--cpus", type=int, default=None, help="CPUs of the local Ray instance (default: all)"
     )
     parser.add_argument("--serial", action="store_true", help="run every step in this process, without Ray")
+    parser.add_argument("--range-mb", type=float, default=None, help="byte range size (default: 64 MiB)")
     parser.add_argument(
         "--work", type=Path, default=Path(tempfile.gettempdir()) / "nightshift-bench-dataplane"
     )
@@ -70,7 +71,8 @@ def main() -> None:
     source = input_source(str(path))
 
     t0, c0 = time.monotonic(), time.process_time()
-    report = ingest(source, model.name, staging, job_id="bench", measure=measuring(config, model))
+    ranges = {"range_bytes": int(args.range_mb * (1 << 20))} if args.range_mb else {}
+    report = ingest(source, model.name, staging, job_id="bench", measure=measuring(config, model), **ranges)
     t1 = time.monotonic()
     state = {
         "job_id": "bench",

@@ -381,6 +381,8 @@ def fix_piece(job: IngestJob, item: tuple[int, list[str]]) -> FixOutcome:
 class _InProcess:
     """Runs each step's tasks one after the other in this process (no Ray: unit tests, small tools)."""
 
+    parallelism = 1
+
     def map(self, fn: Callable[[IngestJob, Any], Any], job: IngestJob, items: list[Any]) -> list[Any]:
         return [fn(job, item) for item in items]
 
@@ -414,7 +416,8 @@ class _RayTasks:
                 (float(n["Resources"].get("CPU", 0)) for n in ray.nodes() if n.get("NodeID") == node), 0.0
             )
         self._cpus = 1 if cpus >= 1 else 0
-        self.in_flight = 2 * max(1, int(cpus))
+        self.parallelism = max(1, int(cpus))  # tasks that run at once
+        self.in_flight = 2 * self.parallelism
 
     def map(self, fn: Callable[[IngestJob, Any], Any], job: IngestJob, items: list[Any]) -> list[Any]:
         ray = self._ray
@@ -503,13 +506,15 @@ def ingest(
         files=len(source.files),
         range_bytes=range_bytes,
     )
-    if buckets is None:
-        buckets = max(1, min(MAX_BUCKETS, math.ceil((source.size_bytes or 0) / BUCKET_BYTES)))
-    job = IngestJob(source, staging, model_name, job_id, source.limits, measure, buckets, part_rows)
     run = _executor(parallel, source, staging)
-
     started = time.monotonic()
     pieces, scans = source.plan_reads(range_bytes)
+    if buckets is None:
+        # Enough buckets to keep each one's ids small, and to give every worker a bucket when there are pieces
+        # enough to fill them (each piece writes one file per bucket it has ids in).
+        by_size = math.ceil((source.size_bytes or 0) / BUCKET_BYTES)
+        buckets = max(1, min(MAX_BUCKETS, max(by_size, min(len(pieces), run.parallelism))))
+    job = IngestJob(source, staging, model_name, job_id, source.limits, measure, buckets, part_rows)
     batches = _scan_batches(scans, range_bytes)
     scanned = run.map(scan_ranges, job, batches)
     counts = [count for outcome in scanned for count in outcome.counts]
