@@ -17,7 +17,8 @@ process otherwise (unit tests; no Ray needed):
    buckets.
 3. dedup, per bucket (runtime/dedup.py): duplicates are found, recorded, and the lengths of the requests that stay
    are summed (fit's Lengths, mergeable).
-4. per piece with duplicates: their first outcome is removed from what the piece staged.
+4. per piece that read a losing duplicate: what it had staged for that line (a request, or another error record)
+   is removed from its parts.
 
 The driver merges small per-task statistics. Its CPU and memory grow with the number of pieces, never with rows.
 Placement: a local input, or a local staging area (local OUTPUT), is on the driver's disk, so with several nodes
