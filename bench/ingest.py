@@ -7,6 +7,7 @@ Ray is started first and not timed; then, in this process (the driver):
   ingest_wall_s    wall time of runtime.ingest.ingest: scan, read tasks, duplicate buckets
   fit_wall_s       wall time of fit_job (it decides from the aggregate ingest measured)
   driver_cpu_s     time.process_time() of this process across both: what the driver itself spends
+  read_tasks_cpu_s the CPU seconds the read tasks spent (on the workers)
 
 Also printed: tasks per step and node, tokenizer loads (once per worker process, not per task), and what fitting
 decided. `--serial` runs the same steps in this process without Ray, for comparison.
@@ -91,6 +92,8 @@ def main() -> None:
                 "ingest_wall_s": round(t1 - t0, 2),
                 "fit_wall_s": round(t2 - t1, 2),
                 "driver_cpu_s": round(c2 - c0, 2),
+                "read_tasks_cpu_s": round(report.task_cpu_s, 2),
+                "range_mib": round(report.range_bytes / (1 << 20), 1),
                 "steps_s": {step: round(s, 2) for step, s in report.seconds.items()},
                 "tasks_by_node": report.placement,
                 "tokenizer_loads": report.tokenizer_loads,

@@ -21,11 +21,11 @@ row index for Parquet.
 Reading in pieces (`plan_reads`, `InputSource.piece_rows`): an uncompressed JSONL file larger than `range_bytes` is
 split into byte ranges; a range owns every line whose first byte lies in it (it starts after the first newline at or
 after `start - 1` and reads through the line that crosses its end), so each line is read exactly once. A range
-does not know how many lines precede it: `InputSource.scan` counts them (bytes.count over the range, far faster than
-parsing it), and the piece is given the count before it is read. Gzip files and http(s) inputs are one piece each;
-Parquet files are split by row groups. The local fingerprint is built from ranges as well: the sha256 of each
-`range_bytes` range of a file, combined in order (a file of one range: the sha256 of its bytes), so ranges hashed
-in parallel and a file hashed in one stream give the same fingerprint.
+does not know how many lines precede it: `InputSource.scan` counts them (bytes.count over the bytes, far faster than
+parsing them), and the piece is given the count before it is read. Gzip files and http(s) inputs are one piece
+each; Parquet files are split by row groups. The local fingerprint is built from ranges too, of a fixed size
+(`HASH_RANGE_BYTES`, whatever size the file is read in): the sha256 of each range, combined in order (a file of one
+range: the sha256 of its bytes), so ranges hashed in parallel and a file hashed in one stream agree.
 """
 
 from __future__ import annotations
@@ -68,7 +68,10 @@ INPUT_SUFFIXES = JSONL_SUFFIXES + PARQUET_SUFFIXES
 PARQUET_MAGIC = b"PAR1"
 REQUIRED_PARQUET_COLUMNS = ("custom_id", "url", "body")
 READ_CHUNK = 8 << 20  # bytes per ranged S3 GET / local read buffer
-RANGE_BYTES = 64 << 20  # a larger JSONL file is read (and its fingerprint hashed) in ranges of this size
+RANGE_BYTES = 64 << 20  # a larger JSONL file is read in byte ranges of at most this size
+HASH_RANGE_BYTES = (
+    64 << 20
+)  # the local fingerprint hashes files in ranges of this size (fixed: resume compares it)
 
 
 class InputFormatError(LocationError):
@@ -113,11 +116,17 @@ class InputFile:
 
 @dataclass(frozen=True)
 class ByteRange:
-    """Bytes [start, end) of input file number `file`."""
+    """Bytes [start, end) of input file number `file`, to scan; `cuts`: offsets inside it where a read range starts
+    (its newlines are counted per segment between them)."""
 
     file: int
     start: int
     end: int
+    cuts: tuple[int, ...] = ()
+
+    def segments(self) -> list[tuple[int, int]]:
+        bounds = [self.start, *self.cuts, self.end]
+        return list(zip(bounds, bounds[1:], strict=False))
 
 
 @dataclass(frozen=True)
@@ -137,16 +146,18 @@ class InputPiece:
 
 
 def with_line_counts(
-    pieces: list[InputPiece], scans: list[ByteRange], newlines: list[int]
+    pieces: list[InputPiece], scans: list[ByteRange], newlines: list[list[int]]
 ) -> list[InputPiece]:
-    """The pieces, each JSONL range given the number of newlines ahead of it (from the scans of its file)."""
+    """The pieces, each JSONL range given the number of newlines ahead of it, from the newlines the scans counted
+    in each of their segments (scans in file order, as `plan_reads` lists them)."""
     from dataclasses import replace
 
     ahead: dict[tuple[int, int], int] = {}
     running: dict[int, int] = {}
-    for byte_range, count in zip(scans, newlines, strict=True):
-        ahead[(byte_range.file, byte_range.start)] = running.get(byte_range.file, 0)
-        running[byte_range.file] = running.get(byte_range.file, 0) + count
+    for byte_range, counts in zip(scans, newlines, strict=True):
+        for (start, _), count in zip(byte_range.segments(), counts, strict=True):
+            ahead[(byte_range.file, start)] = running.get(byte_range.file, 0)
+            running[byte_range.file] = running.get(byte_range.file, 0) + count
     return [
         replace(p, before=ahead[(p.file, p.start)]) if p.kind == "jsonl" and p.end is not None else p
         for p in pieces
@@ -198,10 +209,11 @@ def _combine_local(file_hashes: list[tuple[str, int, str]]) -> str:
 
 
 class _RangeHasher:
-    """sha256 of each `range_bytes` range of a byte stream fed in order; `digest()` combines them (combine_ranges)."""
+    """sha256 of each HASH_RANGE_BYTES range of a byte stream fed in order; `digest()` combines them
+    (combine_ranges)."""
 
-    def __init__(self, range_bytes: int = RANGE_BYTES) -> None:
-        self.range_bytes = range_bytes
+    def __init__(self) -> None:
+        self.range_bytes = HASH_RANGE_BYTES
         self.size = 0
         self._hash = hashlib.sha256()
         self._start = 0
@@ -612,8 +624,9 @@ class InputSource:
         return "parquet" if head == PARQUET_MAGIC else "jsonl"
 
     def plan_reads(self, range_bytes: int = RANGE_BYTES) -> tuple[list[InputPiece], list[ByteRange]]:
-        """The pieces to read, in input order, and the byte ranges to scan first: every range of a local file (its
-        fingerprint), and of an S3 JSONL file split into ranges (its newline counts, which number its lines).
+        """The pieces to read, in input order, and the byte ranges to scan first: every HASH_RANGE_BYTES range of a
+        local file (its fingerprint), and the ranges of an S3 JSONL file split into `range_bytes` ranges (their
+        newline counts number its lines; a local file's are counted in its hash ranges, cut where a range starts).
         A range piece's `before` is filled in from the scans (`with_line_counts`); the others' is known."""
         pieces: list[InputPiece] = []
         scans: list[ByteRange] = []
@@ -624,7 +637,11 @@ class InputSource:
             fmt = self.file_format(index)
             ranges = file_ranges(size, range_bytes)
             split = fmt == "jsonl" and len(ranges) > 1 and not _is_gzip(file.ref)
-            if self.kind == "local" or split:
+            starts = [start for start, _ in ranges[1:]] if split else []
+            if self.kind == "local":
+                for first, last in file_ranges(size, HASH_RANGE_BYTES):
+                    scans.append(ByteRange(index, first, last, tuple(c for c in starts if first < c < last)))
+            elif split:
                 scans += [ByteRange(index, start, end) for start, end in ranges]
             if fmt == "parquet":
                 for first, last, rows_before in self._row_group_pieces(file, range_bytes):
@@ -671,23 +688,26 @@ class InputSource:
             return io.BufferedReader(io.FileIO(file.ref, "rb"), buffer_size=1 << 20)
         return io.BufferedReader(S3RangeReader(self._s3(), file.ref, file.size or 0, self.policy), 1 << 20)
 
-    def scan(self, byte_range: ByteRange) -> tuple[int, str | None]:
-        """(newlines in the range, its sha256 for a local file, else None), reading it once in bounded chunks."""
+    def scan(self, byte_range: ByteRange) -> tuple[list[int], str | None]:
+        """(newlines in each segment of the range, its sha256 for a local file, else None), reading it once in
+        bounded chunks."""
         file = self.files[byte_range.file]
         digest = hashlib.sha256() if self.kind == "local" else None
-        newlines = 0
+        counts = []
         with self._open(file) as stream:
             stream.seek(byte_range.start)
-            left = byte_range.end - byte_range.start
-            while left > 0:
-                chunk = stream.read(min(READ_CHUNK, left))
-                if not chunk:
-                    break
-                left -= len(chunk)
-                newlines += chunk.count(b"\n")
-                if digest is not None:
-                    digest.update(chunk)
-        return newlines, digest.hexdigest() if digest is not None else None
+            for start, end in byte_range.segments():
+                newlines, left = 0, end - start
+                while left > 0:
+                    chunk = stream.read(min(READ_CHUNK, left))
+                    if not chunk:
+                        break
+                    left -= len(chunk)
+                    newlines += chunk.count(b"\n")
+                    if digest is not None:
+                        digest.update(chunk)
+                counts.append(newlines)
+        return counts, digest.hexdigest() if digest is not None else None
 
     def local_fingerprint(self, scans: list[ByteRange], digests: list[str]) -> str:
         """The fingerprint of a local input from the digests of its scanned ranges (every range of every file)."""
@@ -806,15 +826,14 @@ class InputSource:
             digest.update(f"{file.ref}\t{file.size}\t{file.etag}\n".encode())
         return f"s3:{digest.hexdigest()}"
 
-    def fingerprint(self, range_bytes: int = RANGE_BYTES) -> str:
-        """The fingerprint as `rows()` would report it, from the current state of the input (for resume).
-        `range_bytes`: the range size the job read (and hashed) its local files in."""
+    def fingerprint(self) -> str:
+        """The fingerprint as `rows()` would report it, from the current state of the input (for resume)."""
         if self.kind == "s3":
             return self.s3_fingerprint()
         if self.kind == "local":
             hashes = []
             for file in self.files:
-                digest, size = _file_digest(file.ref, range_bytes)
+                digest, size = _file_digest(file.ref)
                 hashes.append((self._relative(file), size, digest))
             return _combine_local(hashes)
         file = self.files[0]
@@ -847,9 +866,9 @@ def _sha256_stream(fh: BinaryIO) -> tuple[str, int]:
     return digest.hexdigest(), size
 
 
-def _file_digest(path: str, range_bytes: int = RANGE_BYTES) -> tuple[str, int]:
+def _file_digest(path: str) -> tuple[str, int]:
     """A local file's digest as the fingerprint takes it (combine_ranges), and its size."""
-    hasher = _RangeHasher(range_bytes)
+    hasher = _RangeHasher()
     with open(path, "rb") as fh:
         while chunk := fh.read(READ_CHUNK):
             hasher.update(chunk)

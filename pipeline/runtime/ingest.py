@@ -9,6 +9,8 @@ process otherwise (unit tests; no Ray needed):
 1. scan: byte ranges are read once — newline counts (a JSONL range does not know how many lines precede it, so its
    line numbers start where the counts of the ranges ahead of it end; counting is a bytes.count, far cheaper than
    the parse it lets start), and for a local input the sha256 of each range (the fingerprint `resume` compares).
+   Ranges are read in parallel, so a large file is cut into enough of them for every worker to get several: the
+   last ones to finish are short (`range_bytes`, unless given: the input / 8 per worker, 8 to 64 MiB).
 2. read (`read_piece`): each piece's rows are validated (`LineValidator.check`, without a duplicate set), keyed for
    prefix routing and, when the job is fitted, measured with the counter fitting uses (a tokenizer loads once per
    worker process, fit.prompt_counter); a request that can never fit the model becomes a context_length_exceeded
@@ -39,6 +41,7 @@ from typing import Any
 from pipeline.config import InputLimits, StorageConfig
 from pipeline.io.locations import RetryStats
 from pipeline.io.readers import (
+    HASH_RANGE_BYTES,
     RANGE_BYTES,
     BadRow,
     ByteRange,
@@ -58,6 +61,7 @@ from pipeline.stages.route import prefix_key
 from pipeline.stages.validate import InvalidLine, LineValidator, ValidRequest, duplicate_line
 
 UNTOKENIZABLE = (True, 0, 0, 0, 0, False, False)  # an id row's measurement of a request the template rejected
+MIN_RANGE_BYTES = 8 << 20  # byte ranges below this cost more in task overhead than they gain in balance
 MEASURE_BATCH = 1024  # requests counted per call: a tokenizer works in bulk
 BUCKET_BYTES = 1 << 30  # input bytes per id bucket: a few million ids, what one dedup task holds at once
 MAX_BUCKETS = 64
@@ -74,10 +78,11 @@ class IngestReport:
     invalid_by_code: Counter = field(default_factory=Counter)
     files: int = 0
     lengths: Lengths | None = None  # what measuring learned, when the job is fitted
-    range_bytes: int = RANGE_BYTES  # the range size the input was read and hashed in (resume's fingerprint)
+    range_bytes: int = RANGE_BYTES  # the size of the byte ranges large JSONL files were read in
     # Where the work ran: per step, Ray node id → tasks ("local": in this process), and the step's seconds.
     placement: dict[str, dict[str, int]] = field(default_factory=dict)
     seconds: dict[str, float] = field(default_factory=dict)
+    task_cpu_s: float = 0.0  # CPU seconds the read tasks spent, wherever they ran
     tokenizer_loads: int = 0
 
     @property
@@ -188,7 +193,7 @@ def _here() -> str:
 
 @dataclass
 class ScanOutcome:
-    counts: list[tuple[int, str | None]]  # per range: (newlines, sha256 or None)
+    counts: list[tuple[list[int], str | None]]  # per range: (newlines per segment, sha256 or None)
     node: str = ""
 
 
@@ -213,6 +218,7 @@ class PieceStats:
     fingerprint: str = ""  # http: the input's fingerprint (known once downloaded)
     node: str = ""
     seconds: float = 0.0
+    cpu_seconds: float = 0.0
     measure_seconds: float = 0.0
     tokenizer_loads: int = 0
 
@@ -317,7 +323,7 @@ class _Measure:
 
 def read_piece(job: IngestJob, piece: InputPiece) -> PieceStats:
     """Step 2 for one piece: validate, key, measure and stage its rows; write its id claims to the buckets."""
-    started = time.monotonic()
+    started, cpu = time.monotonic(), time.process_time()
     loaded_before = tokenizers_loaded()
     stats = PieceStats(piece.index, node=_here())
     source, file = job.source, piece.file
@@ -351,7 +357,7 @@ def read_piece(job: IngestJob, piece: InputPiece) -> PieceStats:
     out.close()
     stats.size_bytes, stats.fingerprint = read.size_bytes, read.fingerprint
     stats.tokenizer_loads = tokenizers_loaded() - loaded_before
-    stats.seconds = time.monotonic() - started
+    stats.seconds, stats.cpu_seconds = time.monotonic() - started, time.process_time() - cpu
     return stats
 
 
@@ -463,13 +469,13 @@ def _executor(parallel: bool | None, source: InputSource, staging: StagingArea) 
     return _RayTasks(ray.get_runtime_context().get_node_id() if local else None)
 
 
-def _scan_batches(scans: list[ByteRange], range_bytes: int) -> list[list[ByteRange]]:
-    """Scans grouped into tasks of about `range_bytes` (many small files share a task)."""
+def _scan_batches(scans: list[ByteRange]) -> list[list[ByteRange]]:
+    """Scans grouped into tasks of at most HASH_RANGE_BYTES (many small files share a task)."""
     batches: list[list[ByteRange]] = []
-    size = range_bytes
+    size = 0
     for byte_range in scans:
         length = byte_range.end - byte_range.start
-        if not batches or size + length > range_bytes:
+        if not batches or size + length > HASH_RANGE_BYTES:
             batches.append([])
             size = 0
         batches[-1].append(byte_range)
@@ -494,7 +500,7 @@ def ingest(
     job_id: str | None = None,
     limits: InputLimits | None = None,
     measure: MeasureSpec | None = None,
-    range_bytes: int = RANGE_BYTES,
+    range_bytes: int | None = None,
     buckets: int | None = None,
     parallel: bool | None = None,
 ) -> IngestReport:
@@ -502,12 +508,15 @@ def ingest(
     initialized (`parallel` None), else in this process. Staging must hold no earlier ingest (discard_ingest)."""
     source = as_source(location, storage)
     source.limits = limits or InputLimits()
+    run = _executor(parallel, source, staging)
+    if range_bytes is None:
+        share = math.ceil((source.size_bytes or 0) / (8 * run.parallelism))
+        range_bytes = min(RANGE_BYTES, max(MIN_RANGE_BYTES, share))
     report = IngestReport(
         source=str(location) if isinstance(location, Path | str) else source.describe(),
         files=len(source.files),
         range_bytes=range_bytes,
     )
-    run = _executor(parallel, source, staging)
     started = time.monotonic()
     pieces, scans = source.plan_reads(range_bytes)
     if buckets is None:
@@ -516,7 +525,7 @@ def ingest(
         by_size = math.ceil((source.size_bytes or 0) / BUCKET_BYTES)
         buckets = max(1, min(MAX_BUCKETS, max(by_size, min(len(pieces), run.parallelism))))
     job = IngestJob(source, staging, model_name, job_id, source.limits, measure, buckets, part_rows)
-    batches = _scan_batches(scans, range_bytes)
+    batches = _scan_batches(scans)
     scanned = run.map(scan_ranges, job, batches)
     counts = [count for outcome in scanned for count in outcome.counts]
     pieces = with_line_counts(pieces, scans, [newlines for newlines, _ in counts])
@@ -543,6 +552,7 @@ def ingest(
         report.keyed += stats.keyed
         report.invalid_by_code.update(stats.invalid_by_code)
         report.tokenizer_loads += stats.tokenizer_loads
+        report.task_cpu_s += stats.cpu_seconds
     lengths = Lengths()
     for outcome in found:
         lengths.merge(outcome.lengths)

@@ -26,7 +26,7 @@ from pipeline import __version__
 from pipeline.config import JobConfig, PoolConfig, StorageConfig, effective_pools, merge_overrides
 from pipeline.engines.base import EngineSpec, engine_class
 from pipeline.io.locations import RetryStats
-from pipeline.io.readers import RANGE_BYTES, InputSource
+from pipeline.io.readers import InputSource
 from pipeline.io.staging import StagingArea
 from pipeline.io.writers import OutputTarget, output_target
 from pipeline.models import ResolvedModel, resolve_model
@@ -432,7 +432,7 @@ def _prepare(
         state = staging.read_job()
         stored = state.get("input", {}).get("fingerprint")
         if stored:
-            current = source.fingerprint(state["input"].get("range_bytes", RANGE_BYTES))
+            current = source.fingerprint()
             if current != stored:
                 raise PreflightError(
                     f"input {config.input} changed since the job started ({stored} → {current}); resuming would "
@@ -487,7 +487,6 @@ def run_job(config: JobConfig, show_progress: bool = True, resume: bool = False)
                 "valid": report.valid,
                 "invalid": report.invalid,
                 "prefix_keyed": report.keyed,
-                "range_bytes": report.range_bytes,
             }
             if report.lengths is not None:
                 state["lengths"] = report.lengths.to_dict()
@@ -495,6 +494,7 @@ def run_job(config: JobConfig, show_progress: bool = True, resume: bool = False)
                 "nodes": report.nodes(),
                 "tasks_by_node": report.placement,
                 "seconds": {step: round(s, 3) for step, s in report.seconds.items()},
+                "range_bytes": report.range_bytes,
             }
             state["ingested"] = True
             staging.write_job(state)

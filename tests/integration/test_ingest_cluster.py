@@ -141,4 +141,4 @@ def test_a_local_input_is_read_on_the_drivers_node(cluster, tmp_path: Path):
         600,
         {"duplicate_custom_id": 1},
     )
-    assert report.fingerprint == input_source(str(path)).fingerprint(report.range_bytes)
+    assert report.fingerprint == input_source(str(path)).fingerprint()

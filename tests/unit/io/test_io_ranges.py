@@ -101,9 +101,8 @@ def test_gzip_is_never_split(tmp_path: Path):
     path = tmp_path / "in.jsonl.gz"
     path.write_bytes(gzip.compress(lines))
     source = input_source(str(path))
-    pieces, scans = source.plan_reads(64)
+    pieces, _ = source.plan_reads(64)
     assert len(pieces) == 1 and pieces[0].end is None  # one piece, the whole file
-    assert len(scans) > 1  # its bytes are still hashed in ranges (the fingerprint)
     assert pieced_rows(path, 64) == whole_rows(path)
     assert [n for _, n, _ in whole_rows(path)] == list(range(1, 501))
 
@@ -126,24 +125,41 @@ def test_parquet_is_split_by_row_groups_with_continuous_row_numbers(tmp_path: Pa
     assert pieced_rows(path, 1 << 20) == whole_rows(path)
 
 
-def test_range_fingerprint_is_the_file_sha256_when_small_and_combines_ranges_otherwise(tmp_path: Path):
+def test_range_fingerprint_is_the_file_sha256_when_small_and_combines_ranges_otherwise(
+    tmp_path: Path, monkeypatch
+):
+    from pipeline.io import readers
+
     path = tmp_path / "in.jsonl"
     data = b'{"custom_id": "a"}\n' * 50
     path.write_bytes(data)
     source = input_source(str(path))
-    assert source.fingerprint() == "sha256:" + hashlib.sha256(data).hexdigest()
+    single = source.fingerprint()
+    assert single == "sha256:" + hashlib.sha256(data).hexdigest()
 
-    for range_bytes in (10, 100, len(data), 10_000):
-        _, scans = source.plan_reads(range_bytes)
-        assert [(r.start, r.end) for r in scans] == file_ranges(len(data), range_bytes)
-        from_scans = source.local_fingerprint(scans, [source.scan(r)[1] for r in scans])
-        assert from_scans == source.fingerprint(range_bytes)
-    assert source.fingerprint(10) != source.fingerprint(100)  # the range size is part of it: resume keeps it
+    seen = set()
+    for hash_bytes in (10, 100, len(data) - 1):
+        monkeypatch.setattr(readers, "HASH_RANGE_BYTES", hash_bytes)
+        expected = source.fingerprint()
+        for range_bytes in (7, 64, 10_000):  # the size the file is read in does not change it
+            _, scans = source.plan_reads(range_bytes)
+            assert [(r.start, r.end) for r in scans] == file_ranges(len(data), hash_bytes)
+            assert source.local_fingerprint(scans, [source.scan(r)[1] for r in scans]) == expected
+        stats = ReadStats()
+        list(source.rows(stats))  # one stream over the file (the dry run) hashes it the same way
+        assert stats.fingerprint == expected
+        seen.add(expected)
+    assert len(seen) == 3 and single not in seen
 
-    # one stream over the file (rows(), the dry run) gives the fingerprint of the default ranges
-    stats = ReadStats()
-    list(source.rows(stats))
-    assert stats.fingerprint == source.fingerprint()
+
+def test_line_counts_cut_hash_ranges_where_read_ranges_start(tmp_path: Path, monkeypatch):
+    from pipeline.io import readers
+
+    monkeypatch.setattr(readers, "HASH_RANGE_BYTES", 50)
+    path = tmp_path / "in.jsonl"
+    path.write_bytes(TRICKY)
+    for range_bytes in (1, 13, 49, 50, 51, 120):
+        assert pieced_rows(path, range_bytes) == whole_rows(path), range_bytes
 
 
 def test_directory_fingerprint_from_ranges_matches_one_pass(tmp_path: Path):
