@@ -69,9 +69,9 @@ PARQUET_MAGIC = b"PAR1"
 REQUIRED_PARQUET_COLUMNS = ("custom_id", "url", "body")
 READ_CHUNK = 8 << 20  # bytes per ranged S3 GET / local read buffer
 RANGE_BYTES = 64 << 20  # a larger JSONL file is read in byte ranges of at most this size
-HASH_RANGE_BYTES = (
-    64 << 20
-)  # the local fingerprint hashes files in ranges of this size (fixed: resume compares it)
+PIECE_ROWS = 100_000  # Parquet rows read together (whole row groups): a couple of seconds of validation
+# The local fingerprint hashes files in ranges of this size (fixed, whatever the read ranges: resume compares it).
+HASH_RANGE_BYTES = 64 << 20
 
 
 class InputFormatError(LocationError):
@@ -623,10 +623,14 @@ class InputSource:
             )
         return "parquet" if head == PARQUET_MAGIC else "jsonl"
 
-    def plan_reads(self, range_bytes: int = RANGE_BYTES) -> tuple[list[InputPiece], list[ByteRange]]:
+    def plan_reads(
+        self, range_bytes: int = RANGE_BYTES, piece_rows: int = PIECE_ROWS
+    ) -> tuple[list[InputPiece], list[ByteRange]]:
         """The pieces to read, in input order, and the byte ranges to scan first: every HASH_RANGE_BYTES range of a
         local file (its fingerprint), and the ranges of an S3 JSONL file split into `range_bytes` ranges (their
         newline counts number its lines; a local file's are counted in its hash ranges, cut where a range starts).
+        Parquet files are cut into runs of whole row groups of about `piece_rows` rows (their byte sizes say little
+        about the work: a column of repeated bodies costs a few bytes a row).
         A range piece's `before` is filled in from the scans (`with_line_counts`); the others' is known."""
         pieces: list[InputPiece] = []
         scans: list[ByteRange] = []
@@ -644,7 +648,7 @@ class InputSource:
             elif split:
                 scans += [ByteRange(index, start, end) for start, end in ranges]
             if fmt == "parquet":
-                for first, last, rows_before in self._row_group_pieces(file, range_bytes):
+                for first, last, rows_before in self._row_group_pieces(file, piece_rows):
                     pieces.append(InputPiece(len(pieces), index, "parquet", first, last, rows_before))
             elif split:
                 pieces += [
@@ -654,19 +658,17 @@ class InputSource:
                 pieces.append(InputPiece(len(pieces), index, "jsonl"))
         return pieces, scans
 
-    def _row_group_pieces(self, file: InputFile, range_bytes: int) -> list[tuple[int, int, int]]:
+    def _row_group_pieces(self, file: InputFile, piece_rows: int) -> list[tuple[int, int, int]]:
         """(first row group, end row group, rows before) of each piece of a Parquet file: consecutive row groups of
-        about `range_bytes` uncompressed."""
+        at least `piece_rows` rows together (the last piece may have fewer)."""
         meta = self._parquet_file(file).metadata
         groups: list[tuple[int, int, int]] = []
-        first, rows_before, rows, size = 0, 0, 0, 0
+        first, rows_before, rows = 0, 0, 0
         for group in range(meta.num_row_groups):
-            info = meta.row_group(group)
-            rows += info.num_rows
-            size += info.total_byte_size
-            if size >= range_bytes or group == meta.num_row_groups - 1:
+            rows += meta.row_group(group).num_rows
+            if rows - rows_before >= piece_rows or group == meta.num_row_groups - 1:
                 groups.append((first, group + 1, rows_before))
-                first, rows_before, size = group + 1, rows, 0
+                first, rows_before = group + 1, rows
         return groups or [(0, 0, 0)]
 
     def _parquet_file(self, file: InputFile):

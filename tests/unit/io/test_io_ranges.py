@@ -118,11 +118,20 @@ def test_parquet_is_split_by_row_groups_with_continuous_row_numbers(tmp_path: Pa
     )
     pq.write_table(table, path, row_group_size=7)
     source = input_source(str(path))
-    pieces, _ = source.plan_reads(1)  # every row group its own piece
+    pieces, _ = source.plan_reads(piece_rows=1)  # every row group its own piece
     assert len(pieces) == 15 and pieces[1].before == 7 and pieces[-1].start == 14
-    assert pieced_rows(path, 1) == whole_rows(path)
-    assert [n for _, n, _ in pieced_rows(path, 1)] == list(range(1, 101))
-    assert pieced_rows(path, 1 << 20) == whole_rows(path)
+    pieces, _ = source.plan_reads(piece_rows=20)  # three row groups (21 rows) a piece, the last one 16 rows
+    assert [(p.start, p.end, p.before) for p in pieces] == [
+        (0, 3, 0),
+        (3, 6, 21),
+        (6, 9, 42),
+        (9, 12, 63),
+        (12, 15, 84),
+    ]
+    for piece_rows in (1, 20, 1000):
+        rows = [tuple(r) for p in source.plan_reads(piece_rows=piece_rows)[0] for r in source.piece_rows(p)]
+        assert rows == whole_rows(path)
+        assert [n for _, n, _ in rows] == list(range(1, 101))
 
 
 def test_range_fingerprint_is_the_file_sha256_when_small_and_combines_ranges_otherwise(
