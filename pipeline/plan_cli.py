@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import os
 import statistics
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -109,6 +109,10 @@ def plan_command(
         str | None,
         typer.Option(help="With --input: the name request bodies use as `model`. Default: --model."),
     ] = None,
+    chat_template: Annotated[
+        str | None,
+        typer.Option(help="With --input: the chat template prompts are rendered with. Default: the model's."),
+    ] = None,
     json_output: Annotated[bool, typer.Option("--json", help="Machine-readable output.")] = False,
 ) -> None:
     """The KV-cache budget per pool: weights, KV bytes per token, capacity, and the max_model_len / max_num_seqs
@@ -117,7 +121,11 @@ def plan_command(
     try:
         name, model_dir = _locate_model(model, served_model_name)
         shape = model_shape(model_dir)
-        stats = _measure_input(input, model, name, model_dir, default_max_tokens) if input else None
+        stats = (
+            _measure_input(input, model, name, model_dir, default_max_tokens, chat_template)
+            if input
+            else None
+        )
         pools = [_plan(shape, budget, stats, max_model_len, block_size, kv_cache_dtype)]
     except PlanError as exc:
         _fail(str(exc))
@@ -175,7 +183,12 @@ def _locate_model(model: str | None, served_model_name: str | None) -> tuple[str
 
 
 def _measure_input(
-    location: str, model: str | None, served_name: str, model_dir: str, chat_default: int
+    location: str,
+    model: str | None,
+    served_name: str,
+    model_dir: str,
+    chat_default: int,
+    chat_template: str | None = None,
 ) -> InputStats:
     """Prompt tokens (chat template applied) and prompt + output budget of every valid request in the file."""
     from pipeline.observe.dry_run import _prompt_token_counter
@@ -185,7 +198,10 @@ def _measure_input(
         path = check_input(location)
     except PreflightError as exc:
         raise PlanError(str(exc)) from None
-    counter, _ = _prompt_token_counter(model)
+    try:
+        counter, resolved = _prompt_token_counter(model, chat_template)
+    except ValueError as exc:  # a --chat-template naming no file
+        raise PlanError(str(exc)) from None
     if counter is None:
         raise PlanError(
             "measuring --input needs the model's tokenizer: pip install 'nightshift-batch[model]'"
@@ -196,7 +212,7 @@ def _measure_input(
         default_max_tokens=chat_default,
         generation_default=generation_max_tokens(model_dir),
     )
-    for request in _valid_requests(path, served_name, stats):
+    for request in _valid_requests(path, {served_name: resolved.task}, stats):
         try:
             prompts = _prompt_lengths(counter, request)
         except Exception:  # noqa: BLE001 - a template failure is the engine's to report at run time
@@ -214,32 +230,21 @@ def _measure_input(
     return stats
 
 
-def _valid_requests(path: Path, served_name: str, stats: InputStats):
+def _valid_requests(path: Path, served: dict[str, str | None], stats: InputStats):
     """The requests a job would run: lines that fail validation (including another model's name) are skipped."""
     from pipeline.runtime.ingest import IngestReport, iter_validated
     from pipeline.stages.validate import LineValidator, ValidRequest
 
     report = IngestReport(source=str(path))
-    for outcome in iter_validated(path, LineValidator(served_name), report):
+    for outcome in iter_validated(path, LineValidator(served), report):
         if isinstance(outcome, ValidRequest):
             yield outcome
     stats.invalid_by_code = dict(report.invalid_by_code)
 
 
 def _prompt_lengths(counter, request) -> list[int]:
-    """Sequences a request starts, by prompt tokens: a completions prompt may be token ids or a list of prompts."""
-    prompt = request.body.get("prompt")
-    if request.url != "/v1/completions" or not isinstance(prompt, list) or not prompt:
-        return [counter(request)]
-    if all(isinstance(t, int) for t in prompt):
-        return [len(prompt)]
-    lengths = []
-    for item in prompt:
-        if isinstance(item, list):
-            lengths.append(len(item))
-        else:
-            lengths.append(counter(replace(request, body={**request.body, "prompt": item})))
-    return lengths
+    """Sequences a request starts, by prompt tokens (a list of prompts, token ids, score pairs: one each)."""
+    return counter.count(request.url, request.body)
 
 
 # --- the plan --------------------------------------------------------------------------------------------------

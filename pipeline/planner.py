@@ -24,6 +24,9 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from pipeline.endpoints.chat import requested_max_tokens as requested_limit
+from pipeline.endpoints.completions import COMPLETIONS_DEFAULT_MAX_TOKENS  # noqa: F401 - re-exported
+
 GiB = 1 << 30
 
 # What `nightshift run` gives a CPU engine when nothing is set (VllmEngineArgs.cpu_kvcache_space_gib).
@@ -31,8 +34,7 @@ DEFAULT_CPU_KV_SPACE_GIB = 2
 # vLLM's default max_num_seqs on most devices (it allows 1024 on 70+ GiB GPUs); past it, a bigger batch rarely
 # buys throughput and costs latency.
 MAX_NUM_SEQS_CAP = 256
-# /v1/completions without max_tokens: vLLM (like OpenAI) generates 16 tokens.
-COMPLETIONS_DEFAULT_MAX_TOKENS = 16
+# /v1/completions without max_tokens: vLLM (like OpenAI) generates 16 tokens (COMPLETIONS_DEFAULT_MAX_TOKENS).
 # /v1/chat/completions without max_tokens: vLLM lets the answer run to the end of the context, which cannot be
 # planned for. This is the output we budget instead (and say so); requests should set max_tokens.
 DEFAULT_CHAT_MAX_TOKENS = 256
@@ -278,6 +280,16 @@ def read_config(model_dir: str | Path) -> dict[str, Any]:
             limit = None
         if isinstance(limit, int):  # vLLM caps the context at the tokenizer's limit too
             config.setdefault("_tokenizer_model_max_length", limit)
+    sentence_config = Path(model_dir) / "sentence_bert_config.json"
+    if sentence_config.is_file():
+        try:
+            limit = json.loads(sentence_config.read_text()).get("max_seq_length")
+        except ValueError:
+            limit = None
+        if isinstance(
+            limit, int
+        ):  # a Sentence Transformers model: vLLM caps the context at its max_seq_length
+            config.setdefault("_sentence_transformers_max_seq_length", limit)
     return config
 
 
@@ -405,7 +417,11 @@ def _sliding_window(config: dict[str, Any], model_type: str, layers: int) -> tup
 
 
 def _max_model_len_limit(config: dict[str, Any], model_type: str, notes: list[str]) -> int:
-    found = [config[k] for k in (*_MAX_LEN_KEYS, "_tokenizer_model_max_length") if _is_num(config.get(k))]
+    found = [
+        config[k]
+        for k in (*_MAX_LEN_KEYS, "_tokenizer_model_max_length", "_sentence_transformers_max_seq_length")
+        if _is_num(config.get(k))
+    ]
     if not found:
         notes.append("config.json names no context limit: assumed 2048, as vLLM does")
         return 2048
@@ -687,12 +703,9 @@ def _no_fit_warning(context: int, capacity: int, recommended: int | None) -> str
 
 
 def requested_max_tokens(body: dict[str, Any]) -> int | None:
-    """The output limit a request sets itself, as vLLM reads it: max_completion_tokens, else max_tokens."""
-    for key in ("max_completion_tokens", "max_tokens"):
-        value = body.get(key)
-        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
-            return value
-    return None
+    """The output limit a request sets itself, as vLLM reads it: max_completion_tokens, else max_tokens (chat,
+    completions), or max_output_tokens (responses)."""
+    return requested_limit(body, ("max_completion_tokens", "max_tokens", "max_output_tokens"))
 
 
 def output_budget(
@@ -703,18 +716,18 @@ def output_budget(
 ) -> tuple[int, bool]:
     """Output tokens a request may generate, and whether that number is an assumption (no limit in the request).
 
-    Mirrors vLLM: max_completion_tokens, else max_tokens. Without either, /v1/completions generates 16 (the
-    request field's default); chat falls back to the model's generation_config `max_new_tokens` when it sets
-    one, else it has no limit but the context, so `chat_default` is budgeted and flagged as assumed.
+    The route's registry entry decides (pipeline/endpoints), mirroring vLLM: max_completion_tokens, else
+    max_tokens. Without either, /v1/completions generates 16 (the request field's default); chat and responses
+    fall back to the model's generation_config `max_new_tokens` when it sets one, else they have no limit but the
+    context, so `chat_default` is budgeted and flagged as assumed. Pooling routes (embeddings, score, rerank)
+    generate nothing: 0.
     """
-    requested = requested_max_tokens(body)
-    if requested is not None:
-        return requested, False
-    if url == "/v1/completions":
-        return COMPLETIONS_DEFAULT_MAX_TOKENS, False
-    if generation_default:
-        return generation_default, False
-    return chat_default, True
+    from pipeline.endpoints import Budget, endpoint_for
+
+    endpoint = endpoint_for(url)
+    if endpoint is None:
+        return 0, False
+    return endpoint.output_budget(body, Budget(generation_default, chat_default))
 
 
 def fit_context(needs: list[int], block_size: int, model_limit: int) -> ContextFit:
@@ -782,11 +795,19 @@ def fmt_bytes(n: int | float) -> str:
     return f"{int(n)} B"
 
 
-def generation_max_tokens(model_dir: str | Path) -> int | None:
-    """The model's own output limit (generation_config.json `max_new_tokens`), which vLLM uses as the default."""
-    path = Path(model_dir) / "generation_config.json"
+def generation_max_tokens(
+    model_dir: str | Path, generation_config: str = "auto", override: dict[str, Any] | None = None
+) -> int | None:
+    """The output limit vLLM applies by default: `max_new_tokens` of the generation config it reads (the model's
+    generation_config.json with --generation-config auto, none with vllm, the given directory's otherwise), with
+    --override-generation-config over it."""
+    if override and isinstance(override.get("max_new_tokens"), int) and override["max_new_tokens"] > 0:
+        return override["max_new_tokens"]
+    if generation_config == "vllm":
+        return None
+    folder = Path(model_dir) if generation_config == "auto" else Path(generation_config)
     try:
-        value = json.loads(path.read_text()).get("max_new_tokens")
-    except (OSError, ValueError):
+        value = json.loads((folder / "generation_config.json").read_text()).get("max_new_tokens")
+    except (OSError, ValueError, AttributeError):
         return None
     return value if isinstance(value, int) and value > 0 else None

@@ -17,14 +17,11 @@ from pydantic import BaseModel, ConfigDict, Field
 from pipeline import json_codec
 
 
-class Route(str, Enum):
-    """The OpenAI routes a batch line may target (the `url` field)."""
+def supported_routes() -> tuple[str, ...]:
+    """Every URL a batch line may name (the route registry, pipeline/endpoints)."""
+    from pipeline.endpoints import SUPPORTED_URLS
 
-    CHAT = "/v1/chat/completions"
-    COMPLETIONS = "/v1/completions"
-
-
-SUPPORTED_ROUTES = {r.value for r in Route}
+    return SUPPORTED_URLS
 
 
 class ErrorCode(str, Enum):
@@ -38,7 +35,10 @@ class ErrorCode(str, Enum):
     UNSUPPORTED_METHOD = "unsupported_method"  # method other than POST
     UNSUPPORTED_URL = "unsupported_url"  # url not a route this job serves
     STREAM_UNSUPPORTED = "stream_unsupported"  # "stream": true has no meaning in a batch
-    MODEL_NOT_FOUND = "model_not_found"  # body.model differs from the job's model
+    MODEL_NOT_FOUND = "model_not_found"  # body.model names no model this job serves
+    UNSUPPORTED_TASK = (
+        "unsupported_task"  # the model's task cannot serve the url (e.g. embeddings from a chat model)
+    )
     DUPLICATE_CUSTOM_ID = "duplicate_custom_id"  # a later line reuses a custom_id
     CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"  # prompt (+ max_tokens) does not fit the context
     ENGINE_ERROR = "engine_error"  # the engine failed on a request it accepted

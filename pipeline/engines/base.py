@@ -61,6 +61,9 @@ class EngineSpec:
     args: dict[str, Any]
     # CPUs the runtime reserved for this engine (Ray num_cpus): a CPU engine computes on that many cores of its own.
     cpus: float = 0.0
+    # The cores the runtime claimed for a CPU engine on its node (no other engine computes on them); None: the
+    # backend binds its threads as it would on its own.
+    cpu_cores: tuple[int, ...] | None = None
 
 
 def unexpected_error_result(custom_id: str, exc: BaseException) -> EngineResult:

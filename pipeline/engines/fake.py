@@ -12,6 +12,8 @@ import hashlib
 import os
 from typing import Any
 
+from pipeline.endpoints import Endpoint, FakeContext, endpoint_for
+from pipeline.endpoints.base import prompt_words
 from pipeline.engines.base import (
     Engine,
     EngineRequest,
@@ -20,51 +22,31 @@ from pipeline.engines.base import (
     EngineStats,
     unexpected_error_result,
 )
+from pipeline.planner import requested_max_tokens
 from pipeline.protocol import ErrorCode
 
-_WORDS = (
-    "alpha bravo charlie delta echo foxtrot golf hotel india juliet kilo lima mike november oscar papa "
-    "quebec romeo sierra tango uniform victor whiskey xray yankee zulu"
-).split()
-
-
 _TYPICAL_PROMPT_TOKENS = 32
-
-
-def _prompt_text(url: str, body: dict[str, Any]) -> str:
-    if url == "/v1/chat/completions":
-        parts = []
-        for message in body.get("messages", []):
-            content = message.get("content")
-            if isinstance(content, list):  # content parts
-                content = " ".join(str(p.get("text", "")) for p in content if isinstance(p, dict))
-            parts.append(f"{message.get('role')}: {content}")
-        return "\n".join(parts)
-    prompt = body.get("prompt")
-    return prompt if isinstance(prompt, str) else str(prompt)
-
-
-def _count_tokens(text: str) -> int:
-    return max(1, len(text.split()))
-
 
 # The fake's context when none is given: its stand-in for a model's limit.
 FAKE_MAX_MODEL_LEN = 8192
 
 
+def _endpoint(url: str) -> Endpoint:
+    endpoint = endpoint_for(url)
+    if endpoint is None:
+        raise ValueError(f"url {url!r} is not a route nightshift serves")
+    return endpoint
+
+
+def sequence_tokens(url: str, body: dict[str, Any]) -> list[int]:
+    """The fake's prompt tokens per sequence the request starts (whitespace words of each rendered prompt): what
+    fitting measures it by."""
+    return [prompt_words(p) for p in _endpoint(url).prompts(body)]
+
+
 def prompt_tokens(url: str, body: dict[str, Any]) -> int:
-    """The fake's prompt token count (whitespace words of the rendered prompt): what fitting measures it by."""
-    return _count_tokens(_prompt_text(url, body))
-
-
-_WORD_OF_BYTE = [_WORDS[byte % len(_WORDS)] for byte in range(256)]
-
-
-def _fake_text(seed_text: str, tokens: int) -> str:
-    """`tokens` words cycling through 32 chosen by the prompt's digest (built once per call, then repeated)."""
-    digest = hashlib.sha256(seed_text.encode()).digest()
-    cycle = [_WORD_OF_BYTE[byte] for byte in digest]
-    return " ".join((cycle * (tokens // len(cycle) + 1))[:tokens])
+    """The fake's prompt token count of a whole request."""
+    return sum(sequence_tokens(url, body))
 
 
 class FakeEngine(Engine):
@@ -72,7 +54,17 @@ class FakeEngine(Engine):
         super().__init__(spec)
         self.args = spec.args
         self.max_model_len = int(self.args.get("max_model_len") or FAKE_MAX_MODEL_LEN)
-        self._slots = asyncio.Semaphore(int(self.args.get("max_concurrency", 256)))
+        # Sequences at once: its KV model's answer (decided here, as vLLM decides after measuring memory), or
+        # max_concurrency.
+        kv_tokens = self.args.get("kv_cache_tokens")
+        self.max_num_seqs = (
+            max(1, int(kv_tokens) // self.max_model_len)
+            if kv_tokens
+            else int(self.args.get("max_concurrency", 256))
+        )
+        self._slots = asyncio.Semaphore(self.max_num_seqs)
+        self._inside = 0
+        self.peak_inside = 0  # most requests inside the engine at once (running or waiting for a slot)
         # Fixed, so fake outputs are byte-for-byte reproducible (real engines stamp the wall clock).
         self._created = 1_700_000_000
 
@@ -112,8 +104,13 @@ class FakeEngine(Engine):
     async def generate(self, request: EngineRequest) -> EngineResult:
         result, cost = self._answer(request)
         if cost > 0:  # a request that costs no time holds no slot: nothing could wait for it
-            async with self._slots:
-                await asyncio.sleep(cost)
+            self._inside += 1
+            self.peak_inside = max(self.peak_inside, self._inside)
+            try:
+                async with self._slots:
+                    await asyncio.sleep(cost)
+            finally:
+                self._inside -= 1
         return result
 
     def _answer(self, request: EngineRequest) -> tuple[EngineResult, float]:
@@ -125,64 +122,59 @@ class FakeEngine(Engine):
                 fh.write(request.custom_id + "\n")
         if any(marker in request.custom_id for marker in self.args.get("crash_on") or ()):
             os._exit(1)  # simulate the engine process dying (segfault, OOM kill) on this request
+        endpoint = _endpoint(request.url)
         body = request.body
-        prompt = _prompt_text(request.url, body)
-        prompt_tokens = _count_tokens(prompt)
-        max_tokens = (
-            body.get("max_completion_tokens") or body.get("max_tokens") or self.args.get("output_tokens", 16)
+        sequences = [prompt_words(p) for p in endpoint.prompts(body)]
+        output = self._output_tokens(endpoint, body)
+        longest = max(sequences, default=0)
+        # Like vLLM: a generating route needs room for its prompt and its max_tokens; a pooling route for its
+        # prompt alone.
+        if longest + output > self.max_model_len:
+            return self._too_long(request.custom_id, longest, output), 0.0
+        rid = hashlib.sha256(request.custom_id.encode("utf-8", "surrogatepass")).hexdigest()[:24]
+        ctx = FakeContext(
+            model=self.spec.served_model_name,
+            request_id=rid,
+            created=self._created,
+            output_tokens=int(self.args.get("output_tokens", 16)),
+            embedding_dimensions=int(self.args.get("embedding_dimensions", 384)),
         )
-        if prompt_tokens + int(max_tokens) > self.max_model_len:
-            message = (
-                f"This model's maximum context length is {self.max_model_len} tokens. However, you requested "
-                f"{prompt_tokens + int(max_tokens)} tokens ({prompt_tokens} in the messages, {max_tokens} in the "
-                "completion). Please reduce the length of the messages or completion."
-            )
-            error = {
-                "error": {
-                    "message": message,
-                    "type": "BadRequestError",
-                    "code": ErrorCode.CONTEXT_LENGTH_EXCEEDED.value,
-                }
-            }
-            return EngineResult(request.custom_id, 400, error, ErrorCode.CONTEXT_LENGTH_EXCEEDED), 0.0
-        completion_tokens = int(max_tokens)
+        answer = endpoint.fake(body, ctx, sequences)
         cost = (
-            self.args.get("prefill_seconds_per_token", 0.0) * prompt_tokens
-            + self.args.get("decode_seconds_per_token", 0.0) * completion_tokens
+            self.args.get("prefill_seconds_per_token", 0.0) * answer.prompt_tokens
+            + self.args.get("decode_seconds_per_token", 0.0) * answer.completion_tokens
         )
-        text = _fake_text(prompt, completion_tokens)
-        usage = {
-            "prompt_tokens": prompt_tokens,
-            "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens,
+        result = EngineResult(
+            request.custom_id, 200, answer.body, None, answer.prompt_tokens, answer.completion_tokens
+        )
+        return result, cost
+
+    def _output_tokens(self, endpoint: Endpoint, body: dict[str, Any]) -> int:
+        if not endpoint.generates:
+            return 0
+        limit = requested_max_tokens(body)
+        return int(limit or self.args.get("output_tokens", 16))
+
+    def _too_long(self, custom_id: str, prompt: int, output: int) -> EngineResult:
+        message = (
+            f"This model's maximum context length is {self.max_model_len} tokens. However, you requested "
+            f"{prompt + output} tokens ({prompt} in the messages, {output} in the completion). Please reduce the "
+            "length of the messages or completion."
+        )
+        error = {
+            "error": {
+                "message": message,
+                "type": "BadRequestError",
+                "code": ErrorCode.CONTEXT_LENGTH_EXCEEDED.value,
+            }
         }
-        rid = hashlib.sha256(request.custom_id.encode()).hexdigest()[:24]
-        if request.url == "/v1/chat/completions":
-            response = {
-                "id": f"chatcmpl-{rid}",
-                "object": "chat.completion",
-                "created": self._created,
-                "model": self.spec.served_model_name,
-                "choices": [
-                    {
-                        "index": 0,
-                        "message": {"role": "assistant", "content": text},
-                        "logprobs": None,
-                        "finish_reason": "length",
-                    }
-                ],
-                "usage": usage,
-            }
-        else:
-            response = {
-                "id": f"cmpl-{rid}",
-                "object": "text_completion",
-                "created": self._created,
-                "model": self.spec.served_model_name,
-                "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": "length"}],
-                "usage": usage,
-            }
-        return EngineResult(request.custom_id, 200, response, None, prompt_tokens, completion_tokens), cost
+        return EngineResult(custom_id, 400, error, ErrorCode.CONTEXT_LENGTH_EXCEEDED)
+
+    def effective_args(self) -> dict[str, Any]:
+        return {**self.args, "max_num_seqs": self.max_num_seqs}
 
     def stats(self) -> EngineStats:
-        return EngineStats(kv_cache_tokens=self.max_model_len * int(self.args.get("max_concurrency", 256)))
+        return EngineStats(
+            kv_cache_tokens=int(self.args.get("kv_cache_tokens") or self.max_model_len * self.max_num_seqs),
+            extra={"peak_requests_inside": self.peak_inside},
+        )

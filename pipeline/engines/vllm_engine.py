@@ -1,9 +1,18 @@
 """The vLLM backend: an in-process AsyncLLM behind vLLM's own OpenAI serving layer.
 
-Response bodies are produced by the same serving objects `vllm serve` uses (`OpenAIServingChat`,
-`OpenAIServingCompletion`), built with vLLM's `init_app_state` exactly as its batch runner does — so tools,
-response_format, logprobs, n, stop and seed behave as users know them. That layer is internal vLLM API; all coupling
-to it lives in this one module (the `cpu` and `cuda` extras pin the same vLLM version).
+Response bodies are produced by the same serving objects `vllm serve` uses, built with vLLM's `init_app_state`
+exactly as its batch runner does — so tools, response_format, logprobs, n, stop and seed behave as users know them.
+Which serving object answers which route, and with which request model, is the route registry's
+(`pipeline/endpoints`, `Endpoint.vllm`): chat and completions (`OpenAIServingChat`, `OpenAIServingCompletion`),
+responses (`OpenAIServingResponses`), embeddings (`ServingEmbedding`), score and rerank (`ServingScores`). A route
+whose serving object the model did not get (a generative model asked for embeddings, or the reverse) is answered
+with an `unsupported_task` error naming the route and the model's task. That layer is internal vLLM API; the
+coupling lives in this module and in the registry's import paths (the `cpu` and `cuda` extras pin the same vLLM
+version).
+
+The serving-layer options of `vllm serve` (--chat-template, --tool-call-parser, --enable-auto-tool-choice,
+--reasoning-parser, --response-role, --generation-config, --override-generation-config) are set on the same
+namespace `vllm serve` would parse, under their own names.
 """
 
 from __future__ import annotations
@@ -18,6 +27,7 @@ from typing import Any
 
 import structlog
 
+from pipeline.endpoints import ENDPOINTS, Endpoint, endpoint_for
 from pipeline.engines.base import Engine, EngineRequest, EngineResult, EngineSpec, EngineStats
 from pipeline.protocol import ErrorCode
 
@@ -39,6 +49,19 @@ _NOT_VLLM_ARGS = {"cpu_kvcache_space_gib", "extra"}
 # it.) Set before vLLM is imported in this process: the driver (engine-arg names) and each engine actor.
 for _notice_logger in ("vllm.triton_utils.importing",):
     logging.getLogger(_notice_logger).setLevel(logging.ERROR)
+
+
+# The serving options of `vllm serve`, by their namespace names: reported in the manifest as in force.
+SERVING_OPTIONS = (
+    "runner",
+    "chat_template",
+    "tool_call_parser",
+    "enable_auto_tool_choice",
+    "reasoning_parser",
+    "response_role",
+    "generation_config",
+    "override_generation_config",
+)
 
 
 def error_code_for(status_code: int, message: str) -> ErrorCode:
@@ -84,7 +107,18 @@ def build_vllm_namespace(spec: EngineSpec) -> Any:
         setattr(ns, name, value)
     # Stats on: the engine's own numbers (KV usage, preemptions, prefix hits) are part of the product.
     ns.disable_log_stats = False
+    if getattr(ns, "reasoning_parser", None):
+        # Where the serving layer reads it (vLLM's engine args copy it there as the engine is built; set it here
+        # too, so the serving objects see it whatever the order).
+        ns.structured_outputs_config.reasoning_parser = ns.reasoning_parser
     return ns
+
+
+def _import(path: str) -> Any:
+    module, name = path.split(":")
+    import importlib
+
+    return getattr(importlib.import_module(module), name)
 
 
 def installed_vllm_version() -> str | None:
@@ -133,6 +167,12 @@ class VllmEngine(Engine):
             if name not in known:
                 raise _unknown_arg_error(name)
 
+        template = spec.args.get("chat_template")
+        if template:
+            from pipeline.tokens import load_chat_template
+
+            load_chat_template(template)  # raises ValueError naming the file that is not there
+
     @classmethod
     def preload(cls) -> None:
         import vllm.entrypoints.launchers.api_server.app_state  # noqa: F401 - the serving layer start() builds
@@ -143,10 +183,11 @@ class VllmEngine(Engine):
         super().__init__(spec)
         self._stack = contextlib.AsyncExitStack()
         self._client: Any = None
-        self._chat: Any = None
-        self._completion: Any = None
-        self._request_types: dict[str, Any] = {}
-        self._cores: Any = None  # the CoreClaim a CPU engine computes on, held for the engine's life
+        self._handlers: dict[str, Any] = {}  # endpoint name -> the serving callable, None when not served
+        self._request_types: dict[str, Any] = {}  # endpoint name -> TypeAdapter of vLLM's request model
+        self.task: str | None = None  # the task the engine runs the model for
+        self._namespace: Any = None
+        self._cores: list[int] | None = None  # the cores a CPU engine computes on
 
     async def start(self) -> None:
         from vllm.platforms import current_platform
@@ -157,47 +198,59 @@ class VllmEngine(Engine):
             if self.spec.args.get("enforce_eager") is None:
                 self.spec.args["enforce_eager"] = True
 
+        from pydantic import TypeAdapter
         from starlette.datastructures import State
         from vllm.entrypoints.launchers.api_server.app_state import init_app_state
         from vllm.entrypoints.launchers.api_server.entry import build_async_engine_client
-        from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
-        from vllm.entrypoints.openai.completion.protocol import CompletionRequest
+        from vllm.entrypoints.launchers.cli_args import validate_parsed_serve_args
         from vllm.usage.usage_lib import UsageContext
 
         ns = build_vllm_namespace(self.spec)
+        validate_parsed_serve_args(ns)  # what `vllm serve` refuses before loading anything
         with self._cpu_cores_env():  # read by the engine-core process as it starts
             self._client = await self._stack.enter_async_context(
                 build_async_engine_client(ns, usage_context=UsageContext.OPENAI_BATCH_RUNNER)
             )
+        tasks = await self._client.get_supported_tasks()
         state = State()
-        await init_app_state(self._client, state, ns, await self._client.get_supported_tasks())
-        self._chat = state.openai_serving_chat
-        self._completion = state.openai_serving_completion
-        self._request_types = {
-            "/v1/chat/completions": ChatCompletionRequest,
-            "/v1/completions": CompletionRequest,
-        }
-        log.info("vllm engine ready", model=self.spec.served_model_name, **self._kv_summary())
+        await init_app_state(self._client, state, ns, tasks)
+        self._namespace = ns
+        self.task = (
+            self._client.model_config.get_pooling_task(tasks) if "generate" not in tasks else "generate"
+        )
+        for endpoint in ENDPOINTS:
+            serving = getattr(state, endpoint.vllm.serving, None)
+            if serving is not None and endpoint.vllm.method:
+                serving = getattr(serving, endpoint.vllm.method)
+            self._handlers[endpoint.name] = serving
+            if serving is not None:
+                self._request_types[endpoint.name] = TypeAdapter(_import(endpoint.vllm.request))
+        served = [name for name, handler in self._handlers.items() if handler is not None]
+        log.info(
+            "vllm engine ready",
+            model=self.spec.served_model_name,
+            task=self.task,
+            routes=served,
+            **self._kv_summary(),
+        )
 
     @contextlib.contextmanager
     def _cpu_cores_env(self) -> Iterator[None]:
-        """Give a CPU engine's compute threads cores of their own while it starts (cluster/cpu_cores.py: why).
+        """Bind a CPU engine's compute threads to the cores the runtime claimed for it, while it starts (vLLM's own
+        binding would put every engine of a node on the same first cores; see cluster/cpu_cores.py).
 
-        A bind the user set (`VLLM_CPU_OMP_THREADS_BIND` in the actor's environment) is theirs and kept; with no
-        whole CPU reserved for the engine, or no cores free, vLLM binds as it would on its own.
+        A bind the user set (`VLLM_CPU_OMP_THREADS_BIND` in the actor's environment) is theirs and kept; without
+        claimed cores, vLLM binds as it would on its own.
         """
-        from cluster.cpu_cores import claim_cores
-
-        if not _on_cpu() or _OMP_BIND in os.environ:
+        cores = self.spec.cpu_cores
+        if not _on_cpu() or _OMP_BIND in os.environ or not cores:
+            if _on_cpu() and not cores:
+                log.info("cpu engine left to vLLM's own core binding", cpus=self.spec.cpus)
             yield
             return
-        self._cores = claim_cores(int(self.spec.cpus))
-        if self._cores is None:
-            log.info("cpu engine left to vLLM's own core binding", cpus=self.spec.cpus)
-            yield
-            return
-        log.info("cpu engine bound to its own cores", cores=self._cores.cores)
-        os.environ[_OMP_BIND] = self._cores.omp_bind
+        self._cores = list(cores)
+        log.info("cpu engine bound to its own cores", cores=self._cores)
+        os.environ[_OMP_BIND] = ",".join(str(core) for core in cores)
         try:
             yield
         finally:
@@ -209,8 +262,20 @@ class VllmEngine(Engine):
 
         return isinstance(exc, EngineDeadError)
 
-    def _handler(self, url: str) -> Any:
-        return {"/v1/chat/completions": self._chat, "/v1/completions": self._completion}[url]
+    def _unsupported(self, custom_id: str, endpoint: Endpoint, url: str) -> EngineResult:
+        message = (
+            f"model {self.spec.served_model_name!r} runs the {self.task!r} task, which cannot serve {url}; it "
+            f"serves {', '.join(u for e in ENDPOINTS if self._handlers.get(e.name) for u in e.urls)}"
+        )
+        body = {
+            "error": {
+                "message": message,
+                "type": "BadRequestError",
+                "param": None,
+                "code": ErrorCode.UNSUPPORTED_TASK.value,
+            }
+        }
+        return EngineResult(custom_id, 400, body, ErrorCode.UNSUPPORTED_TASK)
 
     async def generate(self, request: EngineRequest) -> EngineResult:
         from pydantic import ValidationError
@@ -218,13 +283,17 @@ class VllmEngine(Engine):
         from vllm.entrypoints.serve.exception_handling.error_response import create_error_response
         from vllm.v1.engine.exceptions import EngineDeadError
 
+        endpoint = endpoint_for(request.url)
+        if endpoint is None:  # validation lets no such line through; a stale work list could
+            return _error_result(
+                request.custom_id, 404, f"url {request.url!r} is not served", "NotFoundError"
+            )
+        handler = self._handlers.get(endpoint.name)
+        if handler is None:
+            return self._unsupported(request.custom_id, endpoint, request.url)
         try:
-            parsed = self._request_types[request.url].model_validate(request.body)
-            handler = self._handler(request.url)
-            if request.url == "/v1/chat/completions":
-                response = await handler.create_chat_completion(parsed)
-            else:
-                response = await handler.create_completion(parsed)
+            parsed = self._request_types[endpoint.name].validate_python(request.body)
+            response = await handler(parsed)
         except ValidationError as exc:
             first = exc.errors()[0]
             where = ".".join(str(p) for p in first["loc"])
@@ -240,25 +309,26 @@ class VllmEngine(Engine):
         if isinstance(response, ErrorResponse):
             err = response.error
             return _error_result(request.custom_id, int(err.code), err.message, err.type, err.param)
-        if not hasattr(response, "model_dump_json"):
-            # A stream generator: validation refuses streaming requests, so only a body it let through by
-            # mistake gets here. Closing the generator aborts the request inside the engine.
+        body = _body(response)
+        if body is None:
+            # A stream (validation refuses stream=true and binary encodings, so only a body it let through by
+            # mistake gets here). Closing a generator aborts the request inside the engine.
             with contextlib.suppress(Exception):
                 await response.aclose()
             return _error_result(
-                request.custom_id, 400, "stream=true is not supported in a batch", "BadRequestError"
+                request.custom_id, 400, "streamed responses are not supported in a batch", "BadRequestError"
             )
-        # Same rendering as the API server's JSONResponse(content=response.model_dump()).
-        body = json.loads(response.model_dump_json())
-        usage = body.get("usage") or {}
-        return EngineResult(
-            request.custom_id,
-            200,
-            body,
-            None,
-            int(usage.get("prompt_tokens") or 0),
-            int(usage.get("completion_tokens") or 0),
-        )
+        if isinstance(body, dict) and "error" in body and not endpoint.answers(body):
+            err = body["error"] if isinstance(body["error"], dict) else {"message": str(body["error"])}
+            return _error_result(
+                request.custom_id,
+                int(err.get("code") or 500) if str(err.get("code", "")).isdigit() else 500,
+                str(err.get("message")),
+                str(err.get("type") or "InternalServerError"),
+                err.get("param"),
+            )
+        prompt_tokens, completion_tokens = endpoint.usage(body)
+        return EngineResult(request.custom_id, 200, body, None, prompt_tokens, completion_tokens)
 
     def _kv_summary(self) -> dict[str, Any]:
         cache = self._client.vllm_config.cache_config
@@ -280,6 +350,8 @@ class VllmEngine(Engine):
             "enforce_eager": cfg.model_config.enforce_eager,
             "tensor_parallel_size": cfg.parallel_config.tensor_parallel_size,
             "seed": cfg.model_config.seed,
+            "task": self.task,
+            **{name: _jsonable(getattr(self._namespace, name, None)) for name in SERVING_OPTIONS},
             **({"cpu_kvcache_space_gib": self.spec.args.get("cpu_kvcache_space_gib")} if _on_cpu() else {}),
             **self._kv_summary(),
             **(self.spec.args.get("extra") or {}),
@@ -301,7 +373,7 @@ class VllmEngine(Engine):
             num_preemptions=int(values.get("vllm:num_preemptions", 0)),
             prefix_cache_queries=int(values.get("vllm:prefix_cache_queries", 0)),
             prefix_cache_hits=int(values.get("vllm:prefix_cache_hits", 0)),
-            extra={"cpu_cores": self._cores.cores} if self._cores is not None else {},
+            extra={"cpu_cores": self._cores} if self._cores is not None else {},
         )
 
     async def stop(self) -> None:
@@ -311,8 +383,26 @@ class VllmEngine(Engine):
         # Without this the engine-core subprocess outlives a retired actor and keeps its memory.
         if self._client is not None:
             self._client.shutdown()
-        if self._cores is not None:
-            self._cores.release()
+
+
+def _body(response: Any) -> Any:
+    """The JSON body `vllm serve` would send for a serving object's answer: a pydantic response rendered as the
+    API server's JSONResponse(content=response.model_dump()) renders it, or the JSON a pooling serving object
+    already rendered. None for a stream."""
+    if hasattr(response, "model_dump_json"):
+        return json.loads(response.model_dump_json())
+    media = getattr(response, "media_type", None)
+    if hasattr(response, "body") and media in ("application/json", None):
+        return json.loads(bytes(response.body))
+    return None
+
+
+def _jsonable(value: Any) -> Any:
+    try:
+        json.dumps(value)
+    except (TypeError, ValueError):
+        return str(value)
+    return value
 
 
 def _on_cpu() -> bool:

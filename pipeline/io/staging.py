@@ -11,6 +11,7 @@ the job runs. Finalize reads only this directory, so whatever reached staging su
       results/*.parquet          finished result rows, each part sorted by custom_id
       errors/*.parquet           error records, each part sorted by source position
       ids/                       while ingest runs: custom_ids in hash buckets, for the duplicate check
+      finalize/                  the final sort's plan, pieces and finished-shard records (runtime/finalize.py)
 
 One `StagingArea` works over a base path on one of two kinds of storage, chosen by the output location:
 - `LocalFiles` (a local OUTPUT, and the local stand-in for an http(s):// OUTPUT, which cannot be listed): each part
@@ -65,6 +66,9 @@ REQUEST_SCHEMA = pa.schema(
         # Names the request's shared leading prompt (stages/route.py), null when it has none: the work queue sends
         # requests of one key to one engine, so that engine's prefix cache pays.
         ("prefix_key", pa.string()),
+        # The served model the request runs on (its body's `model`): a job with one model per pool sends each
+        # request only to the pools serving its model.
+        ("model", pa.string()),
     ]
 )
 
@@ -261,8 +265,8 @@ class ObjectStoreFiles:
 class StagingArea:
     """`<output>/_staging/` on `files` (local disk unless told otherwise).
 
-    `scratch` is local disk for temporary files that are not part of the checkpoint (the final sort's spills); by
-    default the staging directory itself.
+    `scratch` is local disk for temporary files that are not part of the checkpoint; by default the staging
+    directory itself.
     """
 
     def __init__(
@@ -277,8 +281,14 @@ class StagingArea:
         self.results_dir = f"{self.root}/results"
         self.errors_dir = f"{self.root}/errors"
         self.ids_dir = f"{self.root}/ids"
+        self.finalize_dir = f"{self.root}/finalize"
         self._writer_id = uuid.uuid4().hex[:8]
         self._seq = 0
+
+    @property
+    def is_local(self) -> bool:
+        """On this machine's disk (other hosts of a cluster cannot write it)."""
+        return isinstance(self.files, LocalFiles)
 
     def describe(self) -> str:
         """Where the checkpoint is, for messages: a local path or an s3:// URL."""
@@ -354,6 +364,24 @@ class StagingArea:
                 pending.append(target)
         return pending
 
+    def requests_for_model(self, paths: list[str], model: str) -> list[str]:
+        """Copies (under `pending/`) of the request parts holding only `model`'s requests: the work list of the
+        pools that serve it, in a job that serves several models. Memory: one part at a time."""
+        import pyarrow.compute as pc
+
+        out = []
+        for path in paths:
+            table = self.files.parquet(path).read()
+            if "model" not in table.column_names:  # staged before requests named their model: the job's own
+                continue
+            mine = table.filter(pc.equal(table.column("model"), model))
+            if mine.num_rows:
+                target = f"{self.pending_dir}/{self._next_name('part')}"
+                self.files.makedirs(self.pending_dir)
+                self.files.write_parquet(mine, target)
+                out.append(target)
+        return out
+
     def num_rows(self, paths: Iterable[str]) -> int:
         return sum(self.files.parquet(p).metadata.num_rows for p in paths)
 
@@ -419,16 +447,6 @@ class StagingArea:
 
     def count(self, kind: str) -> int:
         return self.num_rows(self.parts(kind))
-
-    def column_sum(self, column: str) -> int:
-        """Sum of a numeric column over every staged row (results and errors) — e.g. tokens across resumes."""
-        import pyarrow.compute as pc
-
-        total = 0
-        for kind in ("results", "errors"):
-            for part in self.parts(kind):
-                total += pc.sum(self.read_part(part, [column]).column(column)).as_py() or 0
-        return total
 
     def iter_column(self, kind: str, column: str) -> Iterator[Any]:
         for part in self.parts(kind):

@@ -69,18 +69,27 @@ PARQUET_OUTPUT_SCHEMA = pa.schema(
         pa.field("id", pa.string()),
         pa.field("custom_id", pa.string()),
         pa.field("status_code", pa.int32()),
-        pa.field(
-            "response", pa.string()
-        ),  # JSON: {status_code, request_id, body}, null for a line-level error
+        # JSON: {status_code, request_id, body}, null for a line-level error
+        pa.field("response", pa.string()),
         pa.field("error", pa.string()),  # JSON: {code, message, line, source}, or null
+        # The flattened columns: each route's registry entry fills its own (Endpoint.flatten), the others are null.
         pa.field(
-            "content", pa.string()
-        ),  # choices[0].message.content (chat) or choices[0].text (completions)
+            "route", pa.string()
+        ),  # the route that answered: chat, completions, responses, embeddings, ...
+        # chat: choices[0].message.content; completions: choices[0].text; responses: the output text
+        pa.field("content", pa.string()),
         pa.field("finish_reason", pa.string()),
         pa.field("prompt_tokens", pa.int64()),
         pa.field("completion_tokens", pa.int64()),
+        # embeddings: one vector per input, in input order (encoding_format float; base64 stays in `response`)
+        pa.field("embeddings", pa.list_(pa.list_(pa.float32()))),
+        # score: one score per pair, in pair order; rerank: relevance scores, best first (as `ranking`)
+        pa.field("scores", pa.list_(pa.float64())),
+        pa.field("ranking", pa.list_(pa.int32())),  # rerank: document indexes, best first
     ]
 )
+
+_FLATTENED = ("content", "finish_reason", "embeddings", "scores", "ranking")
 
 
 def _dumps(value: Any, finite: bool) -> str | None:
@@ -89,26 +98,30 @@ def _dumps(value: Any, finite: bool) -> str | None:
 
 def flatten_records(records: list[str]) -> pa.Table:
     """Output lines (JSON strings) → the Parquet output columns."""
+    from pipeline.endpoints import endpoint_answering
+
     cols: dict[str, list] = {name: [] for name in PARQUET_OUTPUT_SCHEMA.names}
     for line in records:
         record, fast = json_codec.loads_finite(line)
         response = record.get("response")
-        body = (response or {}).get("body") or {}
-        choices = body.get("choices") if isinstance(body, dict) else None
-        choice = choices[0] if isinstance(choices, list) and choices and isinstance(choices[0], dict) else {}
-        message = choice.get("message")
-        content = message.get("content") if isinstance(message, dict) else choice.get("text")
-        usage = body.get("usage") if isinstance(body, dict) else None
-        usage = usage if isinstance(usage, dict) else {}
+        body = (response or {}).get("body")
+        endpoint = endpoint_answering(body)
+        flat = endpoint.flatten(body) if endpoint is not None else {}
+        counted = endpoint is not None and isinstance(body.get("usage"), dict)
+        tokens = endpoint.usage(body) if counted else (None, None)
         cols["id"].append(record.get("id"))
         cols["custom_id"].append(record.get("custom_id"))
         cols["status_code"].append((response or {}).get("status_code"))
         cols["response"].append(_dumps(response, fast))
         cols["error"].append(_dumps(record.get("error"), fast))
-        cols["content"].append(content if isinstance(content, str) else _dumps(content, fast))
-        cols["finish_reason"].append(choice.get("finish_reason"))
-        cols["prompt_tokens"].append(usage.get("prompt_tokens"))
-        cols["completion_tokens"].append(usage.get("completion_tokens"))
+        cols["route"].append(endpoint.name if endpoint is not None else None)
+        cols["prompt_tokens"].append(tokens[0])
+        cols["completion_tokens"].append(tokens[1])
+        for name in _FLATTENED:
+            value = flat.get(name)
+            if name == "content" and value is not None and not isinstance(value, str):
+                value = _dumps(value, fast)
+            cols[name].append(value)
     return pa.table(cols, schema=PARQUET_OUTPUT_SCHEMA)
 
 

@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from pipeline.runtime.ingest import IngestReport, iter_validated
-from pipeline.stages.validate import InvalidLine, LineValidator, ValidRequest
+from pipeline.stages.validate import InvalidLine, LineValidator
 
 
 @dataclass
@@ -38,36 +38,39 @@ class DryRunReport:
         return "\n".join(lines)
 
 
-def _prompt_token_counter(model: str | None):
+def _prompt_token_counter(model: str | None, chat_template: str | None = None, runner: str = "auto"):
     """Counts prompt tokens as the engine will (chat template applied); None when no tokenizer is at hand."""
     from pipeline.models import resolve_model
     from pipeline.tokens import PromptCounter
 
-    resolved = resolve_model(model)
-    counter = PromptCounter.for_model(resolved.path)
-    if counter is None:
-        return None, None
-
-    def count(request: ValidRequest) -> int:
-        # A completions prompt may start several sequences; its tokens are their sum.
-        return sum(counter.count(request.url, request.body))
-
-    return count, resolved.name
+    resolved = resolve_model(model, runner=runner)
+    return PromptCounter.for_model(resolved.path, chat_template, resolved.task), resolved
 
 
-def dry_run(path: Path, model_name: str, model: str | None, tokenize: bool = True) -> DryRunReport:
+def dry_run(
+    path: Path,
+    model_name: str,
+    model: str | None,
+    tokenize: bool = True,
+    chat_template: str | None = None,
+    runner: str = "auto",
+) -> DryRunReport:
     report = DryRunReport(IngestReport(source=str(path)))
     counter = None
+    task = None
     if tokenize:
-        counter, report.tokenizer = _prompt_token_counter(model)
-    for outcome in iter_validated(path, LineValidator(model_name), report.ingest):
+        counter, resolved = _prompt_token_counter(model, chat_template, runner)
+        report.tokenizer, task = resolved.name, resolved.task
+    # With the model at hand its task is known: a route it cannot serve is reported as the job would.
+    for outcome in iter_validated(path, LineValidator({model_name: task}), report.ingest):
         if isinstance(outcome, InvalidLine):
             report.error_records.append(outcome.record)
             continue
         report.routes[outcome.url] += 1
         if counter is not None:
             try:
-                report.prompt_tokens.append(counter(outcome))
+                # A request may start several sequences (a list of prompts, score pairs): its tokens are their sum.
+                report.prompt_tokens.append(sum(counter.count(outcome.url, outcome.body)))
             except Exception:  # noqa: BLE001 - a template failure is the engine's to report, not the dry run's
                 pass
     return report

@@ -1,37 +1,66 @@
 """Finalize: staging → sorted result shards, error shards, then `manifest.json` (the commit marker), then drop
-`_staging/`. Reads only staging, so it can be re-run after a crash at any point.
+`_staging/`. A range-partitioned sort that runs as tasks on the cluster; every task reads and writes through the
+staging area's storage (local disk or the bucket), so a finalize cut short is resumed where it stopped.
 
-The sort is external, with memory bounded by one shard (rows_per_shard rows) plus the sort keys:
-1. read only the key columns of every staged part (custom_id, or source + line) and derive exact shard
-   boundaries — shard k holds rows [k*rows_per_shard, (k+1)*rows_per_shard) of the sorted order;
-2. stream the staged parts once, routing every row to a per-shard spill file (Arrow IPC, on local disk: under
-   `_staging/` for a local OUTPUT, in the job's local scratch directory for a remote one);
-3. per shard: load its spill file, sort it, write the shard through the format's encoder, delete the spill.
-All of it runs in Arrow (C++); no Python object per row except for Parquet output's flattened columns.
+1. plan — the driver reads the row count of every staged part (Parquet metadata) and the sort keys of a bounded
+   sample of parts, and cuts the key space into about one bucket per shard. Key tasks (one per group of
+   consecutive parts) read only the key columns and write each bucket's keys under `_staging/finalize/keys/`; a cut
+   task per bucket sorts them, finds a result id staged twice, and returns the keys at the sorted positions
+   k*rows_per_shard that fall in its bucket. So the shard boundaries are exact (every shard but the last holds
+   rows_per_shard rows) while the driver holds the sample, counts and one key per shard — never every id.
+   Then the previous job's shards go, and the plan is written to `_staging/finalize/plan.json`: from here on
+   OUTPUT holds only this job's shards.
+2. map — one task per group of parts: read them, route every row to its shard by the boundary keys, write the
+   rows of each shard as a piece (Arrow IPC) under `_staging/finalize/pieces/`, then record its pieces.
+3. reduce — one task per shard: read its pieces, sort, reject a duplicate id, write the shard to OUTPUT through
+   the format's encoder, then record its ShardInfo (rows, first/last id, sha256, bytes) under `done/`.
+With a single shard there is nothing to route: its reduce reads the staged parts themselves.
+
+A resumed finalize keeps the plan (when the staged parts, rows_per_shard and format still match), the groups
+already mapped and the shards already recorded, and runs the rest. Every task's writes are idempotent (fixed names,
+whole-file replaces), so a task Ray re-runs after a lost node does no harm.
+
+Tasks take one CPU each. With a local path involved (local staging or a local OUTPUT) on a cluster that spans
+several hosts, they are pinned to the driver's node, the only one that sees that disk; otherwise Ray spreads them.
+Without Ray (finalize called on its own, as in unit tests) the same task functions run one after another here.
 """
 
 from __future__ import annotations
 
 import json
-import shutil
+import sys
+import time
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
 import structlog
 
+from pipeline.config import StorageConfig
 from pipeline.io.files import atomic_write_json
-from pipeline.io.staging import StagingArea
+from pipeline.io.locations import Location, RetryStats
+from pipeline.io.staging import STAGED_SCHEMA, LocalFiles, PartFiles, StagingArea
 from pipeline.io.writers import MANIFEST_NAME, OutputTarget, output_target, shard_encoder
 from pipeline.stages.finalize import (
-    Partitioning,
-    ShardInfo,
-    plan_partitioning,
+    assign_shards,
+    cut_ranks,
+    evenly_spaced,
+    first_duplicate,
+    group_parts,
+    locate_cuts,
+    shard_count,
+    shard_name,
+    sort_keys,
     sort_table,
     split_by_shard,
-    write_table_shards,
+    splitters,
+    write_shard,
 )
 
 log = structlog.get_logger(__name__)
@@ -39,11 +68,20 @@ log = structlog.get_logger(__name__)
 __all__ = ["MANIFEST_NAME", "FORMAT_VERSION", "AccountingError", "write_outputs", "commit"]
 
 FORMAT_VERSION = 1
-MAX_OPEN_SPILLS = 128  # shards routed per pass over the staged parts (open files)
-SPILL_FLUSH_BYTES = 64 << 20  # buffered spill rows across all open shards before they are written out
+PLAN_VERSION = 1
+KINDS = ("results", "errors")
+MAP_TASK_ROWS = 100_000  # staged rows per key / map task (a group of consecutive parts) ...
+MAX_MAP_TASKS = 256  # ... more per task beyond this many, so a shard has at most this many groups' pieces
+ROUTE_ROWS = 65_536  # staged rows routed at once: parts are small, and one Arrow pass over many is cheaper
+SPILL_FLUSH_BYTES = 64 << 20  # rows a map task holds before it writes them out (one piece per shard)
+SAMPLE_PARTS = 128  # staged parts the driver reads keys from to place the buckets ...
+SAMPLE_KEYS_PER_BUCKET = 64  # ... and how many keys it takes per bucket (at most MAX_SAMPLE_PER_PART a part)
+MAX_SAMPLE_PER_PART = 4096
 KEY_COLUMNS = {"results": ["custom_id"], "errors": ["source", "line"]}
-READ_COLUMNS = ["custom_id", "source", "line", "record"]
-SPILL_OPTIONS = pa.ipc.IpcWriteOptions(compression="lz4")
+# The token columns ride along so each shard's task sums them: the manifest's totals (across resumes too) cost the
+# driver nothing.
+READ_COLUMNS = ["custom_id", "source", "line", "error_code", "prompt_tokens", "completion_tokens", "record"]
+PIECE_OPTIONS = pa.ipc.IpcWriteOptions(compression="lz4")
 
 
 class AccountingError(RuntimeError):
@@ -59,94 +97,373 @@ def remove_previous_outputs(output: Path | str | OutputTarget) -> None:
     _as_target(output).remove_previous_outputs()
 
 
-def _read_columns(staging: StagingArea, parts: list[str], columns: list[str]) -> pa.Table:
-    tables = [staging.read_part(p, columns) for p in parts]
-    if not tables:
-        return pa.table({c: pa.array([], pa.int64() if c == "line" else pa.string()) for c in columns})
-    return pa.concat_tables(tables)
+# -- what every task works with ---------------------------------------------------------------------------------------
 
 
-class _SpillSet:
-    """Per-shard Arrow IPC spill files for shards [first, last), with bounded buffering."""
+@dataclass
+class _Context:
+    """The staging storage, finalize's directory in it, and the output: picklable, so Ray ships it to the tasks
+    (which rebuild the output target from its location)."""
 
-    def __init__(self, spill_dir: Path, first: int, last: int, schema: pa.Schema) -> None:
-        self.spill_dir = spill_dir
-        self.first, self.last = first, last
-        self.schema = schema
-        self._writers: dict[int, Any] = {}
-        self._buffers: dict[int, list[pa.Table]] = {}
-        self._buffered = 0
+    files: PartFiles
+    root: str  # `<OUTPUT>/_staging/finalize`
+    location: Location
+    storage: StorageConfig
+    format: str
+    driver_host: str | None = None  # the driver's node address, when tasks run on Ray
+    _target: OutputTarget | None = field(default=None, repr=False)
+    # Staged parts in a bucket go through the driver's read cache (see staging.ObjectStoreFiles) only on the
+    # driver's host, where the commit clears it; a task on another host leaves nothing behind.
+    _cached_reads: bool = True
 
-    def path(self, shard: int) -> Path:
-        return self.spill_dir / f"shard-{shard:05d}.arrow"
+    def __getstate__(self) -> dict[str, Any]:
+        return {**self.__dict__, "_target": None}
 
-    def add(self, shard: int, table: pa.Table) -> None:
-        self._buffers.setdefault(shard, []).append(table)
-        self._buffered += table.nbytes
-        if self._buffered >= SPILL_FLUSH_BYTES:
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._cached_reads = self.driver_host is not None and _this_host() == self.driver_host
+
+    def target(self) -> OutputTarget:
+        if self._target is None:
+            self._target = output_target(self.location, self.storage)
+        return self._target
+
+    # Fixed names: a task that runs again replaces its files instead of adding to them.
+    def plan_path(self) -> str:
+        return f"{self.root}/plan.json"
+
+    def key_piece(self, kind: str, bucket: int, group: int) -> str:
+        return f"{self.root}/keys/{kind}/b{bucket:05d}-g{group:05d}.arrow"
+
+    def piece(self, kind: str, shard: int, group: int, seq: int) -> str:
+        return f"{self.root}/pieces/{kind}/s{shard:05d}-g{group:05d}-{seq:04d}.arrow"
+
+    def mapped_record(self, kind: str, group: int) -> str:
+        return f"{self.root}/mapped/{kind}-g{group:05d}.json"
+
+    def done_record(self, kind: str, shard: int) -> str:
+        return f"{self.root}/done/{kind}-{shard:05d}.json"
+
+    def read(self, path: str, columns: list[str]) -> pa.Table:
+        """A staged part (Parquet) or one of finalize's pieces (Arrow IPC)."""
+        if path.endswith(".parquet"):
+            if self._cached_reads or isinstance(self.files, LocalFiles):
+                part = self.files.parquet(path)
+            else:
+                part = pq.ParquetFile(pa.BufferReader(self.files.read_bytes(path)))
+            return part.read(columns=columns, use_threads=False)
+        with pa.ipc.open_stream(pa.py_buffer(self.files.read_bytes(path))) as reader:
+            return reader.read_all().select(columns)
+
+    def write(self, path: str, table: pa.Table) -> None:
+        sink = pa.BufferOutputStream()
+        with pa.ipc.new_stream(sink, table.schema, options=PIECE_OPTIONS) as writer:
+            writer.write_table(table.combine_chunks())
+        self.files.write_bytes(path, sink.getvalue().to_pybytes())
+
+    def write_json(self, path: str, obj: Any) -> None:
+        self.files.write_bytes(path, json.dumps(obj, ensure_ascii=False).encode())
+
+    def read_json(self, path: str) -> Any | None:
+        try:
+            return json.loads(self.files.read_bytes(path))
+        except FileNotFoundError:
+            return None
+
+
+def _batches(ctx: _Context, parts: Sequence[str], columns: list[str]) -> Iterator[pa.Table]:
+    """The rows of `parts`, in order, a few parts at a time."""
+    tables: list[pa.Table] = []
+    rows = 0
+    for part in parts:
+        table = ctx.read(part, columns)
+        tables.append(table)
+        rows += table.num_rows
+        if rows >= ROUTE_ROWS:
+            yield pa.concat_tables(tables)
+            tables, rows = [], 0
+    if tables:
+        yield pa.concat_tables(tables)
+
+
+def _keys(ctx: _Context, path: str, kind: str) -> pa.Array:
+    if path.endswith(".parquet"):
+        return sort_keys(ctx.read(path, KEY_COLUMNS[kind]), kind)
+    return ctx.read(path, ["key"]).column("key").combine_chunks()
+
+
+# -- the tasks (plain functions: Ray tasks on a cluster, calls in this process without one) -------------------------
+
+
+def _key_task(ctx: _Context, kind: str, group: int, parts: list[str], bounds: list[bytes]) -> list[int]:
+    """Plan, step 1: the sort keys of one group of parts, written per bucket; returns the rows of each bucket."""
+    boundaries = pa.array(bounds, pa.binary())
+    buckets: dict[int, list[pa.Table]] = {}
+    for table in _batches(ctx, parts, KEY_COLUMNS[kind]):
+        keys = sort_keys(table, kind)
+        for bucket, rows in split_by_shard(pa.table({"key": keys}), assign_shards(keys, boundaries)).items():
+            buckets.setdefault(bucket, []).append(rows)
+    counts = [0] * (len(bounds) + 1)
+    for bucket, tables in buckets.items():
+        keys_in_bucket = pa.concat_tables(tables)
+        counts[bucket] = keys_in_bucket.num_rows
+        ctx.write(ctx.key_piece(kind, bucket, group), keys_in_bucket)
+    return counts
+
+
+def _cut_task(
+    ctx: _Context, kind: str, sources: list[str], offsets: list[int], check_duplicates: bool
+) -> tuple[list[bytes], str | None]:
+    """Plan, step 2: one bucket's keys, sorted; the keys at `offsets` (exact shard boundaries) and the first
+    result id staged twice, if any. `sources`: its key pieces, or the staged parts when there is one bucket."""
+    keys = pa.chunked_array([_keys(ctx, path, kind) for path in sources], pa.binary()).combine_chunks()
+    ordered = keys.take(pc.sort_indices(keys))
+    duplicate = first_duplicate(ordered) if check_duplicates else None
+    found = [ordered[offset].as_py() for offset in offsets]
+    return found, None if duplicate is None else duplicate.decode("utf-8", "replace")
+
+
+class _Pieces:
+    """A map task's rows per shard, written out as pieces when SPILL_FLUSH_BYTES are held and at the end."""
+
+    def __init__(self, ctx: _Context, kind: str, group: int) -> None:
+        self.ctx, self.kind, self.group = ctx, kind, group
+        self.held: dict[int, list[pa.Table]] = {}
+        self.held_bytes = 0
+        self.written: dict[int, list[tuple[str, int]]] = {}
+
+    def add(self, shard: int, rows: pa.Table) -> None:
+        self.held.setdefault(shard, []).append(rows)
+        self.held_bytes += rows.nbytes
+        if self.held_bytes >= SPILL_FLUSH_BYTES:
             self.flush()
 
     def flush(self) -> None:
-        for shard, tables in self._buffers.items():
-            writer = self._writers.get(shard)
-            if writer is None:
-                writer = pa.ipc.new_stream(str(self.path(shard)), self.schema, options=SPILL_OPTIONS)
-                self._writers[shard] = writer
-            writer.write_table(pa.concat_tables(tables).combine_chunks())
-        self._buffers.clear()
-        self._buffered = 0
-
-    def close(self) -> None:
-        self.flush()
-        for writer in self._writers.values():
-            writer.close()
+        for shard, tables in sorted(self.held.items()):
+            pieces = self.written.setdefault(shard, [])
+            path = self.ctx.piece(self.kind, shard, self.group, len(pieces))
+            table = pa.concat_tables(tables)
+            self.ctx.write(path, table)
+            pieces.append((path, table.num_rows))
+        self.held.clear()
+        self.held_bytes = 0
 
 
-def sorted_shard_tables(
-    staging: StagingArea, kind: str, rows_per_shard: int, spill_dir: Path
-) -> tuple[int, Iterator[pa.Table]]:
-    """(row count, one sorted table per shard in order). Raises AccountingError on a result id staged twice."""
-    parts = staging.parts(kind)
-    keys = _read_columns(staging, parts, KEY_COLUMNS[kind])
-    try:
-        plan: Partitioning = plan_partitioning(keys, kind, rows_per_shard)
-    except ValueError as exc:
-        raise AccountingError(str(exc)) from exc
-    total = keys.num_rows
-    del keys
+def _map_task(
+    ctx: _Context, kind: str, group: int, parts: list[str], bounds: list[bytes]
+) -> dict[str, list[tuple[str, int]]]:
+    """Route the rows of one group of parts to their shards, as pieces; returns (and records) {shard: pieces}."""
+    boundaries = pa.array(bounds, pa.binary())
+    pieces = _Pieces(ctx, kind, group)
+    for table in _batches(ctx, parts, READ_COLUMNS):
+        for shard, rows in split_by_shard(table, assign_shards(sort_keys(table, kind), boundaries)).items():
+            pieces.add(shard, rows)
+    pieces.flush()
+    written = {str(shard): paths for shard, paths in pieces.written.items()}
+    ctx.write_json(ctx.mapped_record(kind, group), written)  # after the pieces: they are complete
+    return written
 
-    def single() -> Iterator[pa.Table]:
-        yield sort_table(_read_columns(staging, parts, READ_COLUMNS), kind)
 
-    def spilled() -> Iterator[pa.Table]:
-        spill_dir.mkdir(parents=True, exist_ok=True)
-        try:
-            for first in range(0, plan.count, MAX_OPEN_SPILLS):
-                last = min(plan.count, first + MAX_OPEN_SPILLS)
-                spills: _SpillSet | None = None
-                for part in parts:
-                    table = staging.read_part(part, READ_COLUMNS)
-                    if spills is None:
-                        spills = _SpillSet(spill_dir, first, last, table.schema)
-                    for shard, rows in split_by_shard(table, plan.assign(table)).items():
-                        if first <= shard < last:
-                            spills.add(shard, rows)
-                if spills is not None:
-                    spills.close()
-                for shard in range(first, last):
-                    path = spills.path(shard) if spills else None
-                    if path is None or not path.exists():
-                        continue  # no rows: write_table_shards reports the count mismatch
-                    with pa.OSFile(str(path), "rb") as fh:
-                        table = pa.ipc.open_stream(fh).read_all()
-                    path.unlink()
-                    yield sort_table(table, kind)
-        finally:
-            shutil.rmtree(spill_dir, ignore_errors=True)
+def _reduce_task(ctx: _Context, kind: str, shard: int, count: int, sources: list[str]) -> dict[str, Any]:
+    """Write one shard: its pieces (or the staged parts), sorted, through the format's encoder; then record its
+    ShardInfo. Memory: one shard."""
+    tables = [ctx.read(path, READ_COLUMNS) for path in sources]
+    table = pa.concat_tables(tables) if tables else STAGED_SCHEMA.empty_table().select(READ_COLUMNS)
+    table = sort_table(table, kind)
+    if kind == "results":
+        # Equal ids have equal keys, so they always meet in one shard: a check per shard covers the output.
+        duplicate = first_duplicate(table.column("custom_id"))
+        if duplicate is not None:
+            raise AccountingError(f"custom_id {duplicate!r} staged twice as a result")
+    encoder, extension = shard_encoder(ctx.format)
+    info = write_shard(table, shard_name(kind, shard, count, extension), ctx.target().open_write, encoder)
+    record: dict[str, Any] = {
+        "shard": info.as_manifest(),
+        "tokens": {
+            "prompt": int(pc.sum(table.column("prompt_tokens")).as_py() or 0),
+            "completion": int(pc.sum(table.column("completion_tokens")).as_py() or 0),
+        },
+    }
+    if kind == "errors":
+        codes = pc.value_counts(table.column("error_code").drop_null()).to_pylist() if table.num_rows else []
+        record["error_codes"] = {c["values"]: c["counts"] for c in codes}
+    ctx.write_json(ctx.done_record(kind, shard), record)  # after the shard is complete (closed, uploaded)
+    return record
 
-    if total == 0:
-        return 0, iter(())
-    return total, (single() if plan.count == 1 else spilled())
+
+# -- where the tasks run ---------------------------------------------------------------------------------------------
+
+
+def spans_hosts(nodes: Sequence[dict[str, Any]], node_id: str) -> bool:
+    """Whether a live node of the cluster is on another host than node `node_id` (Ray's `ray.nodes()` entries)."""
+    alive = [n for n in nodes if n.get("Alive", True)]
+    here = next((n["NodeManagerAddress"] for n in alive if n["NodeID"] == node_id), None)
+    return any(n["NodeManagerAddress"] != here for n in alive)
+
+
+def _running_ray() -> Any | None:
+    ray = sys.modules.get("ray")  # never imported: certainly not running (and no second spent importing it)
+    return ray if ray is not None and ray.is_initialized() else None
+
+
+def _this_host() -> str:
+    import ray
+
+    return ray.util.get_node_ip_address()
+
+
+def _on_node(fn: Callable[..., Any], *args: Any) -> tuple[str, Any, dict[str, int]]:
+    """A task: `fn(*args)`, where it ran, and the storage retries it made (counted per process, so the driver adds
+    them to its own count, which the manifest reports)."""
+    import ray
+
+    before = RetryStats.snapshot()
+    value = fn(*args)
+    return ray.get_runtime_context().get_node_id(), value, RetryStats.since(before)["by_operation"]
+
+
+class _Tasks:
+    """Runs the task functions: as Ray tasks when Ray is up, else one after another in this process. Counts which
+    nodes ran them."""
+
+    def __init__(self, local_paths: bool) -> None:
+        self.ray = _running_ray()
+        self.placement: Counter[str] = Counter()
+        self.host: str | None = None  # the driver's node address, with Ray
+        self.where = "in the driver"  # for the log
+        self._remote: Any = None
+        if self.ray is None:
+            return
+        ray = self.ray
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+        node_id = ray.get_runtime_context().get_node_id()
+        nodes = ray.nodes()
+        here = next((n for n in nodes if n["NodeID"] == node_id), {})
+        strategy: Any = "SPREAD"
+        if local_paths and spans_hosts(nodes, node_id):
+            if here.get("Resources", {}).get("CPU", 0) < 1:
+                # A head that offers no CPUs to tasks (KubeRay's usual `num-cpus: 0`) could never run them.
+                log.warning(
+                    "finalize runs in the driver: its files are on this node's disk, which has no CPUs for Ray "
+                    "tasks; an s3:// OUTPUT lets the cluster do it"
+                )
+                self.ray = None
+                return
+            strategy = NodeAffinitySchedulingStrategy(node_id, soft=False)
+        self.host = here.get("NodeManagerAddress")
+        self.where = "spread over the cluster" if strategy == "SPREAD" else "on the driver's node"
+        self._remote = ray.remote(num_cpus=1)(_on_node).options(scheduling_strategy=strategy)
+
+    def run(self, fn: Callable[..., Any], calls: Sequence[tuple[Any, ...]]) -> list[Any]:
+        if self.ray is None:
+            results = []
+            for args in calls:
+                results.append(fn(*args))
+                self.placement["driver"] += 1
+            return results
+        refs = [self._remote.remote(fn, *args) for args in calls]
+        if refs:
+            # Every task settles before a failure is raised: shards that finish are recorded, so a resume has less
+            # to redo.
+            self.ray.wait(refs, num_returns=len(refs), fetch_local=False)
+        results = []
+        for node_id, value, retries in self.ray.get(refs):
+            self.placement[node_id[:8]] += 1
+            for operation, n in retries.items():
+                for _ in range(n):
+                    RetryStats.record(operation)
+            results.append(value)
+        return results
+
+
+# -- the plan ----------------------------------------------------------------------------------------------------------
+
+
+def _part_rows(staging: StagingArea, parts: list[str]) -> list[int]:
+    return [staging.files.parquet(p).metadata.num_rows for p in parts]
+
+
+def _sample(ctx: _Context, kind: str, parts: list[str], buckets: int) -> pa.Array:
+    """Sort keys from a bounded number of parts spread over all of them (parts are sorted, so keys at even steps
+    through a part are a fair sample of it). None needed for a single bucket."""
+    if buckets <= 1 or not parts:
+        return pa.array([], pa.binary())
+    chosen = sorted({int(i) for i in np.linspace(0, len(parts) - 1, min(len(parts), SAMPLE_PARTS)).round()})
+    per_part = min(MAX_SAMPLE_PER_PART, -(-SAMPLE_KEYS_PER_BUCKET * buckets // len(chosen)))
+    keys = [evenly_spaced(_keys(ctx, parts[i], kind), per_part) for i in chosen]
+    return pa.chunked_array(keys, pa.binary()).combine_chunks()
+
+
+def _make_plan(
+    ctx: _Context, tasks: _Tasks, parts: dict[str, list[str]], rows: dict[str, list[int]], rows_per_shard: int
+) -> dict[str, Any]:
+    """Exact shard boundaries for both kinds (see the module docstring). Raises AccountingError on a result id
+    staged twice — before anything in OUTPUT is touched."""
+    plan: dict[str, Any] = {"version": PLAN_VERSION, "rows_per_shard": rows_per_shard, "format": ctx.format}
+    key_calls, bucket_splitters = [], {}
+    for kind in KINDS:
+        total = sum(rows[kind])
+        groups = [
+            [parts[kind][i] for i in g]
+            for g in group_parts(rows[kind], max(MAP_TASK_ROWS, -(-total // MAX_MAP_TASKS)))
+        ]
+        count = shard_count(total, rows_per_shard)
+        plan[kind] = {"rows": total, "shards": count, "groups": groups, "boundaries": []}
+        bounds = splitters(_sample(ctx, kind, parts[kind], count), count)
+        bucket_splitters[kind] = bounds.to_pylist()
+        if len(bounds):
+            key_calls += [(ctx, kind, g, group, bucket_splitters[kind]) for g, group in enumerate(groups)]
+    counts = iter(tasks.run(_key_task, key_calls))
+
+    cut_calls, cut_kinds = [], []
+    for kind in KINDS:
+        entry = plan[kind]
+        if bucket_splitters[kind]:
+            per_group = [next(counts) for _ in entry["groups"]]
+            bucket_rows = [sum(c[b] for c in per_group) for b in range(len(bucket_splitters[kind]) + 1)]
+            sources = [
+                [ctx.key_piece(kind, b, g) for g, c in enumerate(per_group) if c[b]]
+                for b in range(len(bucket_rows))
+            ]
+        else:
+            bucket_rows, sources = [entry["rows"]], [parts[kind]]
+        cuts = locate_cuts(bucket_rows, cut_ranks(entry["rows"], rows_per_shard))
+        check = kind == "results"  # error records are keyed by source position, which the input makes unique
+        for bucket, n in enumerate(bucket_rows):
+            if n and (check or bucket in cuts):
+                cut_calls.append((ctx, kind, sources[bucket], cuts.get(bucket, []), check))
+                cut_kinds.append(kind)
+    boundaries: dict[str, list[bytes]] = {kind: [] for kind in KINDS}
+    for kind, (keys, duplicate) in zip(cut_kinds, tasks.run(_cut_task, cut_calls), strict=True):
+        if duplicate is not None:
+            raise AccountingError(f"custom_id {duplicate!r} staged twice as a result")
+        boundaries[kind] += keys  # buckets in order, offsets in order: the cuts in order
+    for kind in KINDS:
+        plan[kind]["boundaries"] = [key.hex() for key in boundaries[kind]]
+    return plan
+
+
+def _load_plan(ctx: _Context, parts: dict[str, list[str]], rows_per_shard: int) -> dict[str, Any] | None:
+    """The plan of an earlier attempt, when it still fits what is staged; else None, and its files are gone."""
+    plan = ctx.read_json(ctx.plan_path())
+    if plan is None:
+        return None
+    fits = (
+        plan.get("version") == PLAN_VERSION
+        and plan.get("rows_per_shard") == rows_per_shard
+        and plan.get("format") == ctx.format
+        and all([p for g in plan[kind]["groups"] for p in g] == parts[kind] for kind in KINDS)
+    )
+    if fits:
+        return plan
+    log.warning("staging changed since finalize was planned; planning again")
+    ctx.files.delete([ctx.plan_path()])  # first: without it nothing else under finalize/ counts
+    ctx.files.delete_tree(ctx.root)
+    return None
+
+
+# -- finalize --------------------------------------------------------------------------------------------------------
 
 
 def write_outputs(
@@ -156,29 +473,100 @@ def write_outputs(
     expected_rows: int,
     format: str = "jsonl",
 ) -> dict[str, Any]:
-    """Write the shards; returns counts and shard descriptions for the manifest."""
+    """Write the shards; returns counts, shard descriptions and the nodes that ran finalize, for the manifest."""
     target = _as_target(output)
-    n_results = staging.count("results")
-    n_errors = staging.count("errors")
+    parts = {kind: staging.parts(kind) for kind in KINDS}
+    rows = {kind: _part_rows(staging, parts[kind]) for kind in KINDS}
+    n_results, n_errors = sum(rows["results"]), sum(rows["errors"])
     if n_results + n_errors != expected_rows:
         raise AccountingError(
             f"staging holds {n_results} results + {n_errors} errors = {n_results + n_errors} rows, "
             f"but the input has {expected_rows}; output not committed"
         )
-    by_code = Counter(code for code in staging.iter_column("errors", "error_code"))
-    encoder, extension = shard_encoder(format)
+    shard_encoder(format)  # an unknown format fails here, before anything is written
+    tasks = _Tasks(local_paths=isinstance(staging.files, LocalFiles) or target.is_local)
+    ctx = _Context(
+        staging.files,
+        staging.finalize_dir,
+        target.location,
+        target.storage,
+        format,
+        tasks.host,
+        _target=target,
+    )
 
-    # Plan both sorts before touching OUTPUT: a duplicate result id fails here, with nothing removed or written.
-    written: dict[str, list[ShardInfo]] = {}
-    plans = {
-        kind: sorted_shard_tables(staging, kind, rows_per_shard, staging.scratch / f"finalize-{kind}")
-        for kind in ("results", "errors")
-    }
-    target.remove_previous_outputs()
-    for kind, (total, tables) in plans.items():
-        written[kind] = write_table_shards(
-            tables, total, rows_per_shard, kind, target.open_write, encoder, extension
-        )
+    started = time.monotonic()
+    plan = _load_plan(ctx, parts, rows_per_shard)
+    resumed = plan is not None
+    if plan is None:
+        plan = _make_plan(ctx, tasks, parts, rows, rows_per_shard)
+        target.remove_previous_outputs()
+        ctx.write_json(ctx.plan_path(), plan)  # after the removal: its presence means OUTPUT is ours to write
+    counts = {kind: plan[kind]["shards"] for kind in KINDS}
+    done: dict[str, dict[int, dict[str, Any]]] = {kind: {} for kind in KINDS}
+    if resumed:
+        for kind in KINDS:
+            for shard in range(counts[kind]):
+                if (record := ctx.read_json(ctx.done_record(kind, shard))) is not None:
+                    done[kind][shard] = record
+        log.info("finalize resumed", shards_done={kind: len(done[kind]) for kind in KINDS})
+
+    # Map: the groups of every kind with more than one shard left to write, unless mapped by an earlier attempt.
+    pieces: dict[str, list[dict[str, list]]] = {kind: [] for kind in KINDS}
+    map_calls = []
+    for kind in KINDS:
+        if counts[kind] == 1 or len(done[kind]) == counts[kind]:
+            continue
+        bounds = [bytes.fromhex(key) for key in plan[kind]["boundaries"]]
+        for g, group in enumerate(plan[kind]["groups"]):
+            record = ctx.read_json(ctx.mapped_record(kind, g)) if resumed else None
+            pieces[kind].append(record)
+            if record is None:
+                map_calls.append((ctx, kind, g, group, bounds))
+    planned = time.monotonic()
+    mapped = iter(tasks.run(_map_task, map_calls))
+    for kind in KINDS:
+        pieces[kind] = [record if record is not None else next(mapped) for record in pieces[kind]]
+
+    # Reduce: every shard not yet recorded.
+    routed = time.monotonic()
+    reduce_calls = []
+    for kind in KINDS:
+        for shard in range(counts[kind]):
+            if shard in done[kind]:
+                continue
+            if counts[kind] == 1:
+                sources = parts[kind]
+            else:
+                sources = [path for group in pieces[kind] for path, _ in group.get(str(shard), [])]
+            reduce_calls.append((ctx, kind, shard, counts[kind], sources))
+    for (_, kind, shard, _, _), record in zip(
+        reduce_calls, tasks.run(_reduce_task, reduce_calls), strict=True
+    ):
+        done[kind][shard] = record
+
+    shards = {kind: [done[kind][s]["shard"] for s in range(counts[kind])] for kind in KINDS}
+    for kind, total in (("results", n_results), ("errors", n_errors)):
+        written = sum(s["rows"] for s in shards[kind])
+        if written != total:
+            raise AccountingError(f"{kind}: {total} rows staged, {written} written; output not committed")
+    log.info(
+        "finalize written",
+        plan_s=round(planned - started, 2),
+        map_s=round(routed - planned, 2),
+        reduce_s=round(time.monotonic() - routed, 2),
+        tasks=sum(tasks.placement.values()),
+        ran=tasks.where,
+        shards_written=len(reduce_calls),
+    )
+    by_code: Counter[str] = Counter()
+    for record in done["errors"].values():
+        by_code.update(record.get("error_codes", {}))
+    tokens = {"prompt": 0, "completion": 0}
+    for kind in KINDS:
+        for record in done[kind].values():
+            for key in tokens:
+                tokens[key] += record.get("tokens", {}).get(key, 0)
     return {
         "counts": {
             "total": expected_rows,
@@ -186,7 +574,10 @@ def write_outputs(
             "failed": n_errors,
             "by_error_code": dict(sorted(by_code.items())),
         },
-        "shards": {kind: [s.as_manifest() for s in shards] for kind, shards in written.items()},
+        "shards": shards,
+        "tokens": tokens,
+        # Which nodes ran finalize's tasks (a node id's first 8 characters, or "driver"), this attempt only.
+        "placement": {"finalize": dict(sorted(tasks.placement.items()))},
     }
 
 

@@ -98,6 +98,7 @@ def _vllm_target(config: JobConfig, model: ResolvedModel) -> FitTarget | str:
         output_budget,
         plan_pool,
     )
+    from pipeline.tokens import load_chat_template
 
     model_dir = _model_dir(model)
     if model_dir is None:
@@ -106,9 +107,16 @@ def _vllm_target(config: JobConfig, model: ResolvedModel) -> FitTarget | str:
         shape = model_shape(model_dir)
     except PlanError as exc:
         return f"cannot read the model's shape: {exc}"
+    args = config.engine.vllm
+    try:
+        load_chat_template(args.chat_template)
+    except ValueError as exc:  # a --chat-template that names no file: the engine would refuse it as well
+        return str(exc)
     if importlib.util.find_spec("transformers") is None:
         return "measuring requests needs the model's tokenizer: pip install 'nightshift-batch[model]'"
-    generation_default = generation_max_tokens(model_dir)
+    generation_default = generation_max_tokens(
+        model_dir, args.generation_config, args.override_generation_config
+    )
     chat_default = config.engine.fit.default_max_tokens
 
     def block_size(args: dict, device: str) -> int:
@@ -135,7 +143,10 @@ def _vllm_target(config: JobConfig, model: ResolvedModel) -> FitTarget | str:
         counted_by=f"{model.name} tokenizer + chat template",
         # The tokenizer loads on the first count, once per process (`prompt_counter`): the driver, which only
         # decides, never loads it; each ingest worker loads it once, whatever the number of its tasks.
-        count=lambda requests: prompt_counter(model_dir).count_batch(requests),
+        count=_own_requests(
+            model.name,
+            lambda requests: prompt_counter(model_dir, args.chat_template, model.task).count_batch(requests),
+        ),
         output_budget=lambda url, body: output_budget(url, body, generation_default, chat_default),
         model_limit=shape.max_model_len_limit,
         block_size=block_size,
@@ -144,15 +155,21 @@ def _vllm_target(config: JobConfig, model: ResolvedModel) -> FitTarget | str:
 
 
 def _fake_target(config: JobConfig, model: ResolvedModel) -> FitTarget:
-    from pipeline.engines.fake import FAKE_MAX_MODEL_LEN, prompt_tokens
+    from pipeline.endpoints import endpoint_for
+    from pipeline.engines.fake import FAKE_MAX_MODEL_LEN, sequence_tokens
 
     default_output = config.engine.fake.output_tokens
 
     def count(requests: Sequence[tuple[str, dict]]) -> list[list[int] | Exception]:
-        return [[prompt_tokens(url, body)] for url, body in requests]
+        return [sequence_tokens(url, body) for url, body in requests]
+
+    count = _own_requests(model.name, count)
 
     def output(url: str, body: dict) -> tuple[int, bool]:
-        return int(body.get("max_completion_tokens") or body.get("max_tokens") or default_output), False
+        endpoint = endpoint_for(url)
+        if endpoint is None or not endpoint.generates:
+            return 0, False  # pooling routes generate nothing
+        return int(requested_max_tokens(body) or default_output), False
 
     return FitTarget(
         counted_by="the fake engine's word count",
@@ -165,6 +182,24 @@ def _fake_target(config: JobConfig, model: ResolvedModel) -> FitTarget:
     )
 
 
+def _own_requests(
+    name: str, count: Callable[[Sequence[tuple[str, dict]]], list[list[int] | Exception]]
+) -> Callable[[Sequence[tuple[str, dict]]], list[list[int] | Exception]]:
+    """`count` for the requests of the model fitting is for; a request for another model of the job (a pool of
+    its own) starts no sequence here: that pool runs with its model's own limits (runtime.job.pool_spec)."""
+
+    def counted(requests: Sequence[tuple[str, dict]]) -> list[list[int] | Exception]:
+        own = [i for i, (_, body) in enumerate(requests) if body.get("model") in (None, name)]
+        if len(own) == len(requests):
+            return count(requests)
+        out: list[list[int] | Exception] = [[] for _ in requests]
+        for i, result in zip(own, count([requests[i] for i in own]), strict=True):
+            out[i] = result
+        return out
+
+    return counted
+
+
 _TARGETS: dict[str, Callable[[JobConfig, ResolvedModel], FitTarget | str]] = {
     "vllm": _vllm_target,
     "fake": _fake_target,
@@ -175,13 +210,14 @@ _FIT_TARGETS: dict[tuple[Callable, str, str], FitTarget | str] = {}
 _PROMPT_COUNTERS: dict[str, Any] = {}
 
 
-def prompt_counter(model_dir: str):
-    """The model's PromptCounter, loaded once per process."""
+def prompt_counter(model_dir: str, chat_template: str | None = None, task: str | None = None):
+    """The model's PromptCounter (see PromptCounter.for_model), loaded once per process."""
     from pipeline.tokens import PromptCounter
 
-    counter = _PROMPT_COUNTERS.get(model_dir)
+    key = f"{model_dir}\0{chat_template}\0{task}"
+    counter = _PROMPT_COUNTERS.get(key)
     if counter is None:
-        counter = _PROMPT_COUNTERS[model_dir] = PromptCounter.for_model(model_dir)
+        counter = _PROMPT_COUNTERS[key] = PromptCounter.for_model(model_dir, chat_template, task)
     return counter
 
 
@@ -440,9 +476,11 @@ def fit_max_model_len(lengths: Lengths, block_size: int, limit: int) -> tuple[in
 
 
 def choose_max_num_seqs(
-    given: int | None, capacity: KvCapacity | None, context: int
-) -> tuple[int, str, str, str | None]:
-    """(value, source, why, warning) for one pool's max_num_seqs at max_model_len `context`."""
+    given: int | None, capacity: KvCapacity | None, context: int, device: str = "cpu"
+) -> tuple[int | None, str, str, str | None]:
+    """(value, source, why, warning) for one pool's max_num_seqs at max_model_len `context`; value None leaves it
+    to the engine (a GPU's KV capacity is known only once vLLM has measured its memory; the runtime reads the
+    value back and sizes its in-flight window from it)."""
     fits = capacity.sequences(context) if capacity else None
     held = (
         f"the KV cache ({capacity.tokens:,} tokens) holds {fits} sequences of {context:,} tokens"
@@ -459,16 +497,33 @@ def choose_max_num_seqs(
             )
         return given, "given", f"given{'; ' + held if held else ''}", warning
     if capacity is None:
-        return DEFAULT_MAX_NUM_SEQS, "default", "KV capacity unknown before the engine starts", None
+        if device == "cpu":
+            return DEFAULT_MAX_NUM_SEQS, "default", "KV capacity unknown before the engine starts", None
+        return (
+            None,
+            "engine",
+            "KV capacity is known once the engine has measured its memory: vLLM decides",
+            None,
+        )
     if fits == 0:
         warning = (
             f"max_model_len {context:,} does not fit one sequence in the KV cache ({capacity.tokens:,} tokens): "
             f"vLLM will refuse to start; give the KV cache more memory (--cpu-kvcache-space) or lower --max-model-len"
         )
         return 1, "fitted", held, warning
-    value = min(MAX_NUM_SEQS_CAP, fits)
-    why = held + (f"; capped at {MAX_NUM_SEQS_CAP}" if fits > MAX_NUM_SEQS_CAP else "")
+    # On CPU cores, past a few hundred sequences a bigger batch only queues: the cap is a CPU rule. A GPU gets
+    # every sequence its (known) cache holds.
+    value = min(MAX_NUM_SEQS_CAP, fits) if device == "cpu" else fits
+    why = held + (f"; capped at {MAX_NUM_SEQS_CAP}" if value < fits else "")
     return value, "fitted", why, None
+
+
+def unfitted_max_num_seqs(config: JobConfig) -> int | None:
+    """max_num_seqs for a vLLM job that was not fitted: the CPU default when every pool computes on CPU cores;
+    otherwise the engine's own choice (a fixed CPU value would cap a GPU far below what its cache holds)."""
+    if any(pool.gpus_per_engine > 0 for pool in effective_pools(config)):
+        return None
+    return DEFAULT_MAX_NUM_SEQS
 
 
 # --- the job's fit ---------------------------------------------------------------------------------------------
@@ -503,15 +558,19 @@ def apply_fit(config: JobConfig, record: dict[str, Any]) -> JobConfig:
     fitted_len = record.get("max_model_len") or {}
     if vllm["max_model_len"] is None and fitted_len.get("source") == "fitted":
         vllm["max_model_len"] = fitted_len["value"]
-    seqs = {name: s for name, s in (record.get("max_num_seqs") or {}).items() if s["source"] != "given"}
+    seqs = {
+        name: s["value"]
+        for name, s in (record.get("max_num_seqs") or {}).items()
+        if s["source"] != "given" and s["value"] is not None  # None: the engine decides
+    }
     if config.pools:
         for pool in data["pools"]:
             if pool["name"] in seqs:
-                pool["engine_overrides"]["max_num_seqs"] = seqs[pool["name"]]["value"]
+                pool["engine_overrides"]["max_num_seqs"] = seqs[pool["name"]]
     elif "default" in seqs:
-        vllm["max_num_seqs"] = seqs["default"]["value"]
-    if config.engine.backend == "vllm" and vllm["max_num_seqs"] is None:
-        vllm["max_num_seqs"] = DEFAULT_MAX_NUM_SEQS  # every pool has its own; this one only fills the spec
+        vllm["max_num_seqs"] = seqs["default"]
+    if config.engine.backend == "vllm" and vllm["max_num_seqs"] is None and not record.get("max_num_seqs"):
+        vllm["max_num_seqs"] = unfitted_max_num_seqs(config)
     return JobConfig.model_validate(data)
 
 
@@ -601,7 +660,9 @@ def _decide(
             pool_context = args.get("max_model_len") or context
             sized_for = min(pool_context, bound) if bound else pool_context
             capacity = target.capacity(args, device)
-            value, source, why, warning = choose_max_num_seqs(args.get("max_num_seqs"), capacity, sized_for)
+            value, source, why, warning = choose_max_num_seqs(
+                args.get("max_num_seqs"), capacity, sized_for, device
+            )
             record["max_num_seqs"][name] = {
                 "value": value,
                 "source": source,

@@ -33,7 +33,7 @@ import math
 import sys
 import time
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -172,7 +172,7 @@ class IngestJob:
 
     source: InputSource
     staging: StagingArea
-    model_name: str
+    served: str | Mapping[str, str | None]  # the job's model name, or every served model and its task
     job_id: str | None
     limits: InputLimits
     measure: MeasureSpec | None
@@ -231,7 +231,7 @@ class _PieceOutput:
         self.piece = piece
         self.stats = stats
         self.ids = IdRows(piece.index, job.buckets)
-        self.requests: list[tuple[str, str, str, int, str, str | None]] = []
+        self.requests: list[tuple[str, str, str, int, str, str | None, str | None]] = []
         self.errors: list[StagedRow] = []
         self._seq = {"part": 0, INGEST_PREFIX: 0}
 
@@ -240,7 +240,8 @@ class _PieceOutput:
         return f"{prefix}-{self.piece.index:06d}-{self._seq[prefix]:04d}.parquet"
 
     def request(self, request: ValidRequest, body: str, key: str | None) -> None:
-        self.requests.append((request.custom_id, request.url, body, request.line, request.source, key))
+        model = request.body.get("model")  # the served model it runs on (a pool serving that model takes it)
+        self.requests.append((request.custom_id, request.url, body, request.line, request.source, key, model))
         self.stats.valid += 1
         if len(self.requests) >= self.job.part_rows:
             self.flush_requests()
@@ -314,7 +315,8 @@ class _Measure:
                 continue
             output, assumed = target.output_budget(request.url, request.body)
             longest = max(prompts) if prompts else 0
-            measured = (False, len(prompts), sum(prompts), longest, output, assumed, longest + output > limit)
+            capped = bool(prompts) and longest + output > limit
+            measured = (False, len(prompts), sum(prompts), longest, output, assumed, capped)
             out.ids.add(custom_id, file, request.line, None, key is not None, measured)
             out.request(request, body, key)
         self.pending = []
@@ -328,7 +330,7 @@ def read_piece(job: IngestJob, piece: InputPiece) -> PieceStats:
     stats = PieceStats(piece.index, node=_here())
     source, file = job.source, piece.file
     source.limits = job.limits  # the reader enforces the line-length bound, the validator the rest
-    validator = LineValidator(job.model_name, job.job_id, job.limits)
+    validator = LineValidator(job.served, job.job_id, job.limits)
     out = _PieceOutput(job, piece, stats)
     measure = _Measure(job.measure, out, job.job_id) if job.measure is not None else None
     read = ReadStats()
@@ -493,7 +495,7 @@ def _count(placement: dict[str, dict[str, int]], step: str, nodes: list[str]) ->
 
 def ingest(
     location: InputSource | Path | str,
-    model_name: str,
+    served: str | Mapping[str, str | None],
     staging: StagingArea,
     part_rows: int = 50_000,
     storage: StorageConfig | None = None,
@@ -524,7 +526,7 @@ def ingest(
         # enough to fill them (each piece writes one file per bucket it has ids in).
         by_size = math.ceil((source.size_bytes or 0) / BUCKET_BYTES)
         buckets = max(1, min(MAX_BUCKETS, max(by_size, min(len(pieces), run.parallelism))))
-    job = IngestJob(source, staging, model_name, job_id, source.limits, measure, buckets, part_rows)
+    job = IngestJob(source, staging, served, job_id, source.limits, measure, buckets, part_rows)
     batches = _scan_batches(scans)
     scanned = run.map(scan_ranges, job, batches)
     counts = [count for outcome in scanned for count in outcome.counts]

@@ -32,7 +32,7 @@ class JobMonitor:
         self._solo_running: set[str] = (
             set()
         )  # started alone and not finished: if seen again, it killed the engine
-        self._where: dict[str, str] = {}  # custom_id -> the engine that last began it
+        self._chunk_on: dict[int, str] = {}  # chunk in flight -> the engine that last began it
         self._work: dict[str, dict[str, Any]] = {}  # engine -> rows begun, finished, re-run elsewhere
 
     # -- engine stats ---------------------------------------------------------------------------------------
@@ -43,36 +43,40 @@ class JobMonitor:
         return dict(self._engines)
 
     # -- attempt ledger ---------------------------------------------------------------------------------------
-    def begin(self, custom_ids: list[str], engine: str | None = None) -> dict[str, str]:
-        """Register a chunk about to run (on `engine`, when named); returns the requests that must not run
+    def begin(
+        self, chunk: int, engine: str, rows: int, attempt: int = 1, custom_ids: list[str] | None = None
+    ) -> dict[str, str]:
+        """Register a chunk of `rows` requests about to run on `engine` (its `attempt`-th time: the work queue
+        hands a chunk out again when the engine holding it died); returns the requests that must not run
         normally: "solo" or "isolate".
 
-        Only the exceptions travel back: a chunk can hold thousands of rows and nearly all of them are normal."""
+        A chunk's first attempt costs one entry while it runs, whatever its size: requests are tracked one by one
+        only in chunks that were caught in an engine's death (`custom_ids` given), a few in a healthy job."""
+        self._engine_work(engine)["begun"] += rows
+        before = self._chunk_on.get(chunk)
+        self._chunk_on[chunk] = engine
+        if before is not None and before != engine:  # it was in flight on `before` when that engine died
+            rerun = self._engine_work(before)["rerun_on"]
+            rerun[engine] = rerun.get(engine, 0) + rows
+        if attempt <= 1 or not custom_ids:
+            return {}
         attempts = self._attempts
-        where = self._where
         plan: dict[str, str] = {}
-        if engine is not None:
-            self._engine_work(engine)["begun"] += len(custom_ids)
         for custom_id in custom_ids:
-            count = attempts.get(custom_id, 0) + 1
+            # Every request of a chunk handed out again was in flight in each earlier attempt of the chunk.
+            count = max(attempts.get(custom_id, 0) + 1, attempt)
             attempts[custom_id] = count
-            if engine is not None:
-                before = where.get(custom_id)
-                where[custom_id] = engine
-                if before is not None:  # it was in flight on `before` when that engine died
-                    rerun = self._engine_work(before)["rerun_on"]
-                    rerun[engine] = rerun.get(engine, 0) + 1
-            if count == 1:
-                continue
             if custom_id in self._solo_running:
                 plan[custom_id] = "isolate"  # it ran alone and the engine died: it is the poison
             elif count >= SOLO_FROM_ATTEMPT:
                 plan[custom_id] = "solo"
         return plan
 
-    def finished(self, engine: str, rows: int) -> None:
-        """`engine` returned `rows` finished rows (the rest of what it began is in flight)."""
+    def finished(self, engine: str, rows: int, chunk: int | None = None) -> None:
+        """`engine` staged `rows` finished rows of `chunk` (the rest of what it began is in flight)."""
         self._engine_work(engine)["finished"] += rows
+        if chunk is not None:
+            self._chunk_on.pop(chunk, None)
 
     def _engine_work(self, engine: str) -> dict[str, Any]:
         work = self._work.get(engine)
@@ -171,6 +175,25 @@ def summarize_engines(snapshot: dict[str, dict[str, Any]]) -> dict[str, Any]:
             cores for e in snapshot.values() if (cores := e["stats"].get("extra", {}).get("cpu_cores"))
         ),
         "sampling_defaults": first.get("sampling_defaults", {}),
+        # Per engine: its node, the rows and chunks it ran, and how busy it was between its first and last request.
+        "per_engine": {
+            actor: {"pool": e["pool"], "node_id": e.get("node_id"), **(e.get("activity") or {})}
+            for actor, e in sorted(snapshot.items())
+        },
+        # Per pool: the engine's own max_num_seqs (given, fitted, or decided by the engine as it started) and the
+        # requests each of its actors kept inside it (2 x that, unless max_in_flight was given).
+        "in_flight": {
+            e["pool"]: {
+                "max_num_seqs": (e.get("effective_args") or {}).get("max_num_seqs"),
+                "window": e.get("in_flight_window"),
+                **(
+                    {"peak_requests_inside": peak}
+                    if (peak := e["stats"].get("extra", {}).get("peak_requests_inside")) is not None
+                    else {}
+                ),
+            }
+            for e in snapshot.values()
+        },
     }
 
 

@@ -1,30 +1,33 @@
-"""Work is pulled, not split up front: one queue of request chunks that every accelerator pool draws from.
+"""Work is pulled, not split up front: one queue of request chunks that every engine of every pool leases from.
 
-A `WorkQueue` actor (pinned to the driver's node) hands out chunks of requests, reading the staged work list
-through the staging area's storage (local disk, or the bucket of an s3:// OUTPUT).
-Each pool's Ray Data pipeline starts with a `QueueDatasource` whose read tasks keep pulling chunks until the queue
-is empty. Pulling alone is not enough: Ray Data would let a pool's readers run far ahead of its engines and
-buffer half the job. So the queue gives each taker credit — at most as many rows outstanding as its engines can
-hold at once (plus a batch each) — and engines return the credit as they finish rows. (Credit is counted in rows,
-not chunks, because Ray Data may split or bundle blocks on the way.) A pool therefore takes new work
-only as fast as it finishes it, and a slower pool never becomes the tail. The chunks travel through Ray's object
-store, so pools on other nodes never need the driver's disk. The read tasks themselves run on the driver's node:
-a chunk leaves the queue once, so a read task re-run after its node died would pull a different chunk.
+A `WorkQueue` actor (pinned to the driver's node) reads the staged work list through the staging area's storage
+(local disk, or the bucket of an s3:// OUTPUT) a bounded window at a time and hands it out in chunks. Engines pull
+(runtime/worker.py): each leases a chunk when it has room for one, so a faster engine or pool simply leases more and
+a slower one never becomes the tail. The chunks travel through Ray's object store, so engines on other nodes never
+need the driver's disk.
 
-Prefix-aware routing: a "taker" is a pool, or one lane of a pool (one engine with its own pipeline, see
-runtime/job.py). With routing on, the queue reads a bounded window of the work list ahead, groups it by prefix key
-(stages/route.py), and gives each key an owner: the first taker to pull it. A taker's chunk is filled from, in
-order: keys it owns; keys nobody owns yet (it claims them); requests without a key; keys it already took over
-from others; and last, another taker's keys (it steals, so no engine idles while work remains: the key with the
-most rows waiting, where one more prefill of its prompt pays best). Chunks are full (the job sizes its read tasks
-by them) and prefix-homogeneous where the window allows.
+Leases: a chunk stays on the queue's books until its engine acknowledges that its rows are staged. The engines' pull
+loops are Ray Data tasks ("tickets"); when an engine dies, Ray re-runs its ticket on a fresh actor, and the ticket's
+first call hands its unacknowledged chunks out again — same id, same staged part name, so a chunk that was staged but
+not yet acknowledged is rewritten, never doubled. Only chunks in flight are remembered, never the job's rows.
+
+Prefix-aware routing: with routing on, the queue groups its window by prefix key (stages/route.py) and gives each
+key an owner: the first engine to pull it. An engine's chunk is filled from, in order: keys it owns; keys nobody
+owns yet (it claims them); requests without a key; keys it already took over from others; and last, another
+engine's keys (it steals, so no engine idles while work remains: the key with the most rows waiting, where one more
+prefill of its prompt pays best). Chunks are prefix-homogeneous where the window allows.
+
+The work list may still be growing (`add_files` while ingest stages it, then `close_input`): an engine that finds
+the queue empty waits until more arrives or the input is closed.
 """
 
 from __future__ import annotations
 
 import asyncio
+import time
 from collections import OrderedDict, deque
 from collections.abc import Iterator
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -40,28 +43,32 @@ _UNKEYED = None  # the window's group of requests without a prefix key
 
 
 class WorkQueue:
-    """Serves the pending requests in chunks, streaming through the staged Parquet parts (bounded memory)."""
+    """Serves the pending requests in leased chunks, streaming through the staged Parquet parts (bounded memory)."""
 
     def __init__(
         self,
         files: list[str],
-        credit: dict[str, int],
         read_rows: int = 8192,
         files_on: Any = None,
         route: bool = False,
         window_rows: int = 32768,
+        run_id: str = "run",
+        input_closed: bool = True,
+        shrink_tail: bool = True,
     ) -> None:
-        """`credit`: taker -> rows it may hold at once. `files_on`: the staging area's storage
-        (`pipeline.io.staging.PartFiles`); default: local paths. `route`: group by prefix key and give each key an
-        owner; `window_rows`: how far ahead the queue reads to find rows of a key (bounds its memory)."""
+        """`files_on`: the staging area's storage (`pipeline.io.staging.PartFiles`); default: local paths.
+        `route`: group by prefix key and give each key an owner; `window_rows`: how far ahead the queue reads to
+        find rows of a key (bounds its memory). `run_id` makes chunk names unique across runs of one job (a
+        resumed job must never overwrite a part an earlier run staged). `input_closed=False`: more files will
+        come (`add_files`) until `close_input` — engines start while the input is still being staged."""
         self._open = files_on.parquet if files_on is not None else pq.ParquetFile
         self._files = list(files)
+        self._input_closed = input_closed
         self._read_rows = read_rows
         self._reader: Iterator[pa.RecordBatch] = iter(())
         self._route = route
         self._window_rows = window_rows if route else 0  # without routing: read only what a chunk needs
-        self._credit = dict(credit)  # taker -> rows it may hold at once
-        self._outstanding: dict[str, int] = {}
+        self._run_id = run_id
         self._changed: asyncio.Condition | None = None  # created in the actor's event loop
         # The window: read batches by id, and per key the row segments (batch id, row indices) not yet served.
         self._batches: dict[int, list] = {}  # id -> [batch, rows not yet served]
@@ -74,9 +81,24 @@ class WorkQueue:
         self._owned: dict[str, dict[str, None]] = {}
         self._unowned: dict[str, None] = {}
         self._started: dict[str, set[str]] = {}  # key -> takers that have served it (have it cached)
+        # Leases: chunks handed out and not yet acknowledged, by id, with the ticket that holds them. Only chunks
+        # in flight are kept (bounded by engines x their windows), never the job's rows.
+        self._next_chunk = 0
+        # Guided self-scheduling: near the end, chunks shrink to a share of what is left per engine, so the last
+        # chunks finish together instead of one engine running a full chunk on alone (the tail of a job).
+        self._total_rows = sum(self._rows_in(f) for f in self._files)
+        self._new_rows_out = 0
+        self._takers: set[str] = set()
+        self._shrink_tail = shrink_tail
+        self._leases: dict[int, Lease] = {}
+        self._reissue: deque[Lease] = deque()
+        self.chunks_reissued = 0
+        self.rows_reissued = 0
+        self.duplicate_acks = 0
         self.served_rows = 0
         self.served_by: dict[str, int] = {}
         self.routing = {"keys": 0, "rows_routed": 0, "rows_stolen": 0, "rows_unkeyed": 0}
+        self.progress_totals = Progress()
 
     # -- the window ------------------------------------------------------------------------------------------------
     def _read_batch(self) -> pa.RecordBatch | None:
@@ -219,68 +241,152 @@ class WorkQueue:
             self.routing[f"rows_{kind}"] += taken
         return pieces
 
-    async def next_chunk(self, taker: str, rows: int) -> pa.Table | None:
-        """Up to `rows` requests for `taker`, once it has credit; None when the queue is empty.
-
-        Chunks are full until the work list runs out: the job sizes its read tasks as ceil(rows / chunk size), so
-        a short chunk mid-stream would leave rows that nobody pulls."""
+    # -- leases -------------------------------------------------------------------------------------------------
+    def _condition(self) -> asyncio.Condition:
         if self._changed is None:
             self._changed = asyncio.Condition()
-        async with self._changed:
-            limit = self._credit.get(taker, rows)
-            await self._changed.wait_for(lambda: self._outstanding.get(taker, 0) + rows <= max(limit, rows))
-            pieces = self._fill(taker, rows)
-            if not pieces:
-                self._changed.notify_all()  # wake the other waiters: they will see the queue is empty too
-                return None
-            chunk = self._chunk(pieces)
-            self._outstanding[taker] = self._outstanding.get(taker, 0) + chunk.num_rows
-        self.served_rows += chunk.num_rows
-        self.served_by[taker] = self.served_by.get(taker, 0) + chunk.num_rows
-        return chunk
+        return self._changed
 
-    async def done(self, taker: str, rows: int) -> None:
-        """An engine of `taker` finished `rows` requests: that much credit comes back."""
-        if self._changed is None:
-            self._changed = asyncio.Condition()
-        async with self._changed:
-            self._outstanding[taker] = max(0, self._outstanding.get(taker, 0) - rows)
+    def _rows_in(self, path: str) -> int:
+        return self._open(path).metadata.num_rows
+
+    def _chunk_rows(self, rows: int) -> int:
+        """`rows`, or less near the end: half an even share per engine of what is left (never under 1/16 of a chunk,
+        which bounds the per-chunk overhead). Only once the work list is complete is what is left known."""
+        if not self._shrink_tail or not self._input_closed or not self._takers:
+            return rows
+        left = self._total_rows - self._new_rows_out
+        share = -(-left // (2 * len(self._takers)))
+        return max(min(rows, share), max(1, rows // 16))
+
+    async def add_files(self, files: list[str]) -> None:
+        """More of the work list was staged (ingest still running)."""
+        async with self._condition():
+            self._total_rows += sum(self._rows_in(f) for f in files)
+            self._files.extend(files)
             self._changed.notify_all()
+
+    async def close_input(self) -> None:
+        """The work list is complete: an empty queue now means the job's work is all handed out."""
+        async with self._condition():
+            self._input_closed = True
+            self._changed.notify_all()
+
+    async def ticket_started(self, ticket: str) -> int:
+        """A ticket (one engine's pull loop, a Ray Data task) begins. If it ran before, its engine died with the
+        chunks it leased: they are handed out again first, to whichever engine asks next. Returns their count."""
+        async with self._condition():
+            lost = [lease for lease in self._leases.values() if lease.ticket == ticket]
+            for lease in lost:
+                del self._leases[lease.chunk_id]
+                self._reissue.append(lease)
+                self.chunks_reissued += 1
+                self.rows_reissued += lease.table.num_rows
+            if lost:
+                self._changed.notify_all()
+            return len(lost)
+
+    def _exhausted(self) -> bool:
+        return not self._files and self._input_closed and not self._window and not self._batches
+
+    async def lease(self, taker: str, ticket: str, rows: int) -> tuple[int, str, int, pa.Table] | None:
+        """The next chunk for engine `taker` (held by `ticket`) of up to `rows` requests: (chunk id, chunk name,
+        attempt, rows), or None when every row has been handed out. A chunk handed out again keeps its id and
+        name, so staging its rows twice writes the same part twice, never two parts."""
+        async with self._condition():
+            self._takers.add(taker)
+            while True:
+                if self._reissue:
+                    old = self._reissue.popleft()
+                    lease = Lease(old.chunk_id, old.name, old.attempt + 1, ticket, taker, old.table)
+                    break
+                pieces = self._fill(taker, self._chunk_rows(rows))
+                if pieces:
+                    chunk_id = self._next_chunk
+                    self._next_chunk += 1
+                    name = f"chunk-{self._run_id}-{chunk_id:08d}"
+                    lease = Lease(chunk_id, name, 1, ticket, taker, self._chunk(pieces))
+                    self._new_rows_out += lease.table.num_rows
+                    break
+                if self._exhausted():
+                    return None
+                await self._changed.wait()  # more input is being staged, or a lost chunk may come back
+            self._leases[lease.chunk_id] = lease
+        self.served_rows += lease.table.num_rows
+        self.served_by[taker] = self.served_by.get(taker, 0) + lease.table.num_rows
+        return lease.chunk_id, lease.name, lease.attempt, lease.table
+
+    async def ack(self, chunk_id: int, pool: str, staged: dict[str, Any]) -> bool:
+        """A chunk's rows are staged (`staged`: its rows, failures and tokens). The first acknowledgement counts;
+        a second one (a chunk that ran twice) is dropped. Returns whether this one counted."""
+        async with self._condition():
+            lease = self._leases.pop(chunk_id, None)
+            if lease is None:
+                self.duplicate_acks += 1
+                return False
+            self.progress_totals.add(pool, staged)
+            self._changed.notify_all()
+            return True
+
+    def progress(self) -> dict[str, Any]:
+        """Running totals of staged rows (what the driver shows and reports), O(pools) to read."""
+        return self.progress_totals.as_dict()
 
     def stats(self) -> dict[str, Any]:
         return {
             "served_rows": self.served_rows,
             "served_by": dict(self.served_by),
             "routing": dict(self.routing),
+            "chunks_issued": self._next_chunk,
+            "chunks_reissued": self.chunks_reissued,
+            "rows_reissued": self.rows_reissued,
+            "duplicate_acks": self.duplicate_acks,
+            "leases_open": len(self._leases) + len(self._reissue),
         }
 
 
-def queue_datasource(queue: Any, pool: str, read_tasks: int, chunk_rows: int):
-    """A Ray Data datasource of `read_tasks` tasks that each pull one chunk of up to `chunk_rows` requests.
+@dataclass
+class Lease:
+    chunk_id: int
+    name: str  # the staged parts' name: the same on every attempt
+    attempt: int
+    ticket: str
+    taker: str
+    table: pa.Table
 
-    One chunk per task, because Ray Data merges a task's yielded blocks and hands them on only when the task ends:
-    a long-lived pulling task would sit on its chunks. Tasks that find the queue empty return nothing, so
-    `read_tasks` is sized for the whole job going to this pool.
-    """
-    from ray.data.block import BlockMetadata
-    from ray.data.datasource import Datasource, ReadTask
 
-    def pull_one() -> Iterator[pa.Table]:
-        import ray
+@dataclass
+class Progress:
+    """Totals of acknowledged chunks, overall and per pool."""
 
-        chunk = ray.get(queue.next_chunk.remote(pool, chunk_rows))
-        if chunk is not None:
-            yield chunk
+    rows: int = 0
+    failed: int = 0
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    chunks: int = 0
+    pools: dict[str, dict[str, Any]] = field(default_factory=dict)
+    _started: float = field(default_factory=time.monotonic)
 
-    class QueueDatasource(Datasource):
-        def get_name(self) -> str:
-            return f"WorkQueue[{pool}]"
+    def add(self, pool: str, staged: dict[str, Any]) -> None:
+        self.rows += staged["rows"]
+        self.failed += staged["failed"]
+        self.prompt_tokens += staged["prompt_tokens"]
+        self.completion_tokens += staged["completion_tokens"]
+        self.chunks += 1
+        elapsed = round(time.monotonic() - self._started, 3)
+        stats = self.pools.setdefault(
+            pool, {"rows": 0, "prompt_tokens": 0, "completion_tokens": 0, "first_result_s": elapsed}
+        )
+        for key in ("rows", "prompt_tokens", "completion_tokens"):
+            stats[key] += staged[key]
+        stats["last_result_s"] = elapsed
 
-        def estimate_inmemory_data_size(self) -> int | None:
-            return None
-
-        def get_read_tasks(self, parallelism: int, per_task_row_limit: int | None = None, data_context=None):
-            metadata = BlockMetadata(num_rows=None, size_bytes=None, input_files=None, exec_stats=None)
-            return [ReadTask(pull_one, metadata) for _ in range(read_tasks)]
-
-    return QueueDatasource()
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "rows": self.rows,
+            "failed": self.failed,
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": self.completion_tokens,
+            "chunks": self.chunks,
+            "pools": {name: dict(stats) for name, stats in self.pools.items()},
+        }

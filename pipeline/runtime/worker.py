@@ -1,12 +1,15 @@
-"""The engine actor: a Ray Data callable class that hosts one engine and runs batches of requests through it.
+"""The engine actor: a Ray Data callable class that hosts one engine and feeds it from the work queue.
 
-Ray Data calls `__call__` with a batch of rows; several calls overlap on one actor (`max_concurrent_calls_per_actor`),
-so the engine always has about 2 x max_num_seqs requests in flight and its continuous batching stays full across
-batch boundaries. Each call returns its rows as finished output lines.
+Ray Data places the actors (resources, accelerator type, restarts) and hands each one a *ticket*; a ticket is a
+pull loop: lease a chunk of requests from the queue, run it, stage its rows (runtime/sink.py), acknowledge, lease
+the next — with about 2 x the engine's effective max_num_seqs requests inside the engine and one chunk in reserve,
+so continuous batching stays full across chunk boundaries. The number of Ray tasks is the number of engines, not of
+chunks; only acknowledgements travel back.
 
-Failure handling: if the engine dies, the actor process exits on purpose; Ray restarts it and re-runs the batches
-that were in flight (their rows were not returned, so nothing is duplicated). The job monitor's attempt ledger
-decides which re-run rows go alone and which are isolated as `engine_error` (see runtime/monitor.py).
+Failure handling: if the engine dies, the actor process exits on purpose; Ray restarts it and re-runs its ticket,
+and the queue hands the ticket's unacknowledged chunks out again (same chunk, same part name: staged at most once).
+The job monitor's attempt ledger decides which re-run rows go alone and which are isolated as `engine_error` (see
+runtime/monitor.py).
 """
 
 from __future__ import annotations
@@ -16,15 +19,19 @@ import os
 import threading
 import time
 from collections.abc import Awaitable
+from dataclasses import replace
 from typing import Any
 
+import numpy as np
 import pyarrow as pa
 import structlog
 
+from pipeline.config import DEFAULT_MAX_NUM_SEQS
 from pipeline.engines.base import Engine, EngineRequest, EngineResult, EngineSpec, build_engine, engine_class
 from pipeline.io.staging import STAGED_SCHEMA
 from pipeline.json_codec import loads
 from pipeline.protocol import ErrorCode, dumps, result_record
+from pipeline.runtime.sink import ChunkSink
 
 log = structlog.get_logger(__name__)
 
@@ -71,6 +78,65 @@ def result_table(
     return pa.table(columns, schema=STAGED_SCHEMA)
 
 
+class Activity:
+    """When an engine had chunks inside it: first start, last finish, and the seconds with at least one running.
+    Busy seconds over the span between its first and last request show whether it waited on the queue."""
+
+    def __init__(self) -> None:
+        self.first: float | None = None
+        self.last: float | None = None
+        self.busy_s = 0.0
+        self.rows = 0
+        self.chunks = 0
+        self._running = 0
+        self._since = 0.0
+
+    def begin(self) -> None:
+        now = time.time()
+        if self.first is None:
+            self.first = now
+        if not self._running:
+            self._since = now
+        self._running += 1
+
+    def end(self, rows: int) -> None:
+        now = time.time()
+        self._running -= 1
+        if not self._running:
+            self.busy_s += now - self._since
+        self.last = now
+        self.rows += rows
+        self.chunks += 1
+
+    def as_dict(self) -> dict[str, Any]:
+        busy = self.busy_s + (time.time() - self._since if self._running else 0.0)
+        span = (self.last or 0.0) - (self.first or 0.0)
+        return {
+            "rows": self.rows,
+            "chunks": self.chunks,
+            "first_request_at": self.first,
+            "last_result_at": self.last,
+            "busy_s": round(busy, 3),
+            "busy_share": round(min(1.0, busy / span), 4) if span > 0 else None,
+        }
+
+
+def in_flight_window(engine: Engine) -> int:
+    """2 x the sequences the engine runs at once, as it reports them after starting (vLLM decides max_num_seqs
+    itself when it was not given), so one batch waits inside while the next runs."""
+    args = engine.effective_args()
+    return 2 * int(args.get("max_num_seqs") or args.get("max_concurrency") or DEFAULT_MAX_NUM_SEQS)
+
+
+def _has_gpus() -> bool:
+    try:
+        import ray
+
+        return ray.is_initialized() and bool(ray.get_gpu_ids())
+    except Exception:  # noqa: BLE001 - outside an actor: no accelerators were assigned
+        return False
+
+
 def _actor_context() -> tuple[str | None, bool]:
     """This actor's node, and whether Ray restarted it (None, False outside a Ray actor: unit tests)."""
     try:
@@ -94,20 +160,24 @@ class EngineWorker:
         monitor: Any = None,
         job_id: str | None = None,
         queue: Any = None,
+        sink: ChunkSink | None = None,
+        chunk_rows: int = 64,
         max_in_flight: int | None = None,
-        taker: str | None = None,
     ) -> None:
         self.spec = spec
         self.pool = pool
-        # Whom the queue's credit belongs to: the pool, or this engine's lane of it.
-        self.taker = taker or pool
         self.monitor = monitor  # the job's JobMonitor actor (stats + attempt ledger); None in unit tests
         self.job_id = job_id
-        self.queue = queue  # the WorkQueue: told when a chunk is done, so the pool gets credit for another
+        self.queue = queue  # the WorkQueue this engine leases chunks from
+        self.sink = sink  # stages finished chunks (runtime/sink.py)
+        self.chunk_rows = chunk_rows
         self.engine: Engine | None = None
         self._starting: asyncio.Lock | None = None
         self._gate: asyncio.Condition | None = None
-        self._max_in_flight = max_in_flight
+        # Requests inside the engine at once: given, or 2 x the engine's own max_num_seqs once it has started
+        # (on a GPU only the engine knows how many sequences its KV cache holds).
+        self._max_in_flight_given = max_in_flight
+        self.window: int | None = max_in_flight
         self._slots: asyncio.Semaphore | None = None
         self._in_flight = 0
         self._solo = False
@@ -115,10 +185,14 @@ class EngineWorker:
         self._kv_usage_peak: float | None = None
         self._ready_at: float | None = None  # wall clock: compared across processes
         self._reporter: asyncio.Task | None = None
+        self.activity = Activity()  # when this engine had work: its busy share, for the manifest
+        self._core_claim: Any = (
+            None  # cluster.cpu_cores.CoreClaim of a CPU engine, held while the actor lives
+        )
         self.actor_id = f"{pool}-{os.getpid()}"
         self._node_id, self._restarted = _actor_context()
-        # The engine starts with the first chunk (it must start inside the actor's event loop), but its imports
-        # need no loop: they begin now, while the first chunk is still being read.
+        # The engine starts with the first ticket (it must start inside the actor's event loop), but its imports
+        # need no loop: they begin now, while Ray Data is still placing the other engines.
         self._preloading = threading.Thread(
             target=self._preload, args=(spec.backend,), name="engine-preload", daemon=True
         )
@@ -131,16 +205,30 @@ class EngineWorker:
             async with self._starting:
                 if self.engine is None:
                     await asyncio.to_thread(self._preloading.join)
-                    engine = build_engine(self.spec)
+                    engine = build_engine(self._spec_with_cores())
                     await engine.start()
                     self._ready_at = time.time()
                     self.engine = engine
+                    self.window = self._max_in_flight_given or in_flight_window(engine)
                     self._report(force=True)
                     if self.monitor is not None:
                         # On a clock, not per batch: a batch of long generations can take minutes, and the job
                         # must see the KV cache fill (and preemptions start) while it happens.
                         self._reporter = asyncio.get_running_loop().create_task(self._report_loop())
         return self.engine
+
+    def _spec_with_cores(self) -> EngineSpec:
+        """A CPU engine computes on whole cores of its own: claimed here, on its node, for the life of this actor
+        (the claim is released with the process, so a restarted actor's engine can take them again)."""
+        spec = self.spec
+        if not engine_class(spec.backend).computes_on_cpu_cores or spec.cpus < 1 or _has_gpus():
+            return spec
+        from cluster.cpu_cores import claim_cores
+
+        self._core_claim = claim_cores(int(spec.cpus))
+        if self._core_claim is None:
+            return spec
+        return replace(spec, cpu_cores=tuple(self._core_claim.cores))
 
     async def _report_loop(self) -> None:
         while True:
@@ -168,6 +256,8 @@ class EngineWorker:
                 self._kv_usage_peak = max(self._kv_usage_peak or 0.0, stats.kv_cache_usage)
             info = {
                 "pool": self.pool,
+                "in_flight_window": self.window,
+                "activity": self.activity.as_dict(),
                 "pid": os.getpid(),
                 "node_id": self._node_id,
                 "restarted": self._restarted,  # Ray restarted this actor (its engine, or its node, died)
@@ -182,8 +272,8 @@ class EngineWorker:
         # Created lazily: asyncio primitives bind to the actor's event loop, which does not exist in __init__.
         if self._gate is None:
             self._gate = asyncio.Condition()
-            if self._max_in_flight:
-                self._slots = asyncio.Semaphore(self._max_in_flight)
+            if self.window:
+                self._slots = asyncio.Semaphore(self.window)
         return self._gate
 
     async def _run_normal(self, engine: Engine, requests: list[EngineRequest]) -> list[EngineResult]:
@@ -243,25 +333,26 @@ class EngineWorker:
         except Exception as exc:  # noqa: BLE001 - the restart matters, the record does not
             log.warning("engine death not recorded", error=str(exc))
 
-    async def _plan(self, custom_ids: list[str]) -> dict[str, str]:
+    async def _plan(self, chunk: int, attempt: int, custom_ids: list[str]) -> dict[str, str]:
         """How to run each request (see JobMonitor.begin). Without a reachable monitor, all run normally: losing
         poison isolation is better than losing the batch."""
         if self.monitor is None:
             return {}
         try:
-            return await self.monitor.begin.remote(custom_ids, self.actor_id)
+            return await self.monitor.begin.remote(
+                chunk, self.actor_id, len(custom_ids), attempt, custom_ids if attempt > 1 else None
+            )
         except Exception as exc:  # noqa: BLE001 - RayActorError and friends
             log.warning("job monitor unreachable; running without the attempt ledger", error=str(exc))
             return {}
 
-    async def __call__(self, batch: dict[str, Any]) -> pa.Table:
+    async def run_chunk(self, table: pa.Table, chunk: int = 0, attempt: int = 1) -> pa.Table:
+        """One chunk of requests through the engine: its finished rows (io.staging.STAGED_SCHEMA)."""
         engine = await self._engine()
         # Whole columns, not a dict per row: at a million rows per-row objects are the cost that shows.
-        ids, urls, bodies = (batch[name].tolist() for name in ("custom_id", "url", "body"))
-        requests = [
-            EngineRequest(str(i), str(u), loads(b)) for i, u, b in zip(ids, urls, bodies, strict=True)
-        ]
-        plan = await self._plan([r.custom_id for r in requests])
+        ids, urls, bodies = (table.column(name).to_pylist() for name in ("custom_id", "url", "body"))
+        requests = [EngineRequest(i, u, loads(b)) for i, u, b in zip(ids, urls, bodies, strict=True)]
+        plan = await self._plan(chunk, attempt, ids)
         normal = [r for r in requests if plan.get(r.custom_id, "normal") == "normal"]
         suspects = [r for r in requests if plan.get(r.custom_id, "normal") != "normal"]
         outcomes = await asyncio.gather(
@@ -269,16 +360,74 @@ class EngineWorker:
             *(self._run_alone(engine, r, plan[r.custom_id]) for r in suspects),
         )
         by_id = {result.custom_id: result for result in [*outcomes[0], *outcomes[1:]]}
-        if self.queue is not None:
-            self.queue.done.remote(self.taker, len(requests))
+        lines = table.column("line").to_pylist()
+        sources = table.column("source").to_pylist()
+        return result_table([by_id[i] for i in ids], lines, sources, self.pool, self.job_id)
+
+    async def _run_lease(self, chunk: int, name: str, attempt: int, table: pa.Table) -> int:
+        self.activity.begin()
+        try:
+            finished = await self.run_chunk(table, chunk, attempt)
+        finally:
+            self.activity.end(table.num_rows)
+        # Staging is file or object-store I/O: off the event loop, which keeps feeding the engine meanwhile.
+        staged = await asyncio.to_thread(self.sink.stage, name, finished)
+        await self.queue.ack.remote(chunk, self.pool, staged)
         if self.monitor is not None:
-            self.monitor.finished.remote(self.actor_id, len(requests))
+            self.monitor.finished.remote(self.actor_id, table.num_rows, chunk)
         # Reports are rate-limited, but the last one before the engine goes idle must go out: the manifest's
         # engine numbers (prefix-cache hits, preemptions) are read from the monitor when the job ends.
         self._report(force=self._in_flight == 0)
-        lines = [int(line) for line in batch["line"].tolist()]
-        sources = [str(source) for source in batch["source"].tolist()]
-        return result_table([by_id[r.custom_id] for r in requests], lines, sources, self.pool, self.job_id)
+        return table.num_rows
+
+    async def _lease(self, ticket: str) -> tuple[int, str, int, pa.Table] | None:
+        return await self.queue.lease.remote(self.actor_id, ticket, self.chunk_rows)
+
+    async def serve(self, ticket: str) -> int:
+        """Lease chunks from the queue and run them until it is empty, holding about `window` requests inside
+        the engine plus one chunk in reserve, so continuous batching stays full across chunk boundaries.
+        Returns the chunks this ticket ran."""
+        await self._engine()
+        await self.queue.ticket_started.remote(ticket)  # a re-run ticket: its lost chunks come back first
+        holding = 0  # rows leased and not yet staged
+        running: dict[asyncio.Task, int] = {}
+        asking: asyncio.Task | None = None
+        exhausted = False
+        chunks = 0
+        while True:
+            if (
+                asking is None
+                and not exhausted
+                and holding < (self.window or self.chunk_rows) + self.chunk_rows
+            ):
+                asking = asyncio.ensure_future(self._lease(ticket))
+            waiting = set(running) | ({asking} if asking is not None else set())
+            if not waiting:
+                return chunks
+            done, _ = await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
+            for task in done:
+                if task is asking:
+                    asking = None
+                    lease = task.result()
+                    if lease is None:
+                        exhausted = True
+                        continue
+                    chunk, name, attempt, table = lease
+                    holding += table.num_rows
+                    running[asyncio.ensure_future(self._run_lease(chunk, name, attempt, table))] = (
+                        table.num_rows
+                    )
+                else:
+                    holding -= running.pop(task)
+                    task.result()  # a failure here is this engine's: the ticket re-runs on a fresh actor
+                    chunks += 1
+
+    async def __call__(self, batch: dict[str, Any]) -> dict[str, Any]:
+        """Ray Data hands this actor tickets (one per engine of the pool); each is a pull loop over the queue."""
+        tickets = [str(t) for t in batch["ticket"].tolist()]
+        ran = await asyncio.gather(*(self.serve(t) for t in tickets))
+        self._report(force=True)
+        return {"ticket": batch["ticket"], "chunks": np.asarray(ran, dtype=np.int64)}
 
     def __del__(self) -> None:
         if self._reporter is not None:

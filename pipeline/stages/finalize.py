@@ -1,10 +1,14 @@
 """Sort and range-partition finished rows into shards. Pure: the caller supplies the rows and a sink per shard.
 
-`write_table_shards` takes one Arrow table per shard, already sorted (what finalize's external sort produces), and
-writes it in row batches through a shard encoder (JSONL here, Parquet in `pipeline.io.writers`).
+`write_shard` writes one sorted Arrow table through a shard encoder (JSONL here, Parquet in `pipeline.io.writers`);
+`write_table_shards` does it for a sequence of tables, one per shard.
 
 Shard k holds rows [k*rows_per_shard, (k+1)*rows_per_shard) of the sorted output, so the last id of shard k precedes
 the first id of shard k+1. Every shard's sha256 and byte count are taken from the bytes as they are written.
+
+The range partitioning works on one binary sort key per row (`sort_keys`), compared bytewise (as Arrow orders binary
+and Python orders bytes): `splitters` cuts a sample of keys into buckets, `locate_cuts` finds the bucket and the offset
+in it of each exact shard boundary from per-bucket row counts, and `assign_shards` routes rows by boundary keys.
 """
 
 from __future__ import annotations
@@ -134,6 +138,25 @@ class JsonlEncoder:
         self._sink.close()
 
 
+def write_shard(
+    table: pa.Table,
+    name: str,
+    open_shard: Callable[[str], BinaryIO],
+    encoder: Callable[[HashingSink], ShardEncoder] = JsonlEncoder,
+) -> ShardInfo:
+    """Write one sorted table as the shard `name`; its rows, first/last custom_id, sha256 and size come back.
+
+    An empty table makes an empty shard (no bytes in JSONL; a Parquet file with the schema and no row groups)."""
+    info = ShardInfo(name, rows=table.num_rows)
+    if table.num_rows:
+        ids = table.column("custom_id")
+        info.first_custom_id, info.last_custom_id = ids[0].as_py(), ids[-1].as_py()
+    enc = encoder(HashingSink(open_shard(name), info))
+    enc.write_table(table)
+    enc.close()
+    return info
+
+
 def write_table_shards(
     tables: Iterable[pa.Table],
     total_rows: int,
@@ -156,13 +179,8 @@ def write_table_shards(
             raise RuntimeError(
                 f"{prefix}: shard {len(shards)} has {table.num_rows} rows, expected {expected} (of {total_rows})"
             )
-        info = ShardInfo(shard_name(prefix, len(shards), count, extension), rows=table.num_rows)
-        ids = table.column("custom_id")
-        info.first_custom_id, info.last_custom_id = ids[0].as_py(), ids[-1].as_py()
-        enc = encoder(HashingSink(open_shard(info.name), info))
-        enc.write_table(table)
-        enc.close()
-        shards.append(info)
+        name = shard_name(prefix, len(shards), count, extension)
+        shards.append(write_shard(table, name, open_shard, encoder))
         written += table.num_rows
     if written != total_rows:
         raise RuntimeError(f"{prefix}: expected {total_rows} rows from staging, merged {written}")
@@ -214,57 +232,90 @@ def first_duplicate(sorted_ids: pa.Array | pa.ChunkedArray) -> str | None:
     return None if hit < 0 else ids[hit].as_py()
 
 
-@dataclass
-class Partitioning:
-    """Shard boundaries over a total order: a row belongs to shard `searchsorted(boundaries, key, "right")`."""
+def sort_keys(table: pa.Table, kind: str) -> pa.Array:
+    """One binary key per row whose bytewise order is the final order of `sort_table`.
 
-    kind: str
-    total_rows: int
-    rows_per_shard: int
-    boundaries: np.ndarray  # first key of shards 1..n-1
-    sources: list[str] | None = None  # errors: the sorted distinct sources, to build (source, line) keys
-
-    @property
-    def count(self) -> int:
-        return shard_count(self.total_rows, self.rows_per_shard)
-
-    def keys(self, table: pa.Table) -> np.ndarray:
-        """One comparable key per row: the custom_id (results), or source rank << 32 | line (errors)."""
-        if self.kind == "results":
-            return table.column("custom_id").to_numpy(zero_copy_only=False)
-        rank = pc.index_in(table.column("source"), value_set=pa.array(self.sources, pa.string())).fill_null(
-            -1
-        )
-        return (rank.to_numpy(zero_copy_only=False).astype(np.int64) << 32) | table.column("line").to_numpy(
-            zero_copy_only=False
-        ).astype(np.int64)
-
-    def assign(self, table: pa.Table) -> np.ndarray:
-        """The shard index of every row of `table`."""
-        if not len(self.boundaries):
-            return np.zeros(table.num_rows, dtype=np.int64)
-        return np.searchsorted(self.boundaries, self.keys(table), side="right")
-
-
-def plan_partitioning(key_table: pa.Table, kind: str, rows_per_shard: int) -> Partitioning:
-    """Exact boundaries from every row's sort key (custom_id, or source + line): shard k gets rows
-    [k*rows_per_shard, (k+1)*rows_per_shard) of the sorted order. Raises ValueError on a duplicate result id."""
-    total = key_table.num_rows
-    count = shard_count(total, rows_per_shard)
+    Results: the custom_id's UTF-8 bytes. Errors: the source's bytes, a NUL, then the line as 8 big-endian bytes with
+    the sign bit flipped (so negative lines sort first). A null sorts last, as in `sort_table`: 0xFF never occurs in
+    UTF-8, and a null line becomes the largest line.
+    """
     if kind == "results":
-        ids = key_table.column("custom_id")
-        sorted_ids = ids.take(pc.sort_indices(ids))
-        duplicate = first_duplicate(sorted_ids)
-        if duplicate is not None:
-            raise ValueError(f"custom_id {duplicate!r} staged twice as a result")
-        picks = [k * rows_per_shard for k in range(1, count)]
-        boundaries = np.array(sorted_ids.take(pa.array(picks, pa.int64())).to_pylist(), dtype=object)
-        return Partitioning(kind, total, rows_per_shard, boundaries)
-    sources = sorted(pc.unique(key_table.column("source")).drop_null().to_pylist())
-    part = Partitioning(kind, total, rows_per_shard, np.array([], dtype=np.int64), sources)
-    keys = np.sort(part.keys(key_table))
-    part.boundaries = keys[[k * rows_per_shard for k in range(1, count)]]
-    return part
+        ids = pc.cast(table.column("custom_id"), pa.binary()).fill_null(b"\xff")
+        return ids.combine_chunks() if isinstance(ids, pa.ChunkedArray) else ids
+    source = pc.cast(table.column("source"), pa.binary()).fill_null(b"\xff")
+    lines = table.column("line").fill_null(np.iinfo(np.int64).max).to_numpy(zero_copy_only=False)
+    flipped = (lines.astype(np.int64).view(np.uint64) ^ np.uint64(1 << 63)).astype(">u8")
+    line_bytes = pa.Array.from_buffers(pa.binary(8), len(flipped), [None, pa.py_buffer(flipped.tobytes())])
+    keys = pc.binary_join_element_wise(source, line_bytes.cast(pa.binary()), b"\x00")
+    return keys.combine_chunks() if isinstance(keys, pa.ChunkedArray) else keys
+
+
+def evenly_spaced(values: pa.Array, n: int) -> pa.Array:
+    """At most `n` values picked at even steps (all of them when there are fewer)."""
+    if len(values) <= n:
+        return values
+    return values.take(pa.array(np.linspace(0, len(values) - 1, n).round().astype(np.int64)))
+
+
+def splitters(sample: pa.Array, buckets: int) -> pa.Array:
+    """Keys that cut a sample into `buckets` parts of about equal size: bucket b holds keys in [s[b-1], s[b]).
+    Fewer when the sample has fewer distinct keys; none for one bucket or an empty sample."""
+    if buckets <= 1 or not len(sample):
+        return pa.array([], pa.binary())
+    ordered = sample.take(pc.sort_indices(sample))
+    picks = [ordered[len(ordered) * b // buckets].as_py() for b in range(1, buckets)]
+    return pa.array(sorted(set(picks)), pa.binary())
+
+
+def assign_shards(keys: pa.Array, boundaries: pa.Array) -> np.ndarray:
+    """For every key, how many boundaries are <= it (numpy's searchsorted(..., side="right")): its shard index.
+
+    A bisection over the boundaries for all keys at once, each step one vectorised Arrow comparison (bytewise), so a
+    row costs no Python object."""
+    n, m = len(keys), len(boundaries)
+    lo = np.zeros(n, dtype=np.int64)
+    if not m or not n:
+        return lo
+    hi = np.full(n, m, dtype=np.int64)
+    while (active := lo < hi).any():
+        mid = (lo + hi) // 2
+        probe = boundaries.take(pa.array(np.minimum(mid, m - 1)))
+        at_or_above = pc.greater_equal(keys, probe).to_numpy(zero_copy_only=False)
+        lo = np.where(active & at_or_above, mid + 1, lo)
+        hi = np.where(active & ~at_or_above, mid, hi)
+    return lo
+
+
+def cut_ranks(total_rows: int, rows_per_shard: int) -> list[int]:
+    """The sorted position of each shard's first row, shards 1..n-1."""
+    return [k * rows_per_shard for k in range(1, shard_count(total_rows, rows_per_shard))]
+
+
+def locate_cuts(bucket_rows: Sequence[int], cuts: Sequence[int]) -> dict[int, list[int]]:
+    """Where each cut (a sorted position over all buckets, in order) falls: {bucket: [offsets inside it]}."""
+    found: dict[int, list[int]] = {}
+    start, bucket = 0, 0
+    for cut in cuts:
+        while bucket < len(bucket_rows) and cut >= start + bucket_rows[bucket]:
+            start += bucket_rows[bucket]
+            bucket += 1
+        if bucket == len(bucket_rows):
+            raise ValueError(f"cut at row {cut} is past the last row ({start})")
+        found.setdefault(bucket, []).append(cut - start)
+    return found
+
+
+def group_parts(part_rows: Sequence[int], target_rows: int) -> list[list[int]]:
+    """Consecutive runs of parts (by index) of about `target_rows` rows each; every part in exactly one group."""
+    groups: list[list[int]] = []
+    rows = 0
+    for index, n in enumerate(part_rows):
+        if not groups or rows >= target_rows:
+            groups.append([])
+            rows = 0
+        groups[-1].append(index)
+        rows += n
+    return groups
 
 
 def split_by_shard(table: pa.Table, shard_of_row: Sequence[int] | np.ndarray) -> dict[int, pa.Table]:

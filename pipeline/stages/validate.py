@@ -10,14 +10,17 @@ from __future__ import annotations
 
 import math
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import Any
 
-from pydantic import TypeAdapter, ValidationError
+from pydantic import ValidationError
 
 from pipeline.config import InputLimits
+from pipeline.endpoints import SUPPORTED_URLS, endpoint_for, urls_for_task
+from pipeline.endpoints.base import BOOL, FieldSpec
 from pipeline.json_codec import JSONNestingError, loads, unicode_clean
-from pipeline.protocol import SUPPORTED_ROUTES, BatchRequestLine, ErrorCode, invalid_line_record
+from pipeline.protocol import BatchRequestLine, ErrorCode, invalid_line_record
 
 
 @dataclass(frozen=True)
@@ -44,64 +47,22 @@ class InvalidLine:
         return self.record["error"]["code"]
 
 
-class _Type(NamedTuple):
-    """A field type as vLLM's request models read it (pydantic, lax), and the exact Python types that need no
-    reading: the fast path of a million-row input (`type()` is exact, so True is not taken for an int)."""
-
-    adapter: TypeAdapter
-    plain: tuple[type, ...]
-
-
-_FLOAT = _Type(TypeAdapter(float), (float, int))
-_INT = _Type(TypeAdapter(int), (int,))
-_BOOL = _Type(TypeAdapter(bool), (bool,))
-_INT64 = (-(2**63), 2**63 - 1)
+# Body fields are checked up front, so that `nightshift validate` reports them without an engine and so that every
+# later step sees the value vLLM will use: a field is coerced exactly as vLLM's request models coerce it ("0.5" ->
+# 0.5, "True" -> True, 2.0 -> 2) and written back into the body; what they would refuse, or what SamplingParams
+# always rejects, is this line's error. Which fields a route checks is its registry entry's (`Endpoint.fields`):
+# the sampling fields for generating routes (chat's logprobs a switch, completions' a count), only `stream` for
+# pooling routes. Anything subtler is left to vLLM, which stays the authority.
 
 
-class _Field(NamedTuple):
-    """How vLLM's request models read one body field: its type, and the range vLLM's sampling parameters accept
-    (None: unbounded on that side)."""
-
-    type: _Type
-    low: float | None = None
-    high: float | None = None
-    low_exclusive: bool = False
-
-
-# Body fields checked up front, so that `nightshift validate` reports them without an engine and so that every later
-# step sees the value vLLM will use: a field is coerced exactly as vLLM's request models coerce it ("0.5" -> 0.5,
-# "True" -> True, 2.0 -> 2) and written back into the body; what they would refuse, or what SamplingParams always
-# rejects, is this line's error. Anything subtler is left to vLLM, which stays the authority.
-_FIELDS: dict[str, _Field] = {
-    "stream": _Field(_BOOL),
-    "temperature": _Field(_FLOAT, 0.0),
-    "top_p": _Field(_FLOAT, 0.0, 1.0, low_exclusive=True),
-    "max_tokens": _Field(_INT, 1),
-    "max_completion_tokens": _Field(_INT, 1),
-    "n": _Field(_INT, 1),
-    "presence_penalty": _Field(_FLOAT, -2.0, 2.0),
-    "frequency_penalty": _Field(_FLOAT, -2.0, 2.0),
-    "repetition_penalty": _Field(_FLOAT, 0.0, low_exclusive=True),
-    "top_logprobs": _Field(_INT, 0),
-    "top_k": _Field(_INT, -1),
-    "min_p": _Field(_FLOAT, 0.0, 1.0),
-    "seed": _Field(_INT, *_INT64),
-}
-# Fields whose type differs by route: chat's logprobs is a switch, completions' a count.
-_ROUTE_FIELDS: dict[str, dict[str, _Field]] = {
-    "/v1/chat/completions": {"logprobs": _Field(_BOOL)},
-    "/v1/completions": {"logprobs": _Field(_INT, 0)},
-}
-
-
-def _read_field(name: str, value: Any, spec: _Field) -> tuple[Any, str | None]:
+def _read_field(name: str, value: Any, spec: FieldSpec) -> tuple[Any, str | None]:
     """(the value vLLM would use, or a problem message)."""
     if type(value) not in spec.type.plain:
         try:
             value = spec.type.adapter.validate_python(value)
         except ValidationError as exc:
             return value, f"body.{name}: {exc.errors()[0]['msg']}, got {_shown(value)}"
-    if spec.type is _BOOL:
+    if spec.type is BOOL:
         return value, None
     if isinstance(value, float) and not math.isfinite(value):  # NaN passes every comparison
         return value, f"body.{name} must be a finite number, got {value}"
@@ -118,13 +79,12 @@ def _shown(value: Any) -> str:
     return text if len(text) <= 40 else text[:37] + "..."
 
 
-def _read_fields(url: str, body: dict[str, Any]) -> tuple[dict[str, Any], str | None]:
+def _read_fields(fields: dict[str, FieldSpec], body: dict[str, Any]) -> tuple[dict[str, Any], str | None]:
     """The body with its checked fields as vLLM would read them, or the first problem. Walks the body's few keys,
     not the table: this runs once per row of million-row inputs."""
-    route_fields = _ROUTE_FIELDS.get(url, {})
     changed: dict[str, Any] = {}
     for name, value in body.items():
-        spec = route_fields.get(name) or _FIELDS.get(name)
+        spec = fields.get(name)
         if spec is None or value is None:
             continue
         read, problem = _read_field(name, value, spec)
@@ -133,21 +93,6 @@ def _read_fields(url: str, body: dict[str, Any]) -> tuple[dict[str, Any], str | 
         if read is not value:
             changed[name] = read
     return ({**body, **changed} if changed else body), None
-
-
-def _route_problem(url: str, body: dict[str, Any]) -> str | None:
-    if url == "/v1/chat/completions":
-        messages = body.get("messages")
-        if not isinstance(messages, list) or not messages:
-            return "body.messages must be a non-empty list of chat messages"
-        for i, message in enumerate(messages):
-            if not isinstance(message, dict) or not isinstance(message.get("role"), str):
-                return f"body.messages[{i}] must be an object with a string 'role'"
-    elif url == "/v1/completions":
-        prompt = body.get("prompt")
-        if prompt is None or prompt == "" or prompt == []:
-            return "body.prompt is required for /v1/completions"
-    return None
 
 
 def _has_lone_surrogate(raw: str | bytes | dict[str, Any], obj: Any) -> bool:
@@ -189,8 +134,18 @@ class LineValidator:
     the first occurrence of a custom_id run and every later one become an error, as the contract requires.
     """
 
-    def __init__(self, model_name: str, job_id: str | None = None, limits: InputLimits | None = None) -> None:
-        self.model_name = model_name
+    def __init__(
+        self,
+        served: str | Mapping[str, str | None],
+        job_id: str | None = None,
+        limits: InputLimits | None = None,
+    ) -> None:
+        # The models this job serves, name -> task ("generate", "embed", ...; None when unknown: every route is let
+        # through and the engine decides). A bare name is one model of unknown task. The first is the job's own.
+        self.served: dict[str, str | None] = {served: None} if isinstance(served, str) else dict(served)
+        if not self.served:
+            raise ValueError("a job serves at least one model")
+        self.model_name = next(iter(self.served))
         self.job_id = job_id  # seeds the output ids, so a re-validation on resume reproduces them
         self.limits = limits or InputLimits()
         self._seen: set[str] = set()
@@ -256,31 +211,58 @@ class LineValidator:
 
         # Exactly as OpenAI's Batch API compares it: HTTP methods are case-sensitive, and only POST is served.
         if request.method != "POST":
-            message = f'method must be "POST", got {request.method!r}'
-            return invalid(ErrorCode.UNSUPPORTED_METHOD, message, custom_id), custom_id
-        if request.url not in SUPPORTED_ROUTES:
-            supported = ", ".join(sorted(SUPPORTED_ROUTES))
-            message = f"url {request.url!r} is not served; supported: {supported}"
-            return invalid(ErrorCode.UNSUPPORTED_URL, message, custom_id), custom_id
-        body, problem = _read_fields(request.url, request.body)
+            return invalid(
+                ErrorCode.UNSUPPORTED_METHOD, f'method must be "POST", got {request.method!r}', custom_id
+            ), custom_id
+        endpoint = endpoint_for(request.url)
+        if endpoint is None:
+            return invalid(
+                ErrorCode.UNSUPPORTED_URL,
+                f"url {request.url!r} is not served; supported: {', '.join(SUPPORTED_URLS)}",
+                custom_id,
+            ), custom_id
+        body, problem = _read_fields(endpoint.fields, request.body)
         if problem:
             return invalid(ErrorCode.INVALID_REQUEST, problem, custom_id), custom_id
         # After the fields are read as vLLM reads them: "stream": "True" or 1 asks for a stream just as true does.
         if body.get("stream"):
-            message = "stream=true is not supported in a batch"
-            return invalid(ErrorCode.STREAM_UNSUPPORTED, message, custom_id), custom_id
+            return invalid(
+                ErrorCode.STREAM_UNSUPPORTED, "stream=true is not supported in a batch", custom_id
+            ), custom_id
         model = body.get("model")
-        if model is not None and model != self.model_name:
-            message = f"model {model!r} is not served by this job; it serves {self.model_name!r}"
-            return invalid(ErrorCode.MODEL_NOT_FOUND, message, custom_id), custom_id
-        problem = _route_problem(request.url, body)
+        if model is None:
+            model = self.default_model(endpoint.tasks)
+        elif model not in self.served:
+            return invalid(
+                ErrorCode.MODEL_NOT_FOUND,
+                f"model {model!r} is not served by this job; it serves {self._names()}",
+                custom_id,
+            ), custom_id
+        task = self.served[model]
+        if task is not None and task not in endpoint.tasks:
+            return invalid(
+                ErrorCode.UNSUPPORTED_TASK,
+                f"model {model!r} runs the {task!r} task, which cannot serve {request.url}; it serves "
+                f"{', '.join(urls_for_task(task))}",
+                custom_id,
+            ), custom_id
+        problem = endpoint.check(body)
         if problem:
             return invalid(ErrorCode.INVALID_REQUEST, problem, custom_id), custom_id
 
         # A body without `model` gets the job's, so vLLM's serving layer sees the name it serves.
-        return ValidRequest(
-            custom_id, request.url, {**body, "model": self.model_name}, line, source
-        ), custom_id
+        return ValidRequest(custom_id, request.url, {**body, "model": model}, line, source), custom_id
+
+    def default_model(self, tasks: frozenset[str]) -> str:
+        """The model a body without `model` goes to: the first served model (the job's own comes first) whose task
+        serves the route, else the job's model (which then reports that it cannot)."""
+        for name, task in self.served.items():
+            if task is None or task in tasks:
+                return name
+        return self.model_name
+
+    def _names(self) -> str:
+        return ", ".join(repr(name) for name in self.served)
 
 
 def duplicate_line(custom_id: str, line: int, source: str, job_id: str | None = None) -> InvalidLine:

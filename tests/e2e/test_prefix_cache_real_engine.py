@@ -70,7 +70,7 @@ def test_shared_system_prompts_hit_the_prefix_cache(e2e_dir):
     assert len(cores) == 2 and not set(cores[0]) & set(cores[1]), cores
     assert vllm_bindings == sorted(str(c) for c in cores), (vllm_bindings, cores)
     routing = manifest["routing"]
-    assert routing["lanes_used"] and routing["keys"] == 2
+    assert routing["used"] and routing["keys"] == 2
     assert routing["rows_routed"] + routing["rows_stolen"] == 2 * ROWS_PER_PROMPT
     # Each prompt is ~600 tokens and the question ~15: once an engine holds a prompt, nearly every prompt token of
     # its next requests is a hit. Only the first few requests per engine (those scheduled before its first

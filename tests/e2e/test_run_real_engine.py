@@ -58,6 +58,12 @@ BAD_LINES = [
     ),
     (
         json.dumps({"custom_id": "embed", "method": "POST", "url": "/v1/embeddings", "body": {"input": "x"}}),
+        "unsupported_task",
+    ),
+    (
+        json.dumps(
+            {"custom_id": "moderate", "method": "POST", "url": "/v1/moderations", "body": {"input": "x"}}
+        ),
         "unsupported_url",
     ),
     (chat_line("streamed", "hi", stream=True), "stream_unsupported"),

@@ -63,7 +63,14 @@ def test_worker_node_with_work_in_flight_lost_mid_job(three_node_cluster, tmp_pa
         }
     )
     outcome: dict = {}
-    thread = threading.Thread(target=lambda: outcome.update(result=run_job(config, show_progress=False)))
+
+    def job() -> None:
+        try:
+            outcome["result"] = run_job(config, show_progress=False)
+        except Exception as exc:  # noqa: BLE001 - shown by the assertion below
+            outcome["error"] = exc
+
+    thread = threading.Thread(target=job)
     thread.start()
 
     # Wait until an engine on a worker node has rows in flight (the monitor's work ledger: begun, not returned),
@@ -71,8 +78,11 @@ def test_worker_node_with_work_in_flight_lost_mid_job(three_node_cluster, tmp_pa
     worker_nodes = {cluster.node_ids[name]: name for name in WORKERS}
     deadline = time.monotonic() + 120
     victim = None
+    work: dict = {}
     while victim is None:
-        assert time.monotonic() < deadline and thread.is_alive(), "no engine on a worker node got work"
+        assert time.monotonic() < deadline and thread.is_alive(), (
+            f"no engine on a worker node got work: {outcome}, last seen {work if victim is None else ''}"
+        )
         try:
             monitor = ray.get_actor("nightshift-monitor-node-loss")
             work = ray.get(monitor.work.remote())

@@ -83,10 +83,10 @@ def test_rows_of_one_prompt_run_on_one_engine(local_ray, tmp_path):
     spread = engines_per_prompt(engines)
     off_owner = sum(sum(c.values()) - max(c.values()) for c in spread.values())
     routing = manifest["routing"]
-    assert routing["lanes_used"] and routing["keys"] == PROMPTS
+    assert routing["used"] and routing["keys"] == PROMPTS
     assert routing["keyed_rows_in_input"] == PROMPTS * ROWS_PER_PROMPT
-    assert set(routing["rows_by_lane"]) == {"default/0", "default/1"}
-    assert sum(routing["rows_by_lane"].values()) == PROMPTS * ROWS_PER_PROMPT
+    assert len(routing["rows_by_engine"]) == 2
+    assert sum(routing["rows_by_engine"].values()) == PROMPTS * ROWS_PER_PROMPT
     # Only stolen rows (an engine out of its own prompts taking another's so as not to idle) may run elsewhere.
     assert off_owner <= routing["rows_stolen"] <= PROMPTS * ROWS_PER_PROMPT // 4, (spread, routing)
     assert routing["rows_routed"] + routing["rows_stolen"] == PROMPTS * ROWS_PER_PROMPT
@@ -98,7 +98,7 @@ def test_rows_of_one_prompt_run_on_one_engine(local_ray, tmp_path):
 def test_without_routing_prompts_spread_over_engines(local_ray, tmp_path):
     manifest, engines = run(tmp_path, "spread", shared_prefix_lines(), prefix_aware=False)
     spread = engines_per_prompt(engines)
-    assert manifest["routing"]["lanes_used"] is False and manifest["routing"]["enabled"] is False
+    assert manifest["routing"]["used"] is False and manifest["routing"]["enabled"] is False
     # Ray Data hands chunks to whichever actor is free: a prompt's rows land on both engines.
     assert sum(1 for c in spread.values() if len(c) == 2) >= PROMPTS // 2, spread
 
@@ -107,5 +107,5 @@ def test_a_job_without_shared_prompts_runs_as_one_pool(local_ray, tmp_path):
     lines = [chat_line(f"q-{i:03d}", f"question {i}") for i in range(64)]
     manifest, engines = run(tmp_path, "plain", lines, prefix_aware=True)
     routing = manifest["routing"]
-    assert routing["enabled"] and not routing["lanes_used"] and routing["keyed_rows_in_input"] == 0
+    assert routing["enabled"] and not routing["used"] and routing["keyed_rows_in_input"] == 0
     assert routing["rows_unkeyed"] == 64 and sum(len(ids) for ids in engines.values()) == 64

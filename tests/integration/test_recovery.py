@@ -85,6 +85,18 @@ def _staged_ids(output: Path) -> set[str]:
     return ids
 
 
+def _settled(read, quiet_s: float = 3.0, timeout_s: float = 60.0) -> set[str]:
+    """The staged ids once nothing more arrives: engines stage their own chunks, and the ones that were running
+    when their driver died may stage a last chunk or two before Ray tears down the dead driver's actors."""
+    ids, since, deadline = read(), time.monotonic(), time.monotonic() + timeout_s
+    while time.monotonic() - since < quiet_s and time.monotonic() < deadline:
+        time.sleep(0.5)
+        now = read()
+        if now != ids:
+            ids, since = now, time.monotonic()
+    return ids
+
+
 @pytest.mark.slow
 def test_driver_killed_half_way_then_resume(tmp_path):
     """README "Failure model", row "the driver is killed (SSH drop, `kill -9`)"."""
@@ -133,7 +145,7 @@ def test_driver_killed_half_way_then_resume(tmp_path):
     driver.send_signal(signal.SIGKILL)
     driver.wait()
     assert not (output / "manifest.json").exists()
-    staged_before = _staged_ids(output)
+    staged_before = _settled(lambda: _staged_ids(output))
     calls_before = len(calls.read_text().split())
     assert n // 2 <= len(staged_before) < n
 
@@ -294,7 +306,7 @@ def test_s3_driver_killed_half_way_then_resumed_on_another_machine(moto_s3, tmp_
     assert any(k.startswith("out/_staging/requests/") for k in staged_keys)
     assert "out/manifest.json" not in moto_s3.keys(bucket)
     assert not [p for p in Path(machine_a["NIGHTSHIFT_HOME"]).rglob("job.json")]
-    staged_before = _staged_ids_s3(moto_s3, bucket, "out")
+    staged_before = _settled(lambda: _staged_ids_s3(moto_s3, bucket, "out"))
     calls_before = len(calls.read_text().split())
     assert n // 2 <= len(staged_before) < n
 
@@ -344,3 +356,77 @@ def test_s3_driver_killed_half_way_then_resumed_on_another_machine(moto_s3, tmp_
     assert not (Path(machine_b["NIGHTSHIFT_HOME"]) / "jobs").exists() or not any(
         (Path(machine_b["NIGHTSHIFT_HOME"]) / "jobs").iterdir()
     )  # machine B's scratch (read cache, spills, upload spools) is gone too
+
+
+# The driver of `nightshift run`, killed during finalize: once three shards are written and recorded.
+_KILLED_DURING_FINALIZE = """
+import os, signal
+from pipeline.runtime import finalize
+
+real_run = finalize._Tasks.run
+
+def run(self, fn, calls):
+    if fn is finalize._reduce_task and len(calls) > 3:
+        real_run(self, fn, calls[:3])
+        os.kill(os.getpid(), signal.SIGKILL)
+    return real_run(self, fn, calls)
+
+finalize._Tasks.run = run
+from pipeline.cli import app
+app(prog_name="nightshift")
+"""
+
+
+@pytest.mark.slow
+def test_driver_killed_during_finalize_then_resume(tmp_path):
+    """README "Failure model", row "the driver is killed (SSH drop, `kill -9`)" — during finalize: `resume` keeps
+    the shards already written and writes only the others."""
+    n = 600
+    lines = [chat_line(f"id-{(i * 7919) % n:05d}", f"question {i}") for i in range(n)]
+    lines[9] = "{not json"
+    path = write_lines(tmp_path / "in.jsonl", lines)
+    config = tmp_path / "job.yaml"
+    config.write_text(
+        json.dumps(
+            {
+                "job_id": "finalize-kill",
+                "engine": {"backend": "fake", "fake": {"output_tokens": 4}},
+                "output_options": {"rows_per_shard": 50, "staging_rows": 100},
+            }
+        )
+    )
+    output = tmp_path / "out"
+    args = ["run", str(path), str(output), "-c", str(config), "--no-progress"]
+    killed = subprocess.run(
+        [sys.executable, "-c", _KILLED_DURING_FINALIZE, *args], capture_output=True, text=True, timeout=600
+    )
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
+    assert not (output / "manifest.json").exists()
+    written = {p.name: (p.stat().st_ino, p.stat().st_mtime_ns) for p in output.glob("results-*")}
+    assert len(written) == 3
+
+    resumed = subprocess.run(
+        [sys.executable, "-m", "pipeline", "resume", str(output), "--no-progress"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    for name, stamp in written.items():  # not written again
+        assert ((output / name).stat().st_ino, (output / name).stat().st_mtime_ns) == stamp, name
+    manifest = json.loads((output / "manifest.json").read_text())
+    assert [s["rows"] for s in manifest["shards"]["results"]] == [50] * 11 + [49]
+    check_exactly_once(output, n)
+
+    clean = tmp_path / "clean"
+    uninterrupted = subprocess.run(
+        [sys.executable, "-m", "pipeline", *args[:2], str(clean), *args[3:]],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert uninterrupted.returncode == 0, uninterrupted.stderr[-3000:]
+    names = sorted(p.name for p in clean.glob("*-of-*.jsonl"))
+    assert names == sorted(p.name for p in output.glob("*-of-*.jsonl"))
+    for name in names:
+        assert (clean / name).read_bytes() == (output / name).read_bytes(), name

@@ -194,3 +194,27 @@ def test_given_max_model_len_wins_over_fitting(tmp_path):
     manifest = json.loads((tmp_path / "out" / "manifest.json").read_text())
     assert manifest["engine"]["args"]["max_model_len"] == 1000
     assert manifest["engine"]["fitted"]["max_model_len"]["source"] == "given"
+
+
+def test_the_in_flight_window_follows_the_engines_own_max_num_seqs(tmp_path):
+    """An engine that decides max_num_seqs as it starts (a GPU's vLLM, here the fake engine's KV model: 640 tokens
+    of cache at a 64-token context hold 10 sequences) gets 2 x that many requests at once, never a fixed cap."""
+    path = tmp_path / "in.jsonl"
+    path.write_text("\n".join(chat_line(f"r-{i:03d}", f"q {i}") for i in range(240)) + "\n")
+    fake = {"output_tokens": 4, "decode_seconds_per_token": 0.01, "kv_cache_tokens": 640}
+    config = _job(
+        path,
+        tmp_path / "out",
+        engine={"backend": "fake", "fake": fake, "vllm": {"max_model_len": 64}},
+        resources={"num_engines": 1, "cpus_per_engine": 0.5, "rows_per_task": 8},
+    )
+    outcome = run_job(config, show_progress=False)
+    window = outcome.manifest["engine"]["in_flight"]["default"]
+    assert window["max_num_seqs"] == 10 and window["window"] == 20
+    # The engine saw the window fill (10 running, 10 waiting for a slot) and never more.
+    assert window["peak_requests_inside"] == 20
+    assert outcome.manifest["counts"]["succeeded"] == 240
+    engines = outcome.manifest["engine"]["per_engine"]
+    assert sum(e["rows"] for e in engines.values()) == 240 and all(e["node_id"] for e in engines.values())
+    # One engine fed from the queue with a window of 20: never waiting for work between its first and last request.
+    assert all(e["busy_share"] >= 0.9 for e in engines.values()), engines

@@ -117,7 +117,7 @@ def test_another_machine_reads_what_this_one_staged(moto_s3, storage, home, tmp_
     assert reader.count("results") == 3 and reader.count("errors") == 2
     assert [r.custom_id for r in staged_rows(reader, "results")] == ["c", "m", "z"]
     assert sorted(reader.finished_ids()) == ["c", "m", "x", "z"]  # not the validation error
-    assert reader.column_sum("completion_tokens") == 15
+    assert sum(reader.iter_column("results", "completion_tokens")) == 15
     assert sorted(reader.iter_column("errors", "error_code")) == ["engine_error", "invalid_json"]
     assert len(files_under(reader.files.cache_dir)) == 5  # every part fetched once, then read locally
 
@@ -151,13 +151,12 @@ def test_pending_work_list_without_finished_requests(moto_s3, storage, home):
     shipped = pickle.loads(pickle.dumps(staging.files))
     assert shipped._fs is None
     shipped.cache_dir = home / "elsewhere"  # no cache: every part comes from S3
-    queue = WorkQueue(second, credit={"p": 100}, read_rows=3, files_on=shipped)
+    queue = WorkQueue(second, read_rows=3, files_on=shipped)
 
     async def drain() -> list[str]:
         ids = []
-        while (chunk := await queue.next_chunk("p", 4)) is not None:
-            ids += chunk.column("custom_id").to_pylist()
-            await queue.done("p", chunk.num_rows)
+        while (lease := await queue.lease("e", "p/0", 4)) is not None:
+            ids += lease[3].column("custom_id").to_pylist()
         return ids
 
     assert sorted(asyncio.run(drain())) == [f"q{i:02d}" for i in range(1, 14)]

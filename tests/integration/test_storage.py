@@ -198,8 +198,8 @@ def test_s3_to_s3_parquet_struct_and_string_bodies(moto_s3):
         assert table.num_rows == shard["rows"]
         results.extend(table.to_pylist())
     assert table.schema.names == [
-        "id", "custom_id", "status_code", "response", "error", "content", "finish_reason", "prompt_tokens",
-        "completion_tokens",
+        "id", "custom_id", "status_code", "response", "error", "route", "content", "finish_reason",
+        "prompt_tokens", "completion_tokens", "embeddings", "scores", "ranking",
     ]  # fmt: skip
     assert [r["custom_id"] for r in results] == sorted(ids)
     assert all(r["status_code"] == 200 and r["error"] is None for r in results)

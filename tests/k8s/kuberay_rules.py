@@ -21,7 +21,8 @@ plus the rules nightshift relies on:
 - GPU limits (`nvidia.com/gpu`, `amd.com/gpu`) equal `num-gpus`, which must be explicit, and the vendor tag
   (`accelerator:cuda` / `accelerator:rocm`) counts the same GPUs;
 - RayJob: `ttlSecondsAfterFinished` only with `shutdownAfterJobFinishes: true`, a cluster to run on, positive
-  deadlines.
+  deadlines;
+- `authOptions.mode: token` needs a `rayVersion` of at least 2.52.0 (the first Ray with token authentication).
 """
 
 from __future__ import annotations
@@ -288,7 +289,37 @@ def rayjob_errors(doc: dict) -> list[str]:
     return errors
 
 
-RULES = (name_errors, ray_start_errors, replica_errors, gpu_errors, cluster_spec_errors, rayjob_errors)
+MIN_TOKEN_AUTH_RAY = (2, 52, 0)
+
+
+def auth_options_errors(doc: dict) -> list[str]:
+    """KubeRay's ValidateRayClusterSpec: token mode needs a parseable rayVersion >= 2.52.0."""
+    errors = []
+    for where, spec in cluster_specs(doc):
+        if (spec.get("authOptions") or {}).get("mode") != "token":
+            continue
+        version = str(spec.get("rayVersion") or "")
+        match = re.match(r"v?(\d+)\.(\d+)(?:\.(\d+))?", version)
+        if not version:
+            errors.append(f"{where}: authOptions.mode is 'token' but rayVersion is not set (2.52.0 or later)")
+        elif match is None:
+            errors.append(f"{where}: authOptions.mode is 'token' but rayVersion {version!r} is not a version")
+        elif tuple(int(part or 0) for part in match.groups()) < MIN_TOKEN_AUTH_RAY:
+            errors.append(
+                f"{where}: authOptions.mode is 'token' but rayVersion {version} is older than 2.52.0"
+            )
+    return errors
+
+
+RULES = (
+    name_errors,
+    ray_start_errors,
+    replica_errors,
+    gpu_errors,
+    cluster_spec_errors,
+    rayjob_errors,
+    auth_options_errors,
+)
 
 
 def kuberay_errors(doc: dict) -> list[str]:

@@ -1,4 +1,6 @@
-"""Every manifest in k8s/ against the KubeRay v1.7.0 CRD schemas and the operator's own rules.
+"""Every manifest in k8s/ against the KubeRay v1.7.0 CRD schemas and the operator's own rules, and what nightshift
+locks down (`security_rules`): token authentication, a NetworkPolicy per cluster, unprivileged containers, S3
+credentials from a Secret.
 
 Each rule has a negative test on a mutated copy of a real manifest, so no check can pass vacuously.
 """
@@ -27,6 +29,12 @@ from kuberay_rules import (
     replica_errors,
     schema_errors,
 )
+from security_rules import (
+    auth_errors,
+    container_errors,
+    credential_errors,
+    network_policy_errors,
+)
 
 REPO = Path(__file__).resolve().parents[2]
 K8S = REPO / "k8s"
@@ -43,22 +51,38 @@ def manifest_files() -> list[Path]:
     return sorted(path for path in K8S.glob("*.yaml") if path.name != "kustomization.yaml")
 
 
-def documents() -> list[tuple[str, dict]]:
+@functools.cache
+def _parsed() -> tuple[tuple[str, dict], ...]:
     found = []
     for path in manifest_files():
-        for index, doc in enumerate(yaml.safe_load_all(path.read_text())):
+        for index, doc in enumerate(yaml.load_all(path.read_text(), Loader=_Loader)):
             if doc:
                 found.append((f"{path.name}#{index}:{doc.get('kind')}", doc))
-    return found
+    return tuple(found)
+
+
+def documents() -> list[tuple[str, dict]]:
+    """Every document of every manifest, parsed once; each call gets its own copies to mutate."""
+    return copy.deepcopy(list(_parsed()))
 
 
 def ray_documents() -> list[tuple[str, dict]]:
     return [(label, doc) for label, doc in documents() if doc.get("kind") in RAY_KINDS]
 
 
-def load(name: str) -> dict:
-    (doc,) = [doc for label, doc in documents() if label.startswith(f"{name}#")]
-    return copy.deepcopy(doc)
+def file_documents(name: str) -> list[dict]:
+    return [copy.deepcopy(doc) for label, doc in documents() if label.startswith(f"{name}#")]
+
+
+def load(name: str, kind: str | None = None) -> dict:
+    """The document of `kind` in file `name`; without `kind`, its Ray document (or its only document)."""
+    docs = file_documents(name)
+    if kind is not None:
+        (doc,) = [doc for doc in docs if doc.get("kind") == kind]
+        return doc
+    ray = [doc for doc in docs if doc.get("kind") in RAY_KINDS]
+    (doc,) = ray or docs
+    return doc
 
 
 @functools.cache
@@ -83,7 +107,7 @@ def test_the_crds_and_their_license_are_in_the_repository():
 
 def test_the_manifests_cover_every_kind():
     kinds = {doc.get("kind") for _, doc in documents()}
-    assert {"RayCluster", "RayJob", "ConfigMap"} <= kinds
+    assert {"RayCluster", "RayJob", "ConfigMap", "NetworkPolicy"} <= kinds
 
 
 @pytest.mark.parametrize("label, doc", ray_documents(), ids=[label for label, _ in ray_documents()])
@@ -110,7 +134,12 @@ def test_every_cluster_carries_the_same_worker_groups():
     def shape(doc: dict) -> list[dict]:
         (_, spec), *_ = cluster_specs(doc)
         scaling = {"replicas", "minReplicas", "maxReplicas"}
-        return [{k: v for k, v in group.items() if k not in scaling} for group in spec["workerGroupSpecs"]]
+        groups = [{k: v for k, v in group.items() if k not in scaling} for group in spec["workerGroupSpecs"]]
+        for (
+            group
+        ) in groups:  # each cluster's pods carry their own instance label (its NetworkPolicy selects it)
+            group["template"]["metadata"]["labels"].pop("app.kubernetes.io/instance")
+        return groups
 
     reference = shape(load("raycluster.yaml"))
     assert shape(load("rayjob.yaml")) == reference
@@ -204,6 +233,213 @@ def test_the_job_config_is_a_valid_nightshift_job_file():
     from pipeline.config import JobConfig
 
     JobConfig.model_validate(yaml.safe_load(load("configmap-job.yaml")["data"]["job.yaml"]))
+
+
+# ----------------------------------------------------------------------------------------- locked down
+
+
+def policy_context(name: str) -> list[dict]:
+    """What a Ray document of file `name` is checked against: the file's own documents (applying it alone must lock
+    its cluster down) and the other files' clusters (a policy must not admit their pods)."""
+    others = [doc for label, doc in ray_documents() if not label.startswith(f"{name}#")]
+    return file_documents(name) + copy.deepcopy(others)
+
+
+def security_errors(name: str, doc: dict | None = None, context: list[dict] | None = None) -> list[str]:
+    """Every lock-down problem of the Ray document of file `name` (or of a mutated `doc` in a mutated `context`)."""
+    doc = load(name) if doc is None else doc
+    context = policy_context(name) if context is None else context
+    everything = [d for _, d in documents()]
+    return (
+        auth_errors(doc)
+        + container_errors(doc)
+        + credential_errors([doc] + [d for d in everything if d.get("kind") == "ConfigMap"])
+        + network_policy_errors(doc, context)
+    )
+
+
+RAY_FILES = sorted({label.split("#")[0] for label, _ in ray_documents()})
+
+
+@pytest.mark.parametrize("name", RAY_FILES)
+def test_every_cluster_is_locked_down(name):
+    assert security_errors(name) == []
+
+
+def test_no_configmap_holds_credentials():
+    assert credential_errors([doc for _, doc in documents() if doc.get("kind") == "ConfigMap"]) == []
+
+
+def test_kustomize_applies_the_policy_of_the_cluster_it_applies():
+    kustomization = yaml.safe_load((K8S / "kustomization.yaml").read_text())
+    for resource in kustomization["resources"]:
+        docs = file_documents(resource)
+        for doc in docs:
+            if doc.get("kind") in RAY_KINDS:
+                assert network_policy_errors(doc, policy_context(resource)) == [], resource
+
+
+@pytest.mark.parametrize("name", RAY_FILES)
+@pytest.mark.parametrize("mode", [None, "disabled"])
+def test_a_cluster_without_token_auth_fails(name, mode):
+    doc = load(name)
+    for _, spec in cluster_specs(doc):
+        if mode is None:
+            del spec["authOptions"]
+        else:
+            spec["authOptions"]["mode"] = mode
+    assert any("authOptions.mode" in error for error in security_errors(name, doc))
+
+
+@pytest.mark.parametrize("variable", ["RAY_AUTH_TOKEN", "RAY_AUTH_MODE"])
+def test_the_token_is_left_to_the_operator(variable):
+    doc = load("raycluster.yaml")
+    doc["spec"]["headGroupSpec"]["template"]["spec"]["containers"][0]["env"].append(
+        {"name": variable, "value": "disabled" if variable == "RAY_AUTH_MODE" else "a-token-in-a-manifest"}
+    )
+    assert any(f"sets {variable}" in error for error in auth_errors(doc))
+
+
+@pytest.mark.parametrize(
+    "version, problem",
+    [("2.51.1", "older than 2.52.0"), ("", "not set"), ("latest", "not a version")],
+)
+def test_token_auth_needs_ray_2_52(version, problem):
+    doc = load("raycluster.yaml")
+    doc["spec"]["rayVersion"] = version
+    assert any(problem in error for error in kuberay_errors(doc))
+
+
+def _first_container(doc: dict, group: str) -> dict:
+    (_, spec), *_ = cluster_specs(doc)
+    pod = spec["headGroupSpec"] if group == "head" else worker(doc, group)
+    return pod["template"]["spec"]["containers"][0]
+
+
+@pytest.mark.parametrize("group", ["head", "nvidia-h100", "amd-mi300x"])
+@pytest.mark.parametrize(
+    "change, problem",
+    [
+        (lambda c: c.pop("securityContext"), "allowPrivilegeEscalation must be false"),
+        (lambda c: c["securityContext"].update(allowPrivilegeEscalation=True), "allowPrivilegeEscalation"),
+        (lambda c: c["securityContext"].update(privileged=True), "must not be privileged"),
+        (lambda c: c["securityContext"]["capabilities"].update(drop=["NET_RAW"]), "drop must include ALL"),
+        (lambda c: c["securityContext"]["capabilities"].update(add=["SYS_PTRACE"]), "['SYS_PTRACE']"),
+    ],
+)
+def test_a_container_with_privileges_fails(group, change, problem):
+    for name in RAY_FILES:
+        doc = load(name)
+        change(_first_container(doc, group))
+        assert any(problem in error for error in container_errors(doc)), (name, container_errors(doc))
+
+
+@pytest.mark.parametrize("name", RAY_FILES)
+def test_the_autoscaler_container_is_unprivileged_too(name):
+    doc = load(name)
+    for _, spec in cluster_specs(doc):
+        del spec["autoscalerOptions"]["securityContext"]
+    assert any("autoscaler container" in error for error in container_errors(doc))
+
+
+def test_the_job_submitter_is_unprivileged_and_admitted():
+    doc = load("rayjob.yaml")
+    submitter = doc["spec"]["submitterPodTemplate"]
+    del submitter["spec"]["containers"][0]["securityContext"]
+    assert any("submitterPodTemplate" in error for error in container_errors(doc))
+    doc = load("rayjob.yaml")
+    doc["spec"]["submitterPodTemplate"]["metadata"]["labels"]["app.kubernetes.io/instance"] = "someone-else"
+    assert any("could not reach its head" in error for error in security_errors("rayjob.yaml", doc))
+
+
+@pytest.mark.parametrize(
+    "variable",
+    [
+        {"name": "AWS_SECRET_ACCESS_KEY", "value": "not-a-real-secret"},
+        {"name": "AWS_SECRET_ACCESS_KEY", "valueFrom": {"configMapKeyRef": {"name": "x", "key": "k"}}},
+        {"name": "AWS_SESSION_TOKEN", "value": "not-a-real-token"},
+    ],
+)
+def test_s3_credentials_outside_a_secret_fail(variable):
+    doc = load("raycluster.yaml")
+    env = worker(doc, "nvidia-h100")["template"]["spec"]["containers"][0]["env"]
+    env[:] = [var for var in env if var["name"] != variable["name"]] + [variable]
+    assert any(f"{variable['name']} must come from a Secret" in error for error in credential_errors([doc]))
+
+
+def test_a_ray_container_without_the_secret_fails():
+    doc = load("rayjob.yaml")
+    worker(doc, "amd-mi300x")["template"]["spec"]["containers"][0]["env"] = []
+    errors = credential_errors([doc])
+    assert any("AWS_SECRET_ACCESS_KEY is not taken from a Secret" in error for error in errors)
+
+
+def test_credentials_in_a_configmap_fail():
+    configmap = load("configmap-job.yaml")
+    configmap["data"]["job.yaml"] += "aws_secret_access_key: not-a-real-secret\n"
+    assert any("belong in a Secret" in error for error in credential_errors([configmap]))
+
+
+@pytest.mark.parametrize("name", RAY_FILES)
+def test_a_cluster_without_its_network_policy_fails(name):
+    context = [doc for doc in policy_context(name) if doc.get("kind") != "NetworkPolicy"]
+    assert any("no NetworkPolicy selects" in error for error in security_errors(name, load(name), context))
+
+
+def _policy_and_context(name: str) -> tuple[dict, list[dict]]:
+    context = policy_context(name)
+    (policy,) = [doc for doc in context if doc.get("kind") == "NetworkPolicy"]
+    return policy, context
+
+
+@pytest.mark.parametrize("name", RAY_FILES)
+@pytest.mark.parametrize(
+    "rule, problem",
+    [
+        ({"ports": [{"port": 8265}]}, "admits every source"),
+        ({}, "admits every source"),
+        (
+            {"from": [{"ipBlock": {"cidr": "0.0.0.0/0"}}], "ports": [{"port": 6379}]},
+            "only this cluster's pods",
+        ),
+        ({"from": [{"namespaceSelector": {}}], "ports": [{"port": 10001}]}, "only this cluster's pods"),
+        (
+            {"from": [{"podSelector": {"matchLabels": {"app.kubernetes.io/name": "nightshift"}}}]},
+            "only this cluster's pods",  # matches the other cluster's pods too
+        ),
+        (
+            {
+                "from": [
+                    {
+                        "namespaceSelector": {},
+                        "podSelector": {"matchLabels": {"app.kubernetes.io/name": "kuberay-operator"}},
+                    }
+                ]
+            },
+            "opens every port to the operator",
+        ),
+    ],
+)
+def test_a_policy_that_opens_the_head_fails(name, rule, problem):
+    policy, context = _policy_and_context(name)
+    policy["spec"]["ingress"].append(rule)
+    errors = security_errors(name, load(name), context)
+    assert any(problem in error for error in errors), errors
+
+
+@pytest.mark.parametrize("name", RAY_FILES)
+def test_a_worker_the_policy_does_not_admit_fails(name):
+    doc = load(name)
+    worker(doc, "amd-mi300x")["template"]["metadata"]["labels"]["app.kubernetes.io/instance"] = "elsewhere"
+    assert any("could not reach its head" in error for error in security_errors(name, doc))
+
+
+@pytest.mark.parametrize("name", RAY_FILES)
+def test_a_policy_that_misses_the_head_fails(name):
+    doc = load(name)
+    (_, spec), *_ = cluster_specs(doc)
+    spec["headGroupSpec"]["template"]["metadata"]["labels"] = {"app.kubernetes.io/name": "nightshift"}
+    assert any("no NetworkPolicy selects" in error for error in security_errors(name, doc))
 
 
 # ----------------------------------------------------------------------------------------- negative: the schema

@@ -230,7 +230,12 @@ def test_concurrency_never_exceeds_limit(monkeypatch, limit: int, n: int, expect
 def test_stats_and_effective_args():
     engine = make_engine(max_model_len=100, max_concurrency=4)
     assert engine.stats().kv_cache_tokens == 400
-    assert engine.effective_args() == {"max_model_len": 100, "max_concurrency": 4}
+    assert engine.effective_args() == {"max_model_len": 100, "max_concurrency": 4, "max_num_seqs": 4}
+
+
+def test_a_kv_model_decides_max_num_seqs_as_the_engine_starts():
+    engine = make_engine(max_model_len=100, kv_cache_tokens=1_050)
+    assert engine.effective_args()["max_num_seqs"] == 10 and engine.stats().kv_cache_tokens == 1_050
     assert engine.sampling_defaults() == {}
 
 

@@ -1,16 +1,30 @@
-"""stages.finalize.write_table_shards: range partitioning, shard names, per-shard rows / ids / sha256, empty output."""
+"""stages.finalize: write_table_shards (shard names, per-shard rows / ids / sha256, empty output) and the range
+partitioning helpers (sort keys, boundaries from a sample, exact cuts, routing rows by boundary)."""
 
 from __future__ import annotations
 
+import bisect
 import hashlib
 import io
 import json
+import random
 from pathlib import Path
 
 import pyarrow as pa
 import pytest
 
-from pipeline.stages.finalize import shard_count, shard_name, write_table_shards
+from pipeline.stages.finalize import (
+    assign_shards,
+    cut_ranks,
+    group_parts,
+    locate_cuts,
+    shard_count,
+    shard_name,
+    sort_keys,
+    sort_table,
+    splitters,
+    write_table_shards,
+)
 
 
 def write_shards(rows, total_rows: int, rows_per_shard: int, prefix: str, open_shard):
@@ -167,3 +181,58 @@ def test_unicode_ids_in_utf8_byte_order():
     for shard in shards:
         assert shard.sha256 == hashlib.sha256(sink.files[shard.name]).hexdigest()
     assert "😀" in sink.files[shards[-1].name].decode("utf-8")  # non-ASCII written as UTF-8, not escaped
+
+
+# -- range partitioning by sort key -----------------------------------------------------------------------------------
+
+
+def test_sort_keys_order_is_the_final_order():
+    ids = ["b", "a", "😀", "\uffff", "é", "a-1", "A", "日本", "a\x00"]
+    results = pa.table({"custom_id": ids})
+    keys = sort_keys(results, "results").to_pylist()
+    assert [ids[i] for i in sorted(range(len(ids)), key=keys.__getitem__)] == sort_table(
+        results, "results"
+    ).column("custom_id").to_pylist()
+
+    # A source that is a prefix of another, negative and large lines, null sources and lines: still sort_table's order.
+    sources = ["ab", "a", "a", "b", None, "a", "ab", None, "a/b"]
+    lines = [1, 2**40, -3, 0, 5, None, 7, None, 1]
+    errors = pa.table({"source": pa.array(sources, pa.string()), "line": pa.array(lines, pa.int64())})
+    keys = sort_keys(errors, "errors").to_pylist()
+    by_key = sorted(range(len(sources)), key=keys.__getitem__)
+    expected = sort_table(errors.append_column("i", pa.array(range(len(sources)))), "errors").column("i")
+    assert by_key == expected.to_pylist()
+
+
+@pytest.mark.parametrize("n_boundaries", [0, 1, 2, 7, 64])
+def test_assign_shards_is_searchsorted_right(n_boundaries):
+    rng = random.Random(n_boundaries)
+    keys = [bytes(rng.randrange(256) for _ in range(rng.randint(0, 4))) for _ in range(500)]
+    boundaries = sorted(
+        {bytes(rng.randrange(256) for _ in range(rng.randint(1, 3))) for _ in range(n_boundaries)}
+    )
+    keys += boundaries  # keys equal to a boundary go to the shard that boundary starts
+    got = assign_shards(pa.array(keys, pa.binary()), pa.array(boundaries, pa.binary()))
+    assert got.tolist() == [bisect.bisect_right(boundaries, k) for k in keys]
+
+
+def test_splitters_cut_a_sample_into_equal_buckets():
+    sample = pa.array([f"{i:04d}".encode() for i in range(1000)][::-1], pa.binary())
+    assert splitters(sample, 4).to_pylist() == [b"0250", b"0500", b"0750"]
+    assert splitters(sample, 1).to_pylist() == [] and splitters(sample[:0], 4).to_pylist() == []
+    assert splitters(pa.array([b"x"] * 10, pa.binary()), 4).to_pylist() == [b"x"]  # fewer when keys repeat
+
+
+def test_locate_cuts_and_cut_ranks():
+    assert cut_ranks(10, 3) == [3, 6, 9] and cut_ranks(9, 3) == [3, 6] and cut_ranks(0, 3) == []
+    # buckets of 4, 0, 5, 1 rows: rows 0-3 | - | 4-8 | 9
+    assert locate_cuts([4, 0, 5, 1], [3, 6, 9]) == {0: [3], 2: [2], 3: [0]}
+    assert locate_cuts([4, 0, 5, 1], [4]) == {2: [0]}  # a cut on a bucket's first row skips the empty bucket
+    with pytest.raises(ValueError):
+        locate_cuts([2], [2])
+
+
+def test_group_parts_keeps_every_part_once_in_order():
+    assert group_parts([], 10) == []
+    assert group_parts([4, 4, 4, 4, 30, 1], 10) == [[0, 1, 2], [3, 4], [5]]
+    assert group_parts([100], 10) == [[0]]

@@ -125,8 +125,23 @@ def test_a_given_max_num_seqs_above_capacity_is_kept_with_a_warning_naming_the_n
     assert choose_max_num_seqs(8, capacity(100), 160)[3] is None
 
 
-def test_unknown_capacity_keeps_the_default():
+def test_unknown_capacity_keeps_the_default_on_cpu_and_leaves_a_gpu_to_the_engine():
     assert choose_max_num_seqs(None, None, 4096)[:2] == (DEFAULT_MAX_NUM_SEQS, "default")
+    value, source, why, _ = choose_max_num_seqs(None, None, 4096, "gpu")
+    assert (value, source) == (None, "engine") and "vLLM decides" in why
+
+
+def test_a_gpu_with_known_capacity_is_not_capped():
+    value, _, why, _ = choose_max_num_seqs(None, capacity(10_000), 16, "gpu")
+    assert value == 10_000 and "capped" not in why
+
+
+def test_a_gpu_pool_left_unfitted_gets_no_cpu_default():
+    gpu = JobConfig.model_validate({"pools": [{"name": "a100", "gpus_per_engine": 1}]})
+    assert apply_fit(gpu, {"enabled": False}).engine.vllm.max_num_seqs is None
+    record = vllm_record(a100=(None, "engine"))
+    fitted = apply_fit(gpu, record)
+    assert fitted.engine.vllm.max_num_seqs is None and "max_num_seqs" not in fitted.pools[0].engine_overrides
 
 
 def test_a_context_that_fits_no_sequence_is_warned():

@@ -33,36 +33,43 @@ def test_preemption_remedy_with_measured_requests_names_max_num_seqs_only():
 
 def test_ledger_retries_then_runs_alone_then_isolates():
     ledger = JobMonitor()
-    assert ledger.begin(["a", "b"]) == {}  # all normal
-    assert ledger.begin(["a", "b"]) == {}  # one crash: maybe not its fault, still normal
-    assert ledger.begin(["a"]) == {"a": "solo"}  # caught in two crashes: run alone
+    assert ledger.begin(7, "e1", 2) == {}  # a first attempt: nothing tracked per request
+    assert ledger.retries() == {}
+    assert ledger.begin(7, "e2", 2, 2, ["a", "b"]) == {}  # one crash: maybe not its fault, still normal
+    assert ledger.begin(7, "e3", 2, 3, ["a", "b"]) == {"a": "solo", "b": "solo"}  # two crashes: run alone
     ledger.solo_started("a")
-    assert ledger.begin(["a"]) == {"a": "isolate"}  # died alone: the poison
-    assert ledger.retries() == {"a": 4, "b": 2}
+    assert ledger.begin(7, "e4", 2, 4, ["a", "b"]) == {"a": "isolate", "b": "solo"}  # died alone: the poison
+    assert ledger.retries() == {"a": 4, "b": 4}
 
 
 def test_a_solo_run_that_finishes_clears_suspicion():
     ledger = JobMonitor()
-    for _ in range(2):
-        ledger.begin(["a"])
-    assert ledger.begin(["a"]) == {"a": "solo"}
+    assert ledger.begin(1, "e1", 1, 3, ["a"]) == {"a": "solo"}
     ledger.solo_started("a")
     ledger.solo_finished("a")
-    assert ledger.begin(["a"]) == {"a": "solo"}
+    assert ledger.begin(1, "e2", 1, 4, ["a"]) == {"a": "solo"}
+
+
+def test_first_attempts_cost_one_entry_per_chunk_in_flight():
+    ledger = JobMonitor()
+    for chunk in range(1000):
+        ledger.begin(chunk, "e1", 512)
+        ledger.finished("e1", 512, chunk)
+    assert ledger.retries() == {} and not ledger._chunk_on and not ledger._attempts  # noqa: SLF001
 
 
 def test_work_ledger_names_the_engine_that_lost_rows_and_where_they_ran_again():
     ledger = JobMonitor()
     ledger.report("default-1", {"node_id": "node-a", "restarted": False})
     ledger.report("default-2", {"node_id": "node-b", "restarted": False})
-    ledger.begin(["a", "b"], "default-1")
-    ledger.begin(["c", "d"], "default-1")
-    ledger.finished("default-1", 2)  # a, b came back; c, d were in flight when it died
-    ledger.begin(["e"], "default-2")
-    ledger.finished("default-2", 1)
+    ledger.begin(0, "default-1", 2)
+    ledger.begin(1, "default-1", 2)
+    ledger.finished("default-1", 2, 0)  # chunk 0 came back; chunk 1 was in flight when it died
+    ledger.begin(2, "default-2", 1)
+    ledger.finished("default-2", 1, 2)
     ledger.report("default-3", {"node_id": "node-b", "restarted": True})  # default-1's actor, restarted
-    ledger.begin(["c", "d"], "default-3")
-    ledger.finished("default-3", 2)
+    ledger.begin(1, "default-3", 2, 2, ["c", "d"])
+    ledger.finished("default-3", 2, 1)
     work = ledger.work()
     assert work["default-1"]["in_flight"] == 2 and work["default-3"]["in_flight"] == 0
     summary = summarize_recovery(work)
@@ -82,9 +89,9 @@ def test_work_ledger_names_the_engine_that_lost_rows_and_where_they_ran_again():
 
 def test_an_engine_that_reports_its_death_is_lost_with_its_cause():
     ledger = JobMonitor()
-    ledger.begin(["a"], "default-1")
+    ledger.begin(0, "default-1", 1)
     ledger.engine_died("default-1", "EngineDeadError")
-    ledger.begin(["a"], "default-2")
+    ledger.begin(0, "default-2", 1, 2, ["a"])
     lost = summarize_recovery(ledger.work())["engines_lost"]
     assert lost["default-1"]["cause"] == "EngineDeadError"
     assert lost["default-1"]["rerun_on"] == [{"engine": "default-2", "node_id": None, "rows": 1}]

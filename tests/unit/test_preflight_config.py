@@ -128,7 +128,6 @@ def test_config_defaults():
     assert config == JobConfig()
     assert config.engine.vllm.max_num_seqs is None  # not given: fitted to the KV capacity at run time
     assert config.engine.fit.enabled is True
-    assert config.engine.in_flight() == 128  # 2 x the unfitted default of 64
 
 
 def test_config_loads_yaml(tmp_path: Path):
@@ -141,7 +140,6 @@ def test_config_loads_yaml(tmp_path: Path):
     assert config.model == "/models/m"
     assert config.engine.backend == "fake"
     assert config.engine.fake.max_concurrency == 8
-    assert config.engine.in_flight() == 16
     assert config.output_options.rows_per_shard == 10
 
 

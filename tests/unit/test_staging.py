@@ -224,7 +224,7 @@ def test_write_outputs_and_commit(staging: StagingArea, monkeypatch):
         real_rmtree(path, *args, **kwargs)
 
     monkeypatch.setattr(finalize_module, "atomic_write_json", spy_write_json)
-    monkeypatch.setattr(finalize_module.shutil, "rmtree", spy_rmtree)
+    monkeypatch.setattr(shutil, "rmtree", spy_rmtree)
     manifest = {"format_version": finalize_module.FORMAT_VERSION, **summary}
     commit(output, staging, manifest)
 

@@ -320,7 +320,9 @@ def test_method_is_optional(validate):
     assert isinstance(validate(line(custom_id="b", method="POST"), 2, SOURCE), ValidRequest)
 
 
-@pytest.mark.parametrize("url", ["/v1/embeddings", "/v1/foo", "v1/chat/completions", "/v1/chat/completions/"])
+@pytest.mark.parametrize(
+    "url", ["/v1/moderations", "/v1/foo", "v1/chat/completions", "/v1/chat/completions/"]
+)
 def test_unsupported_url(validate, url):
     record = assert_invalid(validate(line(url=url), 1, SOURCE), ErrorCode.UNSUPPORTED_URL)
     assert record["custom_id"] == "req-1"
@@ -380,7 +382,7 @@ def test_duplicate_custom_id_first_runs_later_error(validate):
 @pytest.mark.parametrize(
     "first_raw",
     [
-        pytest.param(line("dup", url="/v1/embeddings"), id="unsupported-url"),
+        pytest.param(line("dup", url="/v1/moderations"), id="unsupported-url"),
         pytest.param(line("dup", body=chat_body(temperature=-1)), id="invalid-request"),
         pytest.param(line("dup", body={**chat_body(), "model": "other"}), id="model-not-found"),
         pytest.param(line("dup", method="GET"), id="unsupported-method"),
@@ -490,6 +492,7 @@ def test_every_produced_code_is_a_stable_code():
         "unsupported_url",
         "stream_unsupported",
         "model_not_found",
+        "unsupported_task",
         "duplicate_custom_id",
         "invalid_custom_id",
         "line_too_long",

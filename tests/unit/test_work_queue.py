@@ -1,5 +1,5 @@
-"""The work queue serves every request exactly once, in full chunks, across read-batch and file boundaries —
-the job creates ceil(rows / chunk) pulls, so a short chunk mid-stream would strand rows."""
+"""The work queue leases every request exactly once, in full chunks, across read-batch and file boundaries; a
+chunk whose engine died comes back under its own id and name; engines may start while the work list still grows."""
 
 from __future__ import annotations
 
@@ -11,7 +11,12 @@ import pyarrow.parquet as pq
 from pipeline.runtime.work_queue import WorkQueue
 
 
-def test_every_row_served_once_in_ceil_rows_over_chunk_pulls(tmp_path):
+def _queue(files, **options) -> WorkQueue:
+    """A queue handing out full chunks to the end (the tail-shrinking has its own test)."""
+    return WorkQueue(files, shrink_tail=False, **options)
+
+
+def test_every_row_leased_once_in_full_chunks(tmp_path):
     files, n = [], 0
     for i, size in enumerate([50, 50, 20]):  # part sizes that are no multiple of the chunk or read batch
         path = tmp_path / f"part-{i}.parquet"
@@ -19,16 +24,16 @@ def test_every_row_served_once_in_ceil_rows_over_chunk_pulls(tmp_path):
         files.append(str(path))
         n += size
     chunk = 16
-    queue = WorkQueue(files, credit={"p": 10_000}, read_rows=7)
+    queue = _queue(files, read_rows=7)
 
     async def drain() -> list[pa.Table]:
         chunks = []
         for _ in range(-(-n // chunk)):
-            table = await queue.next_chunk("p", chunk)
-            assert table is not None
-            chunks.append(table)
-            await queue.done("p", table.num_rows)
-        assert await queue.next_chunk("p", chunk) is None
+            lease = await queue.lease("p", "p/0", chunk)
+            assert lease is not None
+            chunks.append(lease[3])
+            assert await queue.ack(lease[0], "p", _staged(lease[3]))
+        assert await queue.lease("p", "p/0", chunk) is None
         return chunks
 
     chunks = asyncio.run(drain())
@@ -49,9 +54,14 @@ def _work_list(tmp_path, keys: list[str | None], name: str = "part") -> list[str
 
 def _pull(queue: WorkQueue, taker: str, rows: int) -> pa.Table | None:
     async def go():
-        return await queue.next_chunk(taker, rows)
+        return await queue.lease(taker, f"{taker}/ticket", rows)
 
-    return asyncio.run(go())
+    lease = asyncio.run(go())
+    return None if lease is None else lease[3]
+
+
+def _staged(table: pa.Table, failed: int = 0) -> dict:
+    return {"rows": table.num_rows, "failed": failed, "prompt_tokens": 3, "completion_tokens": 5}
 
 
 def _keys(table: pa.Table) -> set:
@@ -61,7 +71,7 @@ def _keys(table: pa.Table) -> set:
 def test_each_key_goes_to_the_lane_that_first_pulled_it(tmp_path):
     # Four prompts interleaved row by row, as an input ordered by anything but the prompt would be.
     keys = [f"k{i % 4}" for i in range(64)]
-    queue = WorkQueue(_work_list(tmp_path, keys), credit={"a": 10**6, "b": 10**6}, route=True, read_rows=10)
+    queue = _queue(_work_list(tmp_path, keys), route=True, read_rows=10)
     seen: dict[str, set] = {"a": set(), "b": set()}
     ids = []
     for _ in range(4):  # alternate pulls, as two engines of equal speed would
@@ -83,7 +93,7 @@ def test_each_key_goes_to_the_lane_that_first_pulled_it(tmp_path):
 
 def test_a_lane_prefers_its_own_keys_then_unowned_then_unkeyed(tmp_path):
     keys = ["k0"] * 8 + [None] * 8 + ["k1"] * 8 + ["k0"] * 8
-    queue = WorkQueue(_work_list(tmp_path, keys), credit={"a": 10**6, "b": 10**6}, route=True)
+    queue = _queue(_work_list(tmp_path, keys), route=True)
     assert _keys(_pull(queue, "a", 8)) == {"k0"}
     assert _keys(_pull(queue, "a", 8)) == {
         "k0"
@@ -95,7 +105,7 @@ def test_a_lane_prefers_its_own_keys_then_unowned_then_unkeyed(tmp_path):
 
 def test_an_idle_lane_steals_rather_than_waits_and_chunks_stay_full(tmp_path):
     keys = ["k0"] * 40 + ["k1"] * 4
-    queue = WorkQueue(_work_list(tmp_path, keys), credit={"a": 10**6, "b": 10**6}, route=True)
+    queue = _queue(_work_list(tmp_path, keys), route=True)
     assert _keys(_pull(queue, "a", 8)) == {"k0"}
     first_b = _pull(queue, "b", 8)
     # b claims k1 (4 rows) and fills the rest of its chunk from a's key: chunks are full while rows remain,
@@ -113,7 +123,7 @@ def test_an_idle_lane_steals_rather_than_waits_and_chunks_stay_full(tmp_path):
 
 def test_a_thief_takes_the_key_with_most_rows_waiting(tmp_path):
     keys = ["k0"] * 8 + ["k1"] * 8 + ["k2"] * 20
-    queue = WorkQueue(_work_list(tmp_path, keys), credit={"a": 10**6, "b": 10**6, "c": 10**6}, route=True)
+    queue = _queue(_work_list(tmp_path, keys), route=True)
     assert _keys(_pull(queue, "a", 4)) == {"k0"}
     assert _keys(_pull(queue, "b", 4)) == {"k1"}
     assert _keys(_pull(queue, "c", 4)) == {"k2"}
@@ -126,7 +136,7 @@ def test_a_thief_takes_the_key_with_most_rows_waiting(tmp_path):
 
 def test_without_routing_the_queue_serves_in_file_order(tmp_path):
     keys = [f"k{i % 3}" for i in range(30)]
-    queue = WorkQueue(_work_list(tmp_path, keys), credit={"a": 10**6})
+    queue = _queue(_work_list(tmp_path, keys))
     chunk = _pull(queue, "a", 10)
     assert chunk.column("custom_id").to_pylist() == [f"r-{i:05d}" for i in range(10)]
     assert queue.stats()["routing"]["rows_unkeyed"] == 10
@@ -137,9 +147,7 @@ def test_window_is_bounded_and_ownership_memory_too(tmp_path, monkeypatch):
 
     monkeypatch.setattr(wq, "MAX_REMEMBERED_KEYS", 10)
     keys = [f"k{i}" for i in range(200)]  # every row its own prompt
-    queue = WorkQueue(
-        _work_list(tmp_path, keys), credit={"a": 10**6}, route=True, read_rows=16, window_rows=32
-    )
+    queue = _queue(_work_list(tmp_path, keys), route=True, read_rows=16, window_rows=32)
     served = 0
     while (chunk := _pull(queue, "a", 8)) is not None:
         served += chunk.num_rows
@@ -151,5 +159,73 @@ def test_window_is_bounded_and_ownership_memory_too(tmp_path, monkeypatch):
 def test_a_work_list_without_keys_still_routes_as_unkeyed(tmp_path):
     path = tmp_path / "old.parquet"  # staged before prefix keys existed: resume must still work
     pq.write_table(pa.table({"custom_id": [f"r-{i}" for i in range(10)]}), path)
-    queue = WorkQueue([str(path)], credit={"a": 10**6, "b": 10**6}, route=True)
+    queue = _queue([str(path)], route=True)
     assert _pull(queue, "a", 6).num_rows == 6 and _pull(queue, "b", 6).num_rows == 4
+
+
+# -- leases -----------------------------------------------------------------------------------------------------------
+
+
+def test_chunks_of_a_ticket_that_starts_again_come_back_with_their_id_and_name(tmp_path):
+    queue = _queue(_work_list(tmp_path, [None] * 30), run_id="run1")
+
+    async def go():
+        first = await queue.lease("e1", "pool/0", 10)
+        second = await queue.lease("e1", "pool/0", 10)
+        other = await queue.lease("e2", "pool/1", 10)
+        assert await queue.ack(first[0], "pool", _staged(first[3]))  # staged before the engine died
+        assert await queue.ticket_started("pool/0") == 1  # the ticket runs again: its unacknowledged chunk
+        again = await queue.lease("e3", "pool/0", 10)
+        assert (again[0], again[1], again[2]) == (second[0], second[1], 2)  # same chunk, same part, attempt 2
+        assert again[3].equals(second[3])
+        assert second[1] == f"chunk-run1-{second[0]:08d}"
+        assert await queue.ack(again[0], "pool", _staged(again[3], failed=1))
+        assert not await queue.ack(again[0], "pool", _staged(again[3]))  # a second acknowledgement: dropped
+        assert await queue.ack(other[0], "pool", _staged(other[3]))
+        assert await queue.lease("e3", "pool/0", 10) is None
+        return queue.progress(), queue.stats()
+
+    progress, stats = asyncio.run(go())
+    assert (progress["rows"], progress["failed"], progress["chunks"]) == (30, 1, 3)
+    assert progress["pools"]["pool"]["rows"] == 30 and progress["completion_tokens"] == 15
+    assert stats["chunks_reissued"] == 1 and stats["rows_reissued"] == 10 and stats["duplicate_acks"] == 1
+    assert stats["leases_open"] == 0
+
+
+def test_engines_wait_for_a_work_list_that_is_still_being_staged(tmp_path):
+    first = _work_list(tmp_path, [None] * 4, "first")
+    later = _work_list(tmp_path, [None] * 6, "later")
+    queue = _queue(first, input_closed=False)
+
+    async def go():
+        assert (await queue.lease("e1", "p/0", 8))[3].num_rows == 4
+        waiting = asyncio.ensure_future(queue.lease("e1", "p/0", 8))
+        await asyncio.sleep(0.05)
+        assert not waiting.done()  # nothing to lease yet, but more may come: it waits rather than ends
+        await queue.add_files(later)
+        assert (await waiting)[3].num_rows == 6
+        ending = asyncio.ensure_future(queue.lease("e1", "p/0", 8))
+        await asyncio.sleep(0.05)
+        assert not ending.done()
+        await queue.close_input()
+        assert await ending is None
+
+    asyncio.run(go())
+
+
+def test_chunks_shrink_near_the_end_so_engines_finish_together(tmp_path):
+    queue = WorkQueue(_work_list(tmp_path, [None] * 1000))
+
+    async def go() -> list[int]:
+        sizes = []
+        while (lease := await queue.lease(f"e{len(sizes) % 4}", "t", 100)) is not None:
+            sizes.append(lease[3].num_rows)
+        return sizes
+
+    sizes = asyncio.run(go())
+    assert sum(sizes) == 1000
+    assert sizes[:3] == [100, 100, 100]  # full chunks while much is left
+    assert sizes[-1] < 100 and sizes[-2] < 100  # then half an even share per engine of what is left
+    assert (
+        min(sizes[:-1]) >= 100 // 16
+    )  # never below a sixteenth of a chunk (but for what is left at the end)

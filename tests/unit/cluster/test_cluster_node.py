@@ -320,14 +320,18 @@ def test_start_node_runs_ray_start_with_the_visibility_environment(tmp_path, mon
         "sys.exit(3)"
     )
     monkeypatch.setattr("cluster.node.ray_executable", lambda: [sys.executable, "-c", script])
+    monkeypatch.setattr("cluster.node.require_access", lambda *args: "accepted")  # the head is not asked here
     monkeypatch.setenv("ROCR_VISIBLE_DEVICES", "6,7")
     monkeypatch.delenv("HIP_VISIBLE_DEVICES", raising=False)
+    token = tmp_path / "token"
+    token.write_text("t" * 64)
 
     code = start_node(
         head=False,
         address="head:6379",
         dry_run=False,
         extra_args=["--block"],
+        token_file=str(token),
         inventory=amd_node("amd-smi_static_mi300x-x8.json"),
     )
 

@@ -74,10 +74,14 @@ def unicode_ids(n: int, seed: int = 2) -> list[str]:
     return list(ids)
 
 
-@pytest.mark.parametrize("max_open", [128, 3])  # 3: several routing passes over the staged parts
-def test_external_sort_matches_a_plain_sort(staging: StagingArea, monkeypatch, max_open: int):
-    monkeypatch.setattr(finalize_module, "MAX_OPEN_SPILLS", max_open)
-    monkeypatch.setattr(finalize_module, "SPILL_FLUSH_BYTES", 10_000)  # many small spill batches
+# (50, 2): many map tasks, and buckets placed from a poor sample (two parts): the boundaries are exact all the same.
+@pytest.mark.parametrize("map_rows, sample_parts", [(100_000, 128), (50, 2)])
+def test_external_sort_matches_a_plain_sort(
+    staging: StagingArea, monkeypatch, map_rows: int, sample_parts: int
+):
+    monkeypatch.setattr(finalize_module, "MAP_TASK_ROWS", map_rows)
+    monkeypatch.setattr(finalize_module, "SAMPLE_PARTS", sample_parts)
+    monkeypatch.setattr(finalize_module, "SPILL_FLUSH_BYTES", 10_000)  # many small pieces
     ids = unicode_ids(1000)
     stage_randomly(staging, "results", [result_row(cid) for cid in ids])
     sources = ["b.jsonl", "a.jsonl", "s3://x/c.jsonl"]
@@ -167,7 +171,10 @@ def test_flatten_records_shapes():
     completion = {
         "id": "x",
         "custom_id": "c",
-        "response": {"status_code": 200, "body": {"choices": [{"text": "t", "finish_reason": "length"}]}},
+        "response": {
+            "status_code": 200,
+            "body": {"object": "text_completion", "choices": [{"text": "t", "finish_reason": "length"}]},
+        },
         "error": None,
     }
     failed = {

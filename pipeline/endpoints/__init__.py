@@ -1,0 +1,76 @@
+"""The route registry: every URL a batch line may name, each answered by one `Endpoint` entry.
+
+OpenAI's Batch API calls a route an *endpoint*; the name keeps it apart from prefix routing (`stages/route.py`).
+Adding a route is adding one module here with one `Endpoint` subclass, and listing it in `ENDPOINTS`: validation,
+token counting, fitting, prefix keys, both engines and the Parquet columns all read the registry.
+
+    endpoint = endpoint_for("/v1/embeddings")   # None for a URL no entry serves
+    endpoint.tasks                              # frozenset({"embed"}): model tasks that serve it
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pipeline.endpoints.base import Budget, Chat, Endpoint, FakeAnswer, FakeContext, Prompt, Text, TextPair
+from pipeline.endpoints.chat import ChatCompletions
+from pipeline.endpoints.completions import Completions
+from pipeline.endpoints.embeddings import Embeddings
+from pipeline.endpoints.responses import Responses
+from pipeline.endpoints.scoring import Rerank, Score
+
+ENDPOINTS: tuple[Endpoint, ...] = (
+    ChatCompletions(),
+    Completions(),
+    Responses(),
+    Embeddings(),
+    Score(),
+    Rerank(),
+)
+
+_BY_URL: dict[str, Endpoint] = {url: endpoint for endpoint in ENDPOINTS for url in endpoint.urls}
+_BY_NAME: dict[str, Endpoint] = {endpoint.name: endpoint for endpoint in ENDPOINTS}
+
+# Every URL a line may name, in registry order.
+SUPPORTED_URLS: tuple[str, ...] = tuple(_BY_URL)
+
+
+def endpoint_for(url: str) -> Endpoint | None:
+    return _BY_URL.get(url)
+
+
+def endpoint_named(name: str) -> Endpoint:
+    return _BY_NAME[name]
+
+
+def endpoint_answering(body: Any) -> Endpoint | None:
+    """The route a response body came from (result lines keep the body, not the URL); None for error bodies."""
+    if not isinstance(body, dict) or "error" in body:
+        return None
+    for endpoint in ENDPOINTS:
+        if endpoint.answers(body):
+            return endpoint
+    return None
+
+
+def urls_for_task(task: str | None) -> list[str]:
+    """The URLs a model of this task serves (every URL when the task is unknown)."""
+    return [url for e in ENDPOINTS if task is None or task in e.tasks for url in e.urls]
+
+
+__all__ = [
+    "ENDPOINTS",
+    "SUPPORTED_URLS",
+    "Budget",
+    "Chat",
+    "Endpoint",
+    "FakeAnswer",
+    "FakeContext",
+    "Prompt",
+    "Text",
+    "TextPair",
+    "endpoint_answering",
+    "endpoint_for",
+    "endpoint_named",
+    "urls_for_task",
+]

@@ -1,0 +1,293 @@
+"""What one route (an OpenAI Batch `url`) is: the contract every entry of the registry fills in.
+
+An `Endpoint` answers, for its URL family, every question the pipeline asks about a request, so that no other
+module branches on the URL:
+
+- validation: `check` (the body problems decidable without the model) and `fields` (body fields read with vLLM's
+  types before the engine runs);
+- which models serve it: `tasks` (vLLM's model tasks: "generate", "embed", "classify", "token_embed");
+- its cost: `prompts` (what the engine tokenizes, one item per sequence it starts), `output_budget` (tokens it may
+  generate; 0 for pooling routes), `prefix` (the leading text prefix routing groups requests by);
+- the real engine: `vllm` (vLLM's request model and the serving object of its OpenAI layer that answers it);
+- the fake engine: `fake` (a deterministic body of the real shape);
+- the output: `usage` (prompt and completion tokens of a response body), `answers` (whether a response body is one
+  of this route's), `flatten` (its Parquet columns).
+
+Pure: no Ray, no vLLM (the `vllm` binding names import paths; only the vLLM engine imports them).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import struct
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, NamedTuple
+
+from pydantic import TypeAdapter
+
+# --- body fields, as vLLM's request models read them ---------------------------------------------------------------
+
+
+class FieldType(NamedTuple):
+    """A field type as vLLM's request models read it (pydantic, lax), and the exact Python types that need no
+    reading: the fast path of a million-row input (`type()` is exact, so True is not taken for an int)."""
+
+    adapter: TypeAdapter
+    plain: tuple[type, ...]
+
+
+FLOAT = FieldType(TypeAdapter(float), (float, int))
+INT = FieldType(TypeAdapter(int), (int,))
+BOOL = FieldType(TypeAdapter(bool), (bool,))
+INT64 = (-(2**63), 2**63 - 1)
+
+
+class FieldSpec(NamedTuple):
+    """How vLLM's request models read one body field: its type, and the range vLLM accepts (None: unbounded)."""
+
+    type: FieldType
+    low: float | None = None
+    high: float | None = None
+    low_exclusive: bool = False
+
+
+# The sampling fields every generating route shares (SamplingParams' bounds).
+SAMPLING_FIELDS: dict[str, FieldSpec] = {
+    "temperature": FieldSpec(FLOAT, 0.0),
+    "top_p": FieldSpec(FLOAT, 0.0, 1.0, low_exclusive=True),
+    "max_tokens": FieldSpec(INT, 1),
+    "max_completion_tokens": FieldSpec(INT, 1),
+    "n": FieldSpec(INT, 1),
+    "presence_penalty": FieldSpec(FLOAT, -2.0, 2.0),
+    "frequency_penalty": FieldSpec(FLOAT, -2.0, 2.0),
+    "repetition_penalty": FieldSpec(FLOAT, 0.0, low_exclusive=True),
+    "top_logprobs": FieldSpec(INT, 0),
+    "top_k": FieldSpec(INT, -1),
+    "min_p": FieldSpec(FLOAT, 0.0, 1.0),
+    "seed": FieldSpec(INT, *INT64),
+}
+STREAM_FIELD = {"stream": FieldSpec(BOOL)}
+
+
+# --- what the engine tokenizes ---------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Text:
+    """A prompt tokenized as it is, with the tokenizer's special tokens (BOS, or CLS/SEP)."""
+
+    text: str
+
+
+@dataclass(frozen=True)
+class Chat:
+    """A conversation rendered with the chat template, then tokenized without special tokens (the template
+    writes them)."""
+
+    messages: list[Any]
+    tools: Any = None
+    options: dict[str, Any] = field(default_factory=dict)  # template kwargs: add_generation_prompt, ...
+
+
+@dataclass(frozen=True)
+class TextPair:
+    """Two texts a cross-encoder reads as one sequence (tokenizer(first, second))."""
+
+    first: str
+    second: str
+
+
+# One sequence the engine runs: a prompt to tokenize, or an int when the token count is known (token-id prompts).
+Prompt = Text | Chat | TextPair | int
+
+
+@dataclass(frozen=True)
+class Budget:
+    """What an output budget depends on besides the request: the model's and the job's defaults."""
+
+    generation_default: int | None = None  # generation_config max_new_tokens (after overrides), if any
+    chat_default: int = 256  # budgeted for a request that may run to the end of the context
+
+
+@dataclass(frozen=True)
+class FakeContext:
+    """What the fake engine tells a route's fake answer."""
+
+    model: str
+    request_id: str  # derived from the custom_id: the same request always gets the same ids
+    created: int
+    output_tokens: int  # tokens "generated" when the request sets no limit
+    embedding_dimensions: int
+    response_role: str = "assistant"
+
+
+class FakeAnswer(NamedTuple):
+    body: dict[str, Any]
+    prompt_tokens: int
+    completion_tokens: int
+
+
+@dataclass(frozen=True)
+class VllmBinding:
+    """How vLLM's OpenAI layer answers the route in-process: its request model ("module:name", validated with a
+    pydantic TypeAdapter, so unions such as EmbeddingRequest work), the attribute of the app state that
+    `init_app_state` fills with the serving object (None when the model cannot serve the route), and the method
+    to call on it (None: the object itself is called, as vLLM's pooling servings are)."""
+
+    request: str
+    serving: str
+    method: str | None = None
+    response: str | None = None  # vLLM's response model ("module:name"), for tests that parse bodies with it
+
+
+class Endpoint:
+    """One URL family. Subclasses set the class attributes and override what differs from the defaults."""
+
+    name: ClassVar[str]  # short name: "chat", "embeddings", ...
+    urls: ClassVar[tuple[str, ...]]  # every URL it answers; the first is the canonical one
+    tasks: ClassVar[frozenset[str]]  # vLLM model tasks that serve it
+    generates: ClassVar[bool]  # whether it generates tokens (pooling routes do not)
+    vllm: ClassVar[VllmBinding]
+    fields: ClassVar[dict[str, FieldSpec]] = STREAM_FIELD  # body fields read before the engine runs
+
+    def check(self, body: dict[str, Any]) -> str | None:
+        """The body's problem that needs no model (a missing prompt...), or None. vLLM checks the rest."""
+        return None
+
+    def prompts(self, body: dict[str, Any], pairwise: bool = False) -> list[Prompt]:
+        """One item per sequence the request starts. `pairwise`: the model scores a pair as one sequence (a
+        cross-encoder), not each text alone (an embedding model)."""
+        raise NotImplementedError
+
+    def output_budget(self, body: dict[str, Any], budget: Budget) -> tuple[int, bool]:
+        """Output tokens one sequence may generate, and whether that number is assumed (no limit anywhere)."""
+        return 0, False
+
+    def prefix(self, body: dict[str, Any]) -> tuple[str, str] | None:
+        """(the separate leading part, the whole prompt) as text, for prefix routing; None: never keyed."""
+        return None
+
+    def fake(self, body: dict[str, Any], ctx: FakeContext, prompt_tokens: list[int]) -> FakeAnswer:
+        """A deterministic body of the real shape; `prompt_tokens` per sequence, as the fake engine counted."""
+        raise NotImplementedError
+
+    def usage(self, body: dict[str, Any]) -> tuple[int, int]:
+        """(prompt tokens, completion tokens) of one of this route's response bodies."""
+        usage = body.get("usage")
+        if not isinstance(usage, dict):
+            return 0, 0
+        return _int(usage.get("prompt_tokens")), _int(usage.get("completion_tokens"))
+
+    def answers(self, body: dict[str, Any]) -> bool:
+        """Whether a response body is one of this route's (results hold bodies, not URLs)."""
+        raise NotImplementedError
+
+    def flatten(self, body: dict[str, Any]) -> dict[str, Any]:
+        """This route's Parquet columns (see pipeline.io.writers.PARQUET_OUTPUT_SCHEMA) from a response body."""
+        return {}
+
+    def __repr__(self) -> str:
+        return f"<endpoint {self.name} {', '.join(self.urls)}>"
+
+
+def _int(value: Any) -> int:
+    return value if isinstance(value, int) and not isinstance(value, bool) else 0
+
+
+# --- helpers the entries share ---------------------------------------------------------------------------------
+
+
+def canonical(value: Any) -> str:
+    return json.dumps(value, sort_keys=True, ensure_ascii=False, separators=(",", ":"), default=str)
+
+
+def content_text(content: Any) -> str:
+    """A message's content as text: text parts as is, anything else (images, audio) by its JSON."""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        return "".join(
+            str(p.get("text", "")) if isinstance(p, dict) and "text" in p else canonical(p) for p in content
+        )
+    return "" if content is None else canonical(content)
+
+
+def render_message(message: Any) -> str:
+    if not isinstance(message, dict):
+        return canonical(message)
+    return f"{message.get('role')}\x1f{content_text(message.get('content'))}\x1e"
+
+
+def words(text: str) -> int:
+    """The fake engine's token count: whitespace words, at least one."""
+    return max(1, len(text.split()))
+
+
+def prompt_words(prompt: Prompt) -> int:
+    """The fake engine's count of one sequence."""
+    if isinstance(prompt, int):
+        return prompt
+    if isinstance(prompt, Text):
+        return words(prompt.text)
+    if isinstance(prompt, TextPair):
+        return words(prompt.first) + words(prompt.second)
+    lines = [
+        f"{m.get('role')}: {content_text(m.get('content'))}" for m in prompt.messages if isinstance(m, dict)
+    ]
+    return words("\n".join(lines))
+
+
+def text_of(value: Any) -> str:
+    """An input item (text, token ids, a content part) as the text a fake answer is derived from."""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, dict):
+        return content_text(value.get("content", value.get("text", value)))
+    return canonical(value)
+
+
+_WORDS = (
+    "alpha bravo charlie delta echo foxtrot golf hotel india juliet kilo lima mike november oscar papa "
+    "quebec romeo sierra tango uniform victor whiskey xray yankee zulu"
+).split()
+_WORD_OF_BYTE = [_WORDS[byte % len(_WORDS)] for byte in range(256)]
+
+
+def fake_text(seed_text: str, tokens: int) -> str:
+    """`tokens` words cycling through 32 chosen by the prompt's digest (built once per call, then repeated)."""
+    digest = hashlib.sha256(seed_text.encode("utf-8", "surrogatepass")).digest()
+    cycle = [_WORD_OF_BYTE[byte] for byte in digest]
+    return " ".join((cycle * (tokens // len(cycle) + 1))[:tokens])
+
+
+def fake_vector(seed_text: str, dimensions: int) -> list[float]:
+    """A unit vector of `dimensions` float32 values drawn from the text's digest: equal texts, equal vectors."""
+    values: list[float] = []
+    counter = 0
+    while len(values) < dimensions:
+        block = hashlib.sha256(f"{counter}\x00{seed_text}".encode("utf-8", "surrogatepass")).digest()
+        values.extend((b - 127.5) / 127.5 for b in block)
+        counter += 1
+    values = values[:dimensions]
+    norm = math.sqrt(sum(v * v for v in values)) or 1.0
+    # Rounded to float32, as an engine's pooler output is: the Parquet column stores float32 losslessly.
+    return [struct.unpack("<f", struct.pack("<f", v / norm))[0] for v in values]
+
+
+def cosine(a: list[float], b: list[float]) -> float:
+    dot = sum(x * y for x, y in zip(a, b, strict=False))
+    na = math.sqrt(sum(x * x for x in a)) or 1.0
+    nb = math.sqrt(sum(y * y for y in b)) or 1.0
+    return dot / (na * nb)
+
+
+def pooling_usage(prompt_tokens: int) -> dict[str, Any]:
+    """The usage object of vLLM's pooling responses (UsageInfo, dumped whole)."""
+    return {
+        "prompt_tokens": prompt_tokens,
+        "total_tokens": prompt_tokens,
+        "completion_tokens": 0,
+        "prompt_tokens_details": None,
+    }

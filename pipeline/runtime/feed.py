@@ -1,0 +1,368 @@
+"""Feeding the engines: each pool's engine actors (Ray Data) pull leased chunks from the one work queue.
+
+    staged work list ─▶ WorkQueue (leases, prefix routing) ─▶ tickets ─▶ engine actors ─▶ staged parts + acks
+
+Ray Data does what it does well — placing each pool's actors by resources and accelerator type, scaling the pool,
+restarting a dead actor and re-running its ticket; the queue (runtime/work_queue.py) adds what it lacks: leases that
+come back when their engine dies, prefix-aware routing, and pulling across pools, so a faster pool simply leases
+more. The number of Ray tasks is the number of engines; the driver reads the queue's totals a few times a second
+and never sees a row.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import structlog
+
+from pipeline.config import DEFAULT_MAX_NUM_SEQS, JobConfig, PoolConfig, effective_pools
+from pipeline.engines.base import EngineSpec, engine_class
+from pipeline.io.staging import StagingArea
+from pipeline.models import ResolvedModel
+from pipeline.observe.progress import JobCounters, ProgressDisplay
+from pipeline.runtime.monitor import EngineWatch, summarize_recovery
+from pipeline.runtime.placement import place_pool
+from pipeline.runtime.preflight import PreflightError
+from pipeline.runtime.session import InBackground
+from pipeline.runtime.sink import ChunkSink
+
+log = structlog.get_logger(__name__)
+
+PROGRESS_POLL_S = 0.5  # how often the driver reads the queue's totals (one small actor call)
+
+
+@dataclass
+class EngineRun:
+    """What the engine phase reports back to the manifest."""
+
+    snapshot: dict[str, Any] = field(default_factory=dict)
+    pools: dict[str, dict[str, float]] = field(default_factory=dict)
+    retried_requests: int = 0
+    duplicates_dropped: int = 0
+    preemption_warned: bool = False  # the live warning went out already
+    routing: dict[str, Any] = field(default_factory=dict)
+    leases: dict[str, int] = field(default_factory=dict)  # chunks handed out, and handed out again
+    # Engines restarted, and those that died with rows in flight: where, why, and who re-ran the rows.
+    recovery: dict[str, Any] = field(default_factory=lambda: summarize_recovery({}))
+
+
+# Chunk sizing for engines whose speed is known up front: each lease and acknowledgement costs a few actor calls,
+# so a chunk should carry seconds of work; the cap bounds what one chunk holds in memory.
+CHUNK_SECONDS = 2.0
+MAX_CHUNK_ROWS = 16384
+
+
+@dataclass(frozen=True)
+class FeedPlan:
+    """How one pool runs: its engine spec, the size of its chunks and how many requests its engines hold."""
+
+    pool: PoolConfig
+    spec: EngineSpec
+    chunk_rows: int  # rows per lease
+    in_flight: (
+        int | None
+    )  # requests each engine keeps inside it; None: 2 x its own max_num_seqs, once started
+    max_engines: int
+
+
+def plan_feed(config: JobConfig, spec: EngineSpec, pool: PoolConfig) -> FeedPlan:
+    spec = replace(spec, args={**spec.args, **pool.engine_overrides}, cpus=pool.cpus_per_engine)
+    known = spec.args.get("max_num_seqs") or spec.args.get("max_concurrency")
+    in_flight = config.engine.max_in_flight or (2 * int(known) if known else None)
+    # A chunk's rows are staged when all of them are done, so for a real engine chunks stay small — half the
+    # in-flight window — and finished rows reach staging steadily. An engine that can say how fast it is gets
+    # chunks of about CHUNK_SECONDS of work instead. (With max_num_seqs left to the engine, vLLM's usual
+    # default sizes the chunk; the window itself follows the engine's value.)
+    chunk_rows = config.resources.rows_per_task
+    if chunk_rows is None:
+        chunk_rows = max(1, (in_flight or 2 * DEFAULT_MAX_NUM_SEQS) // 2)
+        speed = engine_class(spec.backend).rows_per_second(spec)
+        if speed:
+            chunk_rows = int(min(MAX_CHUNK_ROWS, max(chunk_rows, speed * CHUNK_SECONDS)))
+    return FeedPlan(pool, spec, chunk_rows, in_flight, pool.max_engines or pool.min_engines)
+
+
+def _pool_dataset(
+    plan: FeedPlan, queue: Any, monitor: Any, sink: ChunkSink, job_id: str, max_in_flight: int | None
+):
+    """One pool's pipeline: a ticket per engine → its engine actors, which lease chunks from the shared queue.
+
+    Ray Data does what it does well — placing the actors by resources and accelerator type, scaling the pool,
+    restarting a dead actor and re-running its ticket; the queue adds what it lacks: leases that come back when
+    their engine dies, prefix-aware routing, and pulling across pools (a faster pool simply leases more)."""
+    import ray
+
+    from pipeline.runtime.worker import EngineWorker
+
+    pool = plan.pool
+    tickets = [{"ticket": f"{pool.name}/{i}"} for i in range(plan.max_engines)]
+    ds = ray.data.from_items(tickets, override_num_blocks=len(tickets))
+    return ds.map_batches(
+        EngineWorker,
+        fn_constructor_kwargs={
+            "spec": plan.spec,
+            "pool": pool.name,
+            "monitor": monitor,
+            "job_id": job_id,
+            "queue": queue,
+            "sink": sink,
+            "chunk_rows": plan.chunk_rows,
+            "max_in_flight": max_in_flight,
+        },
+        batch_size=1,
+        # One ticket per actor, never queued behind another: a ticket runs until the queue is empty, so a second
+        # one queued on a busy actor would leave an engine of the pool idle the whole job.
+        compute=ray.data.ActorPoolStrategy(
+            min_size=pool.min_engines,
+            max_size=plan.max_engines,
+            max_concurrent_calls_per_actor=1,
+            max_tasks_in_flight_per_actor=1,
+        ),
+        num_cpus=pool.cpus_per_engine,
+        num_gpus=pool.gpus_per_engine or None,
+        resources=pool.resources_per_engine or None,
+        accelerator_type=pool.accelerator_type,
+        batch_format="numpy",
+    )
+
+
+def _wait_for_earlier_driver(job_id: str, timeout_s: float = 120.0) -> None:
+    """On a long-lived cluster, the engines of a driver that died a moment ago may still be staging their last
+    chunks until Ray reaps them (they share their driver's fate). Pending work is listed only once they are gone,
+    or it would include rows they are about to stage. Their job monitor's name tells whether any are left."""
+    import ray
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            ray.get_actor(f"nightshift-monitor-{job_id}")
+        except ValueError:
+            return
+        if time.monotonic() > deadline:
+            raise PreflightError(
+                f"job {job_id} is still running from another driver on this cluster; stop it before resuming"
+            )
+        time.sleep(0.5)
+
+
+def run_engines(
+    config: JobConfig,
+    spec: EngineSpec,
+    staging: StagingArea,
+    counters: JobCounters,
+    show_progress: bool,
+    job_id: str,
+    finished: set[str],
+    keyed_rows: int = 0,
+    pool_models: dict[str, ResolvedModel] | None = None,
+) -> EngineRun:
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    from pipeline.runtime.monitor import JobMonitor
+    from pipeline.runtime.sink import PartWriter, engines_share_disk_with_driver
+    from pipeline.runtime.work_queue import WorkQueue
+
+    _wait_for_earlier_driver(job_id)
+    files = staging.pending_requests(finished)
+    if not files:
+        return EngineRun()
+    # Each pool serves one model (its own, or the job's); with several models, each model's requests are a work
+    # list of their own, leased only by the pools serving that model.
+    fit = staging.read_job().get("fit")
+    specs, model_of = {}, {}
+    for pool in effective_pools(config):
+        model = (pool_models or {}).get(pool.name)
+        specs[pool.name] = pool_spec(spec, model, fit, pool) if model is not None else spec
+        model_of[pool.name] = specs[pool.name].served_model_name
+    models = list(dict.fromkeys(model_of.values()))
+    work = (
+        {m: staging.requests_for_model(files, m) for m in models} if len(models) > 1 else {models[0]: files}
+    )
+    rows_of = {m: staging.num_rows(paths) for m, paths in work.items()}
+    # Engine counts and CPUs the job left open are decided against the cluster Ray now sees; never more engines
+    # than there are chunks to give them (a chunk's size does not depend on how many engines there are). A pool
+    # whose model has no requests starts no engine.
+    engines_given = bool(config.pools) or config.resources.num_engines is not None
+    pools = [
+        place_pool(
+            pool,
+            specs[pool.name],
+            engines_given,
+            -(-rows_of[model_of[pool.name]] // plan_feed(config, specs[pool.name], pool).chunk_rows),
+        )
+        for pool in effective_pools(config)
+        if rows_of[model_of[pool.name]]
+    ]
+    # The monitor, the queues and (for a local OUTPUT on a multi-host cluster) the part writer are pinned to the
+    # driver's node: they must not go down with a worker node (that is what they help survive), and a local
+    # staging directory is on this node's disk.
+    # The monitor is named so operators (and tests) can find a job's engines: ray.get_actor(name).snapshot().
+    node_id = ray.get_runtime_context().get_node_id()
+    here = NodeAffinitySchedulingStrategy(node_id, soft=False)
+    monitor = (
+        ray.remote(num_cpus=0)(JobMonitor)
+        .options(name=f"nightshift-monitor-{job_id}", scheduling_strategy=here)
+        .remote()
+    )
+    plans = [plan_feed(config, specs[pool.name], pool) for pool in pools]
+    writer = None
+    if not engines_share_disk_with_driver(staging.is_local):
+        writer = ray.remote(num_cpus=0)(PartWriter).options(scheduling_strategy=here).remote(staging)
+    sink = ChunkSink(staging, writer)
+    run_id = uuid.uuid4().hex[:8]
+    queues, datasets = [], []
+    route = False
+    for model in models:
+        mine = [plan for plan in plans if model_of[plan.pool.name] == model]
+        if not mine:
+            continue
+        routed = config.routing.prefix_aware and keyed_rows > 0 and sum(p.max_engines for p in mine) > 1
+        route |= routed
+        # The queue looks ahead a few chunks per engine to find rows of each engine's prompts; bounded, since a
+        # million-row job must not be read into memory.
+        window = min(65536, max(8192, 4 * sum(p.max_engines * p.chunk_rows for p in mine)))
+        queue = (
+            ray.remote(num_cpus=0)(WorkQueue)
+            .options(scheduling_strategy=here)
+            .remote(
+                work[model],
+                files_on=staging.files,
+                route=routed,
+                window_rows=window,
+                run_id=f"{run_id}{len(queues)}" if len(models) > 1 else run_id,
+            )
+        )
+        queues.append(queue)
+        datasets += [
+            _pool_dataset(plan, queue, monitor, sink, job_id, config.engine.max_in_flight) for plan in mine
+        ]
+    ds = datasets[0].union(*datasets[1:]) if len(datasets) > 1 else datasets[0]
+
+    # Live engine numbers (KV usage, preemptions, prefix hits) in the display and logs; warns once on preemptions.
+    watch = EngineWatch.of_monitor(monitor, staging.read_job().get("fit"))
+    seen = {"rows": 0, "failed": 0, "prompt_tokens": 0, "completion_tokens": 0}
+    progress_pools: dict[str, dict[str, Any]] = {}
+
+    def take_progress() -> None:
+        latest = _merged_progress(ray.get([queue.progress.remote() for queue in queues]))
+        delta = {key: latest[key] - seen[key] for key in seen}
+        if delta["rows"]:
+            counters.add(delta["rows"], delta["failed"], delta["prompt_tokens"], delta["completion_tokens"])
+            seen.update({key: latest[key] for key in seen})
+        progress_pools.clear()
+        progress_pools.update(latest["pools"])
+
+    # The engines run in Ray; the driver only watches: acknowledgements are counted by the queue.
+    running = InBackground(lambda: sum(int(b["chunks"].sum()) for b in ds.iter_batches(batch_size=None)))
+    with ProgressDisplay(counters, enabled=show_progress, engines=watch.poll) as progress:
+        while not running.wait(PROGRESS_POLL_S):
+            take_progress()
+            progress.update(pools=progress_pools)
+        running.result()
+        take_progress()
+        progress.update(force=True, pools=progress_pools)
+    run = EngineRun(pools={name: dict(stats) for name, stats in progress_pools.items()})
+    reserved = {pool.name: pool.cpus_per_engine for pool in pools}
+    snapshot = ray.get(monitor.snapshot.remote())
+    for name, stats in run.pools.items():
+        stats["cpus_per_engine"] = reserved.get(name) or 0.0
+        stats["engines"] = sum(1 for info in snapshot.values() if info["pool"] == name)
+        span = stats.get("last_result_s") or 0
+        stats["output_tokens_per_s"] = round(stats["completion_tokens"] / span, 2) if span else 0.0
+    run.snapshot = snapshot
+    run.retried_requests = len(ray.get(monitor.retries.remote()))
+    run.recovery = summarize_recovery(ray.get(monitor.work.remote()))
+    run.preemption_warned = watch.warned
+    queued = _merged_stats(ray.get([queue.stats.remote() for queue in queues]))
+    run.duplicates_dropped = queued["duplicate_acks"]
+    run.leases = {
+        k: queued[k] for k in ("chunks_issued", "chunks_reissued", "rows_reissued", "duplicate_acks")
+    }
+    # Routing facts: rows each engine ran; "rows_routed" ran on their key's owner, "rows_stolen" on another
+    # engine (so that none idled), "rows_unkeyed" had no shared prompt; "keys": prompts that got an owning engine.
+    run.routing = {
+        "enabled": config.routing.prefix_aware,
+        "used": route,
+        "keyed_rows_in_input": keyed_rows,
+        "rows_by_engine": dict(sorted(queued["served_by"].items())) if route else {},
+        **queued["routing"],
+    }
+    for actor in (monitor, *queues, writer):
+        if actor is not None:
+            ray.kill(actor)
+    if run.duplicates_dropped:
+        log.warning(
+            "dropped chunks that ran twice (their engine died after staging them)",
+            chunks=run.duplicates_dropped,
+        )
+    return run
+
+
+def pool_spec(
+    spec: EngineSpec, model: ResolvedModel, fit: dict[str, Any] | None, pool: PoolConfig
+) -> EngineSpec:
+    """The engine spec of a pool serving `model`. Engine args fitted to the data are the job model's: a pool of
+    another model drops them (vLLM then sizes its context and batch from the model itself) and keeps what was
+    given."""
+    if model.path == spec.model_path and model.name == spec.served_model_name:
+        return spec
+    args = dict(spec.args)
+    fit = fit or {}
+    if (fit.get("max_model_len") or {}).get(
+        "source"
+    ) == "fitted" and "max_model_len" not in pool.engine_overrides:
+        args["max_model_len"] = None
+    if (fit.get("max_num_seqs") or {}).get(pool.name, {}).get("source") != "given":
+        cpu_default = DEFAULT_MAX_NUM_SEQS if pool.gpus_per_engine == 0 else None
+        args["max_num_seqs"] = pool.engine_overrides.get("max_num_seqs", cpu_default)
+    return replace(spec, model_path=model.path, served_model_name=model.name, args=args)
+
+
+def models_summary(
+    pool_models: dict[str, ResolvedModel], pools: dict[str, dict[str, float]]
+) -> dict[str, dict[str, Any]]:
+    """Per served model: where it came from, its task, the pools serving it, and the rows and tokens they answered."""
+    out: dict[str, dict[str, Any]] = {}
+    for pool, model in pool_models.items():
+        entry = out.setdefault(
+            model.name,
+            {
+                "path": model.path,
+                "task": model.task,
+                "pools": [],
+                "rows": 0,
+                "prompt_tokens": 0,
+                "completion_tokens": 0,
+            },
+        )
+        entry["pools"].append(pool)
+        stats = pools.get(pool) or {}
+        for key in ("rows", "prompt_tokens", "completion_tokens"):
+            entry[key] += int(stats.get(key) or 0)
+    return out
+
+
+def _merged_progress(each: list[dict[str, Any]]) -> dict[str, Any]:
+    """The work queues' totals as one (a job serving several models has a queue per model)."""
+    merged: dict[str, Any] = {"rows": 0, "failed": 0, "prompt_tokens": 0, "completion_tokens": 0, "pools": {}}
+    for one in each:
+        for key in ("rows", "failed", "prompt_tokens", "completion_tokens"):
+            merged[key] += one[key]
+        merged["pools"].update(one["pools"])  # a pool leases from its model's queue only
+    return merged
+
+
+def _merged_stats(each: list[dict[str, Any]]) -> dict[str, Any]:
+    merged: dict[str, Any] = {"served_by": {}, "routing": {}}
+    for one in each:
+        merged["served_by"].update(one["served_by"])
+        for key, value in one.items():
+            if isinstance(value, int):
+                merged[key] = merged.get(key, 0) + value
+        for key, value in one["routing"].items():
+            merged["routing"][key] = merged["routing"].get(key, 0) + value
+    return merged

@@ -1,0 +1,242 @@
+"""What nightshift's manifests must lock down, as checks on the parsed YAML (each returns a list of problems):
+
+- `auth_errors`: every Ray cluster (RayCluster, RayJob's rayClusterSpec, RayService's rayClusterConfig) runs with
+  Ray token authentication, `authOptions: {mode: token}`, and leaves RAY_AUTH_MODE / RAY_AUTH_TOKEN to the operator
+  (a container setting them would override the token KubeRay generates, or put one in the manifest);
+- `container_errors`: every container — Ray's, the job submitter's, and the autoscaler the operator adds (through
+  `autoscalerOptions.securityContext`) — runs with `allowPrivilegeEscalation: false`, not privileged, with
+  capabilities `drop: [ALL]` and none added beyond `ALLOWED_CAPABILITIES`;
+- `credential_errors`: S3 credentials reach containers only through `secretKeyRef` (never a literal value or a
+  ConfigMap), every Ray container gets them that way, and no ConfigMap holds anything that looks like one;
+- `network_policy_errors`: a NetworkPolicy selects each cluster's head and admits its GCS, dashboard and Ray Client
+  ports only from that cluster's own pods and the KubeRay operator, and lets every pod of the cluster (workers, job
+  submitter) reach the head.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from kuberay_rules import cluster_specs, groups
+
+# What the containers may add back after dropping ALL: nothing (GPU access is device nodes and groups).
+ALLOWED_CAPABILITIES: frozenset[str] = frozenset()
+CREDENTIAL_VARIABLES = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN")
+REQUIRED_IN_RAY_CONTAINERS = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY")
+OPERATOR_LABELS = {"app.kubernetes.io/name": "kuberay-operator"}
+HEAD_PORTS = {6379: "GCS", 8265: "dashboard", 10001: "Ray Client"}
+_CREDENTIAL_WORDS = ("aws_access_key_id", "aws_secret_access_key", "aws_session_token", "secret_access_key")
+
+
+def pod_templates(doc: dict) -> Iterator[tuple[str, dict]]:
+    """(where, pod template) for every group of every cluster in a Ray document, and a RayJob's submitter."""
+    for where, spec in cluster_specs(doc):
+        for group_where, _, group in groups(spec):
+            yield f"{where}.{group_where}", group.get("template") or {}
+    submitter = (doc.get("spec") or {}).get("submitterPodTemplate")
+    if doc.get("kind") == "RayJob" and submitter:
+        yield "spec.submitterPodTemplate", submitter
+
+
+def _containers(template: dict) -> Iterator[tuple[str, dict]]:
+    spec = template.get("spec") or {}
+    for key in ("initContainers", "containers"):
+        for index, container in enumerate(spec.get(key) or []):
+            yield f"{key}[{index}]", container
+
+
+# --------------------------------------------------------------------------------------------- token auth
+
+
+def auth_errors(doc: dict) -> list[str]:
+    errors = []
+    for where, spec in cluster_specs(doc):
+        mode = (spec.get("authOptions") or {}).get("mode")
+        if mode != "token":
+            errors.append(
+                f"{where}.authOptions.mode is {mode!r}: Ray clusters must enforce a token (mode: token)"
+            )
+    for where, template in pod_templates(doc):
+        for container_where, container in _containers(template):
+            for var in container.get("env") or []:
+                if var.get("name") in ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN"):
+                    errors.append(
+                        f"{where}.{container_where} sets {var['name']}: authOptions lets the operator set it"
+                    )
+    return errors
+
+
+# --------------------------------------------------------------------------------------------- containers
+
+
+def _security_context_errors(at: str, context: dict | None) -> list[str]:
+    context = context or {}
+    errors = []
+    if context.get("allowPrivilegeEscalation") is not False:
+        errors.append(f"{at}: securityContext.allowPrivilegeEscalation must be false")
+    if context.get("privileged"):
+        errors.append(f"{at}: must not be privileged")
+    capabilities = context.get("capabilities") or {}
+    if "ALL" not in (capabilities.get("drop") or []):
+        errors.append(f"{at}: securityContext.capabilities.drop must include ALL")
+    extra = set(capabilities.get("add") or []) - ALLOWED_CAPABILITIES
+    if extra:
+        errors.append(f"{at}: adds capabilities {sorted(extra)} that nightshift's containers do not need")
+    return errors
+
+
+def container_errors(doc: dict) -> list[str]:
+    errors = []
+    for where, template in pod_templates(doc):
+        containers = list(_containers(template))
+        if not containers:
+            errors.append(f"{where}: no containers")
+        for container_where, container in containers:
+            errors += _security_context_errors(f"{where}.{container_where}", container.get("securityContext"))
+    for where, spec in cluster_specs(doc):
+        if spec.get("enableInTreeAutoscaling"):
+            options = spec.get("autoscalerOptions") or {}
+            errors += _security_context_errors(
+                f"{where}.autoscalerOptions (the autoscaler container)", options.get("securityContext")
+            )
+    return errors
+
+
+# --------------------------------------------------------------------------------------------- credentials
+
+
+def _ray_containers(doc: dict) -> Iterator[tuple[str, dict]]:
+    """The Ray container of every group (KubeRay's RayContainerIndex: the first)."""
+    for where, spec in cluster_specs(doc):
+        for group_where, _, group in groups(spec):
+            containers = ((group.get("template") or {}).get("spec") or {}).get("containers") or []
+            if containers:
+                yield f"{where}.{group_where}.containers[0]", containers[0]
+
+
+def credential_errors(documents: list[dict]) -> list[str]:
+    errors = []
+    for doc in documents:
+        name = f"{doc.get('kind')} {(doc.get('metadata') or {}).get('name')}"
+        if doc.get("kind") == "ConfigMap":
+            for key, value in (doc.get("data") or {}).items():
+                text = f"{key}\n{value}".lower()
+                if any(word in text for word in _CREDENTIAL_WORDS):
+                    errors.append(f"{name}: data[{key!r}] holds S3 credentials; they belong in a Secret")
+            continue
+        for where, template in pod_templates(doc):
+            for container_where, container in _containers(template):
+                at = f"{name} {where}.{container_where}"
+                for var in container.get("env") or []:
+                    if var.get("name") not in CREDENTIAL_VARIABLES:
+                        continue
+                    source = var.get("valueFrom") or {}
+                    if "value" in var or "secretKeyRef" not in source:
+                        errors.append(f"{at}: {var['name']} must come from a Secret (valueFrom.secretKeyRef)")
+        for at, container in _ray_containers(doc):
+            from_secrets = {
+                var["name"]
+                for var in container.get("env") or []
+                if "secretKeyRef" in (var.get("valueFrom") or {}) and "value" not in var
+            }
+            for variable in REQUIRED_IN_RAY_CONTAINERS:
+                if variable not in from_secrets:
+                    errors.append(f"{name} {at}: {variable} is not taken from a Secret")
+    return errors
+
+
+# --------------------------------------------------------------------------------------------- network policy
+
+
+def _identity(doc: dict) -> tuple[str, str]:
+    return doc.get("kind", ""), (doc.get("metadata") or {}).get("name", "")
+
+
+def _labels(template: dict) -> dict:
+    return dict((template.get("metadata") or {}).get("labels") or {})
+
+
+def _matches(selector: dict, labels: dict) -> bool:
+    if set(selector) - {"matchLabels"}:
+        return False  # matchExpressions and friends: not understood here, so not trusted
+    return all(labels.get(key) == value for key, value in (selector.get("matchLabels") or {}).items())
+
+
+def _peer_kind(peer: dict, own: list[dict], others: list[dict]) -> str | None:
+    """ "own" (pods of this cluster only), "operator", or None (anything wider)."""
+    if set(peer) == {"podSelector"}:
+        selector = peer["podSelector"] or {}
+        if (selector.get("matchLabels") or {}) and all(_matches(selector, labels) for labels in own):
+            if not any(_matches(selector, labels) for labels in others):
+                return "own"
+    if set(peer) <= {"podSelector", "namespaceSelector"} and "podSelector" in peer:
+        if ((peer["podSelector"] or {}).get("matchLabels") or {}) == OPERATOR_LABELS and set(
+            peer["podSelector"]
+        ) == {"matchLabels"}:
+            return "operator"
+    return None
+
+
+def _rule_ports(rule: dict) -> set[int] | None:
+    """The head ports a rule opens (None: every port)."""
+    if not rule.get("ports"):
+        return None
+    return {port.get("port") for port in rule["ports"]} & set(HEAD_PORTS)
+
+
+def network_policy_errors(doc: dict, documents: list[dict]) -> list[str]:
+    """`doc` is a Ray document; `documents` every document of the manifests (policies and other clusters)."""
+    policies = [d for d in documents if d.get("kind") == "NetworkPolicy"]
+    errors = []
+    for where, spec in cluster_specs(doc):
+        own = [_labels(group.get("template") or {}) for _, _, group in groups(spec)]
+        submitter = (doc.get("spec") or {}).get("submitterPodTemplate")
+        if doc.get("kind") == "RayJob" and submitter:
+            own.append(_labels(submitter))  # it calls the head's Jobs API
+        others = [
+            _labels(template)
+            for other in documents
+            if _identity(other)
+            != _identity(doc)  # another cluster (the documents may hold a copy of this one)
+            for _, template in pod_templates(other)
+        ]
+        head = _labels((spec.get("headGroupSpec") or {}).get("template") or {})
+        selecting = [
+            policy
+            for policy in policies
+            if _matches((policy.get("spec") or {}).get("podSelector") or {}, head)
+            and (policy.get("spec") or {}).get("podSelector", {}).get("matchLabels")
+            and "Ingress" in ((policy.get("spec") or {}).get("policyTypes") or ["Ingress"])
+        ]
+        if not selecting:
+            errors.append(f"{where}: no NetworkPolicy selects the head pods (labels {head})")
+            continue
+        reachable = [False] * len(own)
+        for policy in selecting:
+            name = (policy.get("metadata") or {}).get("name")
+            for index, rule in enumerate((policy.get("spec") or {}).get("ingress") or []):
+                at = f"NetworkPolicy {name} ingress[{index}]"
+                ports = _rule_ports(rule)
+                peers = rule.get("from") or []
+                kinds = [_peer_kind(peer, own, others) for peer in peers]
+                if ports is None or ports:
+                    opened = sorted(HEAD_PORTS) if ports is None else sorted(ports)
+                    if not peers:
+                        errors.append(f"{at}: admits every source to {[HEAD_PORTS[p] for p in opened]}")
+                    for peer, kind in zip(peers, kinds, strict=True):
+                        if kind is None:
+                            errors.append(
+                                f"{at}: admits {peer} to {[HEAD_PORTS[p] for p in opened]}; only this cluster's "
+                                "pods and the KubeRay operator may reach them"
+                            )
+                        elif kind == "operator" and ports is None:
+                            errors.append(f"{at}: opens every port to the operator; list the head's ports")
+                if ports is None:
+                    for peer, kind in zip(peers, kinds, strict=True):
+                        if kind == "own":
+                            for position, labels in enumerate(own):
+                                reachable[position] |= _matches(peer["podSelector"], labels)
+        if not all(reachable):
+            missing = [labels for labels, ok in zip(own, reachable, strict=True) if not ok]
+            errors.append(f"{where}: pods labelled {missing} of this cluster could not reach its head")
+    return errors
