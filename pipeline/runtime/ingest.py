@@ -23,8 +23,9 @@ process otherwise (unit tests; no Ray needed):
    is removed from its parts.
 
 The driver merges small per-task statistics. Its CPU and memory grow with the number of pieces, never with rows.
-Placement: a local input, or a local staging area (local OUTPUT), is on the driver's disk, so with several nodes
-the tasks are pinned to the driver's node; an s3:// input staged to s3:// is read wherever Ray finds room.
+Placement: a local input, or a local staging area (local OUTPUT), is on the driver's disk, so on a cluster that
+spans several hosts the tasks are pinned to the driver's node; otherwise (an s3:// input staged to s3://, or every
+node on the driver's host) they go wherever Ray finds room.
 """
 
 from __future__ import annotations
@@ -56,6 +57,7 @@ from pipeline.json_codec import dumps_body
 from pipeline.planner import requested_max_tokens
 from pipeline.protocol import ErrorCode, dumps, failed_request_record, invalid_line_record
 from pipeline.runtime.dedup import REQUEST, BucketOutcome, IdRows, drop_losers, find_duplicates
+from pipeline.runtime.finalize import spans_hosts
 from pipeline.runtime.fit import Lengths, MeasureSpec, context_problem, tokenizers_loaded
 from pipeline.stages.route import prefix_key
 from pipeline.stages.validate import InvalidLine, LineValidator, ValidRequest, duplicate_line
@@ -467,8 +469,17 @@ def _executor(parallel: bool | None, source: InputSource, staging: StagingArea) 
         return _InProcess()
     import ray
 
+    driver = ray.get_runtime_context().get_node_id()
+    return _RayTasks(pinned_to(source, staging, ray.nodes(), driver))
+
+
+def pinned_to(
+    source: InputSource, staging: StagingArea, nodes: list[dict[str, Any]], driver: str
+) -> str | None:
+    """The node the ingest tasks must run on, or None to spread them: a local input or a local staging area is
+    on the driver's disk, which nodes on other hosts cannot read (nodes on the driver's host can)."""
     local = source.kind == "local" or isinstance(staging.files, LocalFiles)
-    return _RayTasks(ray.get_runtime_context().get_node_id() if local else None)
+    return driver if local and spans_hosts(nodes, driver) else None
 
 
 def _scan_batches(scans: list[ByteRange]) -> list[list[ByteRange]]:

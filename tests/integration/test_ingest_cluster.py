@@ -12,7 +12,7 @@ import pytest
 
 from cluster.local import NodeSpec, mixed_cluster
 from pipeline.config import JobConfig, StorageConfig
-from pipeline.io.readers import input_source
+from pipeline.io.readers import file_ranges, input_source
 from pipeline.io.staging import StagingArea
 from pipeline.io.writers import output_target
 from pipeline.runtime.ingest import ingest
@@ -126,19 +126,25 @@ def test_a_large_s3_file_in_byte_ranges_on_several_nodes_matches_one_pass(cluste
     assert report.fingerprint == expected.fingerprint == input_source(location, storage).fingerprint()
 
 
-def test_a_local_input_is_read_on_the_drivers_node(cluster, tmp_path: Path):
-    import ray
-
+def test_a_local_input_on_nodes_that_share_the_drivers_host_is_read_on_several_of_them(
+    cluster, tmp_path: Path
+):
+    """Every node here runs on this host and reads its disk, so nothing pins the tasks (on a cluster of several
+    hosts a local input is read on the driver's node only: tests/unit/test_ingest.py)."""
     lines = [chat_line(f"q{k:04d}", f"question {k}") for k in range(600)] + [chat_line("q0001", "again")]
     path = write_lines(tmp_path / "in.jsonl", lines)
     staging = StagingArea(tmp_path / "out")
     staging.create()
-    report = ingest(path, MODEL, staging, job_id="j", range_bytes=path.stat().st_size // 5, buckets=2)
-    driver = ray.get_runtime_context().get_node_id()
-    assert report.nodes() == [driver] and sum(report.placement["read"].values()) >= 5
+    report = ingest(path, MODEL, staging, job_id="j", range_bytes=path.stat().st_size // 9, buckets=3)
+    serial = StagingArea(tmp_path / "serial")
+    serial.create()
+    expected = ingest(path, MODEL, serial, job_id="j", range_bytes=path.stat().st_size // 9, parallel=False)
+    pieces = len(file_ranges(path.stat().st_size, path.stat().st_size // 9))
+    assert len(report.placement["read"]) >= 2 and sum(report.placement["read"].values()) == pieces
+    assert staged(staging) == staged(serial)
     assert (report.lines, report.valid, dict(report.invalid_by_code)) == (
         601,
         600,
         {"duplicate_custom_id": 1},
     )
-    assert report.fingerprint == input_source(str(path)).fingerprint()
+    assert report.fingerprint == expected.fingerprint == input_source(str(path)).fingerprint()
