@@ -210,6 +210,12 @@ class RetryStats:
         return dict(cls._by_operation)
 
     @classmethod
+    def add(cls, by_operation: dict[str, int]) -> None:
+        """Count retries another process made on this job's behalf (a task's `since(...)["by_operation"]`)."""
+        for op, n in by_operation.items():
+            cls._by_operation[op] = cls._by_operation.get(op, 0) + n
+
+    @classmethod
     def since(cls, before: dict[str, int]) -> dict[str, Any]:
         """Retries since `before` (a snapshot): {"retries": total, "by_operation": {op: n}}."""
         delta = {op: n - before.get(op, 0) for op, n in cls._by_operation.items() if n > before.get(op, 0)}

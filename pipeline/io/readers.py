@@ -17,6 +17,15 @@ How each kind is read:
 
 Row numbers are 1-based: the line number for JSONL (blank lines are skipped but counted, like an editor's), the
 row index for Parquet.
+
+Reading in pieces (`plan_reads`, `InputSource.piece_rows`): an uncompressed JSONL file larger than `range_bytes` is
+split into byte ranges; a range owns every line whose first byte lies in it (it starts after the first newline at or
+after `start - 1` and reads through the line that crosses its end), so each line is read exactly once. A range
+does not know how many lines precede it: `InputSource.scan` counts them (bytes.count over the bytes, far faster than
+parsing them), and the piece is given the count before it is read. Gzip files and http(s) inputs are one piece
+each; Parquet files are split by row groups. The local fingerprint is built from ranges too, of a fixed size
+(`HASH_RANGE_BYTES`, whatever size the file is read in): the sha256 of each range, combined in order (a file of one
+range: the sha256 of its bytes), so ranges hashed in parallel and a file hashed in one stream agree.
 """
 
 from __future__ import annotations
@@ -27,7 +36,7 @@ import hashlib
 import io
 import os
 import tempfile
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, BinaryIO, NamedTuple
@@ -59,6 +68,10 @@ INPUT_SUFFIXES = JSONL_SUFFIXES + PARQUET_SUFFIXES
 PARQUET_MAGIC = b"PAR1"
 REQUIRED_PARQUET_COLUMNS = ("custom_id", "url", "body")
 READ_CHUNK = 8 << 20  # bytes per ranged S3 GET / local read buffer
+RANGE_BYTES = 64 << 20  # a larger JSONL file is read in byte ranges of at most this size
+PIECE_ROWS = 100_000  # Parquet rows read together (whole row groups): a couple of seconds of validation
+# The local fingerprint hashes files in ranges of this size (fixed, whatever the read ranges: resume compares it).
+HASH_RANGE_BYTES = 64 << 20
 
 
 class InputFormatError(LocationError):
@@ -101,6 +114,56 @@ class InputFile:
         return None
 
 
+@dataclass(frozen=True)
+class ByteRange:
+    """Bytes [start, end) of input file number `file`, to scan; `cuts`: offsets inside it where a read range starts
+    (its newlines are counted per segment between them)."""
+
+    file: int
+    start: int
+    end: int
+    cuts: tuple[int, ...] = ()
+
+    def segments(self) -> list[tuple[int, int]]:
+        bounds = [self.start, *self.cuts, self.end]
+        return list(zip(bounds, bounds[1:], strict=False))
+
+
+@dataclass(frozen=True)
+class InputPiece:
+    """One unit of parallel reading: a whole file, a byte range of a JSONL file, or row groups of a Parquet file.
+
+    `index` orders the pieces as the input is ordered (it names what the piece stages). JSONL range: bytes
+    [start, end), `before` the newlines ahead of `start` (-1 until counted). Parquet: row groups [start, end),
+    `before` the rows ahead of them. Whole file (`end` None): `before` 0."""
+
+    index: int
+    file: int  # index into InputSource.files
+    kind: str  # "jsonl" | "parquet" | "http"
+    start: int = 0
+    end: int | None = None
+    before: int = 0
+
+
+def with_line_counts(
+    pieces: list[InputPiece], scans: list[ByteRange], newlines: list[list[int]]
+) -> list[InputPiece]:
+    """The pieces, each JSONL range given the number of newlines ahead of it, from the newlines the scans counted
+    in each of their segments (scans in file order, as `plan_reads` lists them)."""
+    from dataclasses import replace
+
+    ahead: dict[tuple[int, int], int] = {}
+    running: dict[int, int] = {}
+    for byte_range, counts in zip(scans, newlines, strict=True):
+        for (start, _), count in zip(byte_range.segments(), counts, strict=True):
+            ahead[(byte_range.file, start)] = running.get(byte_range.file, 0)
+            running[byte_range.file] = running.get(byte_range.file, 0) + count
+    return [
+        replace(p, before=ahead[(p.file, p.start)]) if p.kind == "jsonl" and p.end is not None else p
+        for p in pieces
+    ]
+
+
 @dataclass
 class ReadStats:
     """Filled in while `InputSource.rows` streams: bytes read and the input fingerprint (set at the end)."""
@@ -115,6 +178,24 @@ def _is_hidden(name: str) -> bool:
     return name.startswith((".", "_"))
 
 
+def file_ranges(size: int, range_bytes: int = RANGE_BYTES) -> list[tuple[int, int]]:
+    """The byte ranges a file of `size` bytes is read and hashed in: [start, end), in order; one for a small file."""
+    if size <= range_bytes:
+        return [(0, size)]
+    return [(start, min(start + range_bytes, size)) for start in range(0, size, range_bytes)]
+
+
+def combine_ranges(digests: list[tuple[int, int, str]]) -> str:
+    """A file's digest from the sha256 of each of its ranges (start, end, hex): the range's own digest when there is
+    one range, so a small file's fingerprint is simply the sha256 of its bytes."""
+    if len(digests) == 1:
+        return digests[0][2]
+    combined = hashlib.sha256()
+    for start, end, digest in digests:
+        combined.update(f"{start}\t{end}\t{digest}\n".encode())
+    return combined.hexdigest()
+
+
 def _combine_local(file_hashes: list[tuple[str, int, str]]) -> str:
     if len(file_hashes) == 1:
         return f"sha256:{file_hashes[0][2]}"
@@ -127,13 +208,45 @@ def _combine_local(file_hashes: list[tuple[str, int, str]]) -> str:
 # -- byte streams -----------------------------------------------------------------------------------------------------
 
 
+class _RangeHasher:
+    """sha256 of each HASH_RANGE_BYTES range of a byte stream fed in order; `digest()` combines them
+    (combine_ranges)."""
+
+    def __init__(self) -> None:
+        self.range_bytes = HASH_RANGE_BYTES
+        self.size = 0
+        self._hash = hashlib.sha256()
+        self._start = 0
+        self._done: list[tuple[int, int, str]] = []
+
+    def update(self, data: memoryview | bytes) -> None:
+        view = memoryview(data)
+        while len(view):
+            room = self._start + self.range_bytes - self.size
+            # A new range starts only when a byte of it arrives: a file never ends in an empty range.
+            if room == 0:
+                self._done.append((self._start, self.size, self._hash.hexdigest()))
+                self._hash, self._start = hashlib.sha256(), self.size
+                continue
+            take = view[:room]
+            self._hash.update(take)
+            self.size += len(take)
+            view = view[len(take) :]
+
+    def digest(self) -> str:
+        return combine_ranges([*self._done, (self._start, self.size, self._hash.hexdigest())])
+
+
 class _HashingRaw(io.RawIOBase):
     """Passes reads through, hashing every byte (the local fingerprint costs no second pass)."""
 
     def __init__(self, raw: BinaryIO) -> None:
         self._raw = raw
-        self.hash = hashlib.sha256()
-        self.size = 0
+        self.hash = _RangeHasher()
+
+    @property
+    def size(self) -> int:
+        return self.hash.size
 
     def readable(self) -> bool:
         return True
@@ -142,7 +255,6 @@ class _HashingRaw(io.RawIOBase):
         n = self._raw.readinto(buffer)
         if n:
             self.hash.update(memoryview(buffer)[:n])
-            self.size += n
         return n or 0
 
     def close(self) -> None:
@@ -248,31 +360,43 @@ def _too_long(what: str, size: int, max_bytes: int, custom_id: Any = None) -> Ba
     return BadRow(custom_id, message, "line_too_long")
 
 
-def _skip_rest_of_line(stream: BinaryIO, seen: int) -> int:
-    """Read past the end of an over-long line in bounded pieces; returns its length (without the newline)."""
+def _skip_line(stream: BinaryIO) -> tuple[int, bool]:
+    """Read past the rest of a line in bounded pieces: (bytes skipped, whether a newline ended it)."""
+    skipped = 0
     while True:
         piece = stream.readline(READ_CHUNK)
         if not piece:
-            return seen
+            return skipped, False
+        skipped += len(piece)
         if piece.endswith(b"\n"):
-            return seen + len(piece) - 1
-        seen += len(piece)
+            return skipped, True
 
 
-def iter_jsonl(stream: BinaryIO, source: str, max_line_bytes: int = DEFAULT_MAX_LINE_BYTES) -> Iterator[Row]:
+def iter_jsonl(
+    stream: BinaryIO,
+    source: str,
+    max_line_bytes: int = DEFAULT_MAX_LINE_BYTES,
+    first_number: int = 1,
+    start: int = 0,
+    end: int | None = None,
+) -> Iterator[Row]:
     """Every non-blank line as (source, 1-based line number, stripped bytes); a leading UTF-8 BOM is dropped.
 
     A line longer than `max_line_bytes` is never held whole: at most the limit is read, the rest is skipped in
-    pieces, and the row is a BadRow (line_too_long)."""
-    number = 0
-    while True:
+    pieces, and the row is a BadRow (line_too_long). With `end`, the stream stands at byte `start` of its file, at
+    the start of line `first_number`, and only lines that start before `end` are read (the last one whole)."""
+    number = first_number - 1
+    position = start
+    while end is None or position < end:
         raw = stream.readline(max_line_bytes + 1)
         if not raw:
             return
         number += 1
+        position += len(raw)
         if len(raw) > max_line_bytes and not raw.endswith(b"\n"):
-            size = _skip_rest_of_line(stream, len(raw))
-            yield Row(source, number, _too_long("line", size, max_line_bytes))
+            skipped, newline = _skip_line(stream)
+            position += skipped
+            yield Row(source, number, _too_long("line", len(raw) + skipped - newline, max_line_bytes))
             continue
         stripped = raw.strip()
         if not stripped:
@@ -282,6 +406,20 @@ def iter_jsonl(stream: BinaryIO, source: str, max_line_bytes: int = DEFAULT_MAX_
             if not stripped:
                 continue
         yield Row(source, number, stripped)
+
+
+def align_to_line(stream: BinaryIO, start: int) -> tuple[int, int]:
+    """Move a seekable stream to the first line that starts at or after byte `start`: (that line's offset, the
+    newlines passed on the way: 1 when `start` fell inside a line, else 0). The offset is the file's size when no
+    line starts there (`start` fell inside the last line)."""
+    if start == 0:
+        stream.seek(0)
+        return 0, 0
+    stream.seek(start - 1)
+    if stream.read(1) == b"\n":
+        return start, 0
+    skipped, newline = _skip_line(stream)
+    return start + skipped, int(newline)
 
 
 def _cleaner(arrow_type) -> Callable[[Any], Any] | None:
@@ -350,9 +488,12 @@ def iter_parquet(
     batch_rows: int = 8192,
     max_line_bytes: int = DEFAULT_MAX_LINE_BYTES,
     max_json_depth: int = json_codec.DEFAULT_MAX_DEPTH,
+    row_groups: Sequence[int] | None = None,
+    first_number: int = 1,
 ) -> Iterator[Row]:
     """Rows of a Parquet file (a path or a seekable file object), one row group batch at a time. A `body` string
-    is held to the same limits as a JSONL line: `max_line_bytes`, and json_codec's nesting bound."""
+    is held to the same limits as a JSONL line: `max_line_bytes`, and json_codec's nesting bound. `row_groups`:
+    only those (consecutive) groups, the first of them starting at row `first_number`."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
@@ -370,8 +511,8 @@ def iter_parquet(
     body_is_binary = pa.types.is_binary(body_type) or pa.types.is_large_binary(body_type)
     clean_body = None if (body_is_text or body_is_binary) else _cleaner(body_type)
     clean = {c: _cleaner(schema.field(c).type) for c in columns if c != "body"}
-    number = 0
-    for batch in pf.iter_batches(batch_size=batch_rows, columns=columns):
+    number = first_number - 1
+    for batch in pf.iter_batches(batch_size=batch_rows, row_groups=row_groups, columns=columns):
         data = {}
         for name in columns:
             values = batch.column(name).to_pylist()
@@ -458,6 +599,159 @@ class InputSource:
             self._fs = s3_filesystem(self.storage)
         return self._fs
 
+    def __getstate__(self) -> dict[str, Any]:
+        return {**self.__dict__, "_fs": None}  # read tasks build their own S3 client
+
+    # -- pieces: the input cut into units of parallel reading -------------------------------------------------------
+    def file_format(self, index: int) -> str:
+        """The format of file `index`, "jsonl" or "parquet": from its name, else from the Parquet magic bytes
+        (http: decided once downloaded)."""
+        file = self.files[index]
+        if file.declared_format or self.kind == "http":
+            return file.declared_format or "jsonl"
+        if self.kind == "local":
+            with open(file.ref, "rb") as fh:
+                head = fh.read(4)
+        else:
+            fs = self._s3()
+            head = (
+                with_retries(
+                    lambda: fs.cat_file(file.ref, start=0, end=4), f"read s3://{file.ref}", self.policy
+                )
+                if file.size
+                else b""
+            )
+        return "parquet" if head == PARQUET_MAGIC else "jsonl"
+
+    def plan_reads(
+        self, range_bytes: int = RANGE_BYTES, piece_rows: int = PIECE_ROWS
+    ) -> tuple[list[InputPiece], list[ByteRange]]:
+        """The pieces to read, in input order, and the byte ranges to scan first: every HASH_RANGE_BYTES range of a
+        local file (its fingerprint), and the ranges of an S3 JSONL file split into `range_bytes` ranges (their
+        newline counts number its lines; a local file's are counted in its hash ranges, cut where a range starts).
+        Parquet files are cut into runs of whole row groups of about `piece_rows` rows (their byte sizes say little
+        about the work: a column of repeated bodies costs a few bytes a row).
+        A range piece's `before` is filled in from the scans (`with_line_counts`); the others' is known."""
+        pieces: list[InputPiece] = []
+        scans: list[ByteRange] = []
+        if self.kind == "http":
+            return [InputPiece(0, 0, "http")], []
+        for index, file in enumerate(self.files):
+            size = file.size or 0
+            fmt = self.file_format(index)
+            ranges = file_ranges(size, range_bytes)
+            split = fmt == "jsonl" and len(ranges) > 1 and not _is_gzip(file.ref)
+            starts = [start for start, _ in ranges[1:]] if split else []
+            if self.kind == "local":
+                for first, last in file_ranges(size, HASH_RANGE_BYTES):
+                    scans.append(ByteRange(index, first, last, tuple(c for c in starts if first < c < last)))
+            elif split:
+                scans += [ByteRange(index, start, end) for start, end in ranges]
+            if fmt == "parquet":
+                for first, last, rows_before in self._row_group_pieces(file, piece_rows):
+                    pieces.append(InputPiece(len(pieces), index, "parquet", first, last, rows_before))
+            elif split:
+                pieces += [
+                    InputPiece(len(pieces) + i, index, "jsonl", a, b, -1) for i, (a, b) in enumerate(ranges)
+                ]
+            else:
+                pieces.append(InputPiece(len(pieces), index, "jsonl"))
+        return pieces, scans
+
+    def _row_group_pieces(self, file: InputFile, piece_rows: int) -> list[tuple[int, int, int]]:
+        """(first row group, end row group, rows before) of each piece of a Parquet file: consecutive row groups of
+        at least `piece_rows` rows together (the last piece may have fewer)."""
+        meta = self._parquet_file(file).metadata
+        groups: list[tuple[int, int, int]] = []
+        first, rows_before, rows = 0, 0, 0
+        for group in range(meta.num_row_groups):
+            rows += meta.row_group(group).num_rows
+            if rows - rows_before >= piece_rows or group == meta.num_row_groups - 1:
+                groups.append((first, group + 1, rows_before))
+                first, rows_before = group + 1, rows
+        return groups or [(0, 0, 0)]
+
+    def _parquet_file(self, file: InputFile):
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        handle: Any = file.ref
+        if self.kind == "s3":
+            handle = io.BufferedReader(
+                S3RangeReader(self._s3(), file.ref, file.size or 0, self.policy, 1 << 20)
+            )
+        try:
+            return pq.ParquetFile(handle)
+        except (pa.ArrowInvalid, OSError) as exc:
+            raise InputFormatError(f"{file.name} is not a readable Parquet file: {exc}") from exc
+
+    def _open(self, file: InputFile) -> io.BufferedReader:
+        if self.kind == "local":
+            return io.BufferedReader(io.FileIO(file.ref, "rb"), buffer_size=1 << 20)
+        return io.BufferedReader(S3RangeReader(self._s3(), file.ref, file.size or 0, self.policy), 1 << 20)
+
+    def scan(self, byte_range: ByteRange) -> tuple[list[int], str | None]:
+        """(newlines in each segment of the range, its sha256 for a local file, else None), reading it once in
+        bounded chunks."""
+        file = self.files[byte_range.file]
+        digest = hashlib.sha256() if self.kind == "local" else None
+        counts = []
+        with self._open(file) as stream:
+            stream.seek(byte_range.start)
+            for start, end in byte_range.segments():
+                newlines, left = 0, end - start
+                while left > 0:
+                    chunk = stream.read(min(READ_CHUNK, left))
+                    if not chunk:
+                        break
+                    left -= len(chunk)
+                    newlines += chunk.count(b"\n")
+                    if digest is not None:
+                        digest.update(chunk)
+                counts.append(newlines)
+        return counts, digest.hexdigest() if digest is not None else None
+
+    def local_fingerprint(self, scans: list[ByteRange], digests: list[str]) -> str:
+        """The fingerprint of a local input from the digests of its scanned ranges (every range of every file)."""
+        per_file: dict[int, list[tuple[int, int, str]]] = {}
+        for byte_range, digest in zip(scans, digests, strict=True):
+            per_file.setdefault(byte_range.file, []).append((byte_range.start, byte_range.end, digest))
+        return _combine_local(
+            [
+                (self._relative(file), file.size or 0, combine_ranges(per_file[index]))
+                for index, file in enumerate(self.files)
+            ]
+        )
+
+    @staticmethod
+    def _groups(piece: InputPiece) -> dict[str, Any]:
+        return {"row_groups": list(range(piece.start, piece.end or 0)), "first_number": piece.before + 1}
+
+    def piece_rows(self, piece: InputPiece, stats: ReadStats | None = None) -> Iterator[Row]:
+        """The rows of one piece, numbered as in the whole file. An http piece sets `stats.fingerprint`."""
+        stats = stats if stats is not None else ReadStats()
+        file = self.files[piece.file]
+        if piece.kind == "http":
+            fingerprint = yield from self._http_rows(file, stats)
+            stats.fingerprint = fingerprint or _combine_local(stats.file_hashes)
+            return
+        if piece.kind == "parquet":
+            if self.kind == "local":
+                yield from iter_parquet(file.ref, file.name, **self._parquet_limits, **self._groups(piece))
+                return
+            with self._open(file) as handle:
+                yield from iter_parquet(handle, file.name, **self._parquet_limits, **self._groups(piece))
+            return
+        with self._open(file) as stream:
+            if piece.end is None:  # the whole file: gzip, or small enough to be one piece
+                yield from iter_jsonl(_maybe_gunzip(stream, file.ref), file.name, self.limits.max_line_bytes)
+                return
+            if piece.before < 0:
+                raise ValueError(f"piece {piece.index} of {file.name}: its lines were not counted first")
+            start, passed = align_to_line(stream, piece.start)
+            first = piece.before + passed + 1
+            yield from iter_jsonl(stream, file.name, self.limits.max_line_bytes, first, start, piece.end)
+
     # -- rows -------------------------------------------------------------------------------------------------------
     def rows(self, stats: ReadStats | None = None) -> Iterator[Row]:
         """Every row of every file, in file order; `stats` gets the byte count and, at the end, the fingerprint."""
@@ -486,14 +780,14 @@ class InputSource:
         if fmt == "parquet":
             yield from iter_parquet(file.ref, file.name, **self._parquet_limits)
             # Parquet reads jump around (footer first): the fingerprint hashes the file on its own.
-            digest, size = _sha256_file(file.ref)
+            digest, size = _file_digest(file.ref)
         else:
             hashing = _HashingRaw(io.FileIO(file.ref, "rb"))
             with io.BufferedReader(hashing, buffer_size=1 << 20) as stream:
                 yield from iter_jsonl(_maybe_gunzip(stream, file.ref), file.name, self.limits.max_line_bytes)
                 while stream.read(READ_CHUNK):  # bytes after the last line still belong to the fingerprint
                     pass
-                digest, size = hashing.hash.hexdigest(), hashing.size
+                digest, size = hashing.hash.digest(), hashing.size
         stats.size_bytes += size
         stats.file_hashes.append((self._relative(file), size, digest))
 
@@ -541,7 +835,7 @@ class InputSource:
         if self.kind == "local":
             hashes = []
             for file in self.files:
-                digest, size = _sha256_file(file.ref)
+                digest, size = _file_digest(file.ref)
                 hashes.append((self._relative(file), size, digest))
             return _combine_local(hashes)
         file = self.files[0]
@@ -555,8 +849,12 @@ class InputSource:
             return f"sha256:{_sha256_stream(tmp)[0]}"
 
 
+def _is_gzip(name: str) -> bool:
+    return name.split("?", 1)[0].lower().endswith(".gz")
+
+
 def _maybe_gunzip(stream: io.BufferedReader, name: str) -> BinaryIO:
-    if name.split("?", 1)[0].lower().endswith(".gz"):
+    if _is_gzip(name):
         return gzip.GzipFile(fileobj=stream, mode="rb")  # type: ignore[return-value]
     return stream
 
@@ -570,9 +868,13 @@ def _sha256_stream(fh: BinaryIO) -> tuple[str, int]:
     return digest.hexdigest(), size
 
 
-def _sha256_file(path: str) -> tuple[str, int]:
+def _file_digest(path: str) -> tuple[str, int]:
+    """A local file's digest as the fingerprint takes it (combine_ranges), and its size."""
+    hasher = _RangeHasher()
     with open(path, "rb") as fh:
-        return _sha256_stream(fh)
+        while chunk := fh.read(READ_CHUNK):
+            hasher.update(chunk)
+    return hasher.digest(), hasher.size
 
 
 # -- enumeration ------------------------------------------------------------------------------------------------------

@@ -10,6 +10,7 @@ the job runs. Finalize reads only this directory, so whatever reached staging su
       pending/part-*.parquet     on resume: the requests that still have no staged row
       results/*.parquet          finished result rows, each part sorted by custom_id
       errors/*.parquet           error records, each part sorted by source position
+      ids/                       while ingest runs: custom_ids in hash buckets, for the duplicate check
       finalize/                  the final sort's plan, pieces and finished-shard records (runtime/finalize.py)
 
 One `StagingArea` works over a base path on one of two kinds of storage, chosen by the output location:
@@ -279,6 +280,7 @@ class StagingArea:
         self.pending_dir = f"{self.root}/pending"
         self.results_dir = f"{self.root}/results"
         self.errors_dir = f"{self.root}/errors"
+        self.ids_dir = f"{self.root}/ids"
         self.finalize_dir = f"{self.root}/finalize"
         self._writer_id = uuid.uuid4().hex[:8]
         self._seq = 0
@@ -317,23 +319,26 @@ class StagingArea:
         return json.loads(data)
 
     def discard_ingest(self) -> None:
-        """Drop a partial validation pass (its work list and its error parts) so it can be redone whole."""
+        """Drop a partial validation pass (its work list, its error parts, its id buckets) so it can be redone
+        whole."""
         self.files.delete(
             [
                 *self.files.list_parts(self.requests_dir),
                 *(p for p in self.parts("errors") if _name(p).startswith(f"{INGEST_PREFIX}-")),
             ]
         )
+        self.files.delete_tree(self.ids_dir)
 
     def _next_name(self, prefix: str) -> str:
         self._seq += 1
         return f"{prefix}-{self._writer_id}-{self._seq:06d}.parquet"
 
     # -- requests (the work list) --------------------------------------------------------------------------
-    def write_requests(self, rows: list[dict[str, Any]]) -> None:
-        if rows:
-            table = pa.Table.from_pylist(rows, schema=REQUEST_SCHEMA)
-            self.files.write_parquet(table, f"{self.requests_dir}/{self._next_name('part')}")
+    def write_requests(self, rows: list[dict[str, Any]] | pa.Table, name: str | None = None) -> None:
+        """One part of the work list; `name` fixes its file name (a task that is run again replaces its part)."""
+        if len(rows):
+            table = rows if isinstance(rows, pa.Table) else pa.Table.from_pylist(rows, schema=REQUEST_SCHEMA)
+            self.files.write_parquet(table, f"{self.requests_dir}/{name or self._next_name('part')}")
 
     def request_files(self) -> list[str]:
         return self.files.list_parts(self.requests_dir)

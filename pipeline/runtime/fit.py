@@ -1,8 +1,10 @@
 """Engine args fitted to the data before the engines start: `nightshift plan --input`, applied to the job.
 
-After validation, every staged request is measured once, streaming the request parts a read batch at a time
-(memory: one batch, whatever the job's size), with the counter the engine agrees with (the model's tokenizer and
-chat template for vLLM, see `pipeline.tokens`). From the measurements:
+Every valid request is measured once, where ingest reads it (the ingest tasks on the cluster, runtime/ingest.py,
+given a `MeasureSpec`), with the counter the engine agrees with (the model's tokenizer and chat template for vLLM,
+see `pipeline.tokens`; loaded once per worker process); only the aggregate (`Lengths`, mergeable) reaches the
+driver. A work list staged without measuring is measured here instead (`measure`: one streaming pass over the
+request parts, a read batch at a time). From the measurements:
 
 - max_model_len, unless given: the longest prompt + its output budget, rounded up to a KV block, capped at the
   model's limit. Halving an oversized context doubles the sequences that fit. No request can need more than the
@@ -13,8 +15,8 @@ chat template for vLLM, see `pipeline.tokens`). From the measurements:
   above that is kept, with a warning that names the number. Requests are measured even when max_model_len is given.
 - A request whose prompt alone reaches the model's limit (no room for one output token), or whose own max_tokens
   does not fit in what its prompt leaves of that limit, can never run as asked: it becomes a
-  `context_length_exceeded` error record here and is dropped from the work list, so it never reaches an engine
-  and never makes the context of every other request the model's limit.
+  `context_length_exceeded` error record where it is measured and stays out of the work list, so it never reaches
+  an engine and never makes the context of every other request the model's limit.
 
 The output budget of a request is what vLLM would allow: max_completion_tokens, else max_tokens; without either,
 16 for /v1/completions, the model's generation_config max_new_tokens, else — for chat, where vLLM lets the answer
@@ -31,9 +33,10 @@ Other backends are not fitted.
 
 from __future__ import annotations
 
+import importlib.util
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -95,7 +98,7 @@ def _vllm_target(config: JobConfig, model: ResolvedModel) -> FitTarget | str:
         output_budget,
         plan_pool,
     )
-    from pipeline.tokens import PromptCounter
+    from pipeline.tokens import load_chat_template
 
     model_dir = _model_dir(model)
     if model_dir is None:
@@ -106,10 +109,10 @@ def _vllm_target(config: JobConfig, model: ResolvedModel) -> FitTarget | str:
         return f"cannot read the model's shape: {exc}"
     args = config.engine.vllm
     try:
-        counter = PromptCounter.for_model(model_dir, args.chat_template, model.task)
+        load_chat_template(args.chat_template)
     except ValueError as exc:  # a --chat-template that names no file: the engine would refuse it as well
         return str(exc)
-    if counter is None:
+    if importlib.util.find_spec("transformers") is None:
         return "measuring requests needs the model's tokenizer: pip install 'nightshift-batch[model]'"
     generation_default = generation_max_tokens(
         model_dir, args.generation_config, args.override_generation_config
@@ -138,7 +141,12 @@ def _vllm_target(config: JobConfig, model: ResolvedModel) -> FitTarget | str:
 
     return FitTarget(
         counted_by=f"{model.name} tokenizer + chat template",
-        count=_own_requests(model.name, counter.count_batch),
+        # The tokenizer loads on the first count, once per process (`prompt_counter`): the driver, which only
+        # decides, never loads it; each ingest worker loads it once, whatever the number of its tasks.
+        count=_own_requests(
+            model.name,
+            lambda requests: prompt_counter(model_dir, args.chat_template, model.task).count_batch(requests),
+        ),
         output_budget=lambda url, body: output_budget(url, body, generation_default, chat_default),
         model_limit=shape.max_model_len_limit,
         block_size=block_size,
@@ -197,6 +205,62 @@ _TARGETS: dict[str, Callable[[JobConfig, ResolvedModel], FitTarget | str]] = {
     "fake": _fake_target,
 }
 
+# Per process: what a worker built once serves every ingest task it runs (a tokenizer takes a second to load).
+_FIT_TARGETS: dict[tuple[Callable, str, str], FitTarget | str] = {}
+_PROMPT_COUNTERS: dict[str, Any] = {}
+
+
+def prompt_counter(model_dir: str, chat_template: str | None = None, task: str | None = None):
+    """The model's PromptCounter (see PromptCounter.for_model), loaded once per process."""
+    from pipeline.tokens import PromptCounter
+
+    key = f"{model_dir}\0{chat_template}\0{task}"
+    counter = _PROMPT_COUNTERS.get(key)
+    if counter is None:
+        counter = _PROMPT_COUNTERS[key] = PromptCounter.for_model(model_dir, chat_template, task)
+    return counter
+
+
+def tokenizers_loaded() -> int:
+    """Tokenizers this process has loaded (an ingest task reports how many it had to load itself)."""
+    return len(_PROMPT_COUNTERS)
+
+
+def fit_target(config: JobConfig, model: ResolvedModel) -> FitTarget | str:
+    """What fitting needs from the job's backend, or why it cannot be fitted; built once per process."""
+    builder = _TARGETS.get(config.engine.backend)
+    if builder is None:
+        return f"the {config.engine.backend} backend cannot count tokens"
+    key = (builder, model.model_dump_json(), config.engine.model_dump_json())
+    if key not in _FIT_TARGETS:
+        _FIT_TARGETS[key] = builder(config, model)
+    return _FIT_TARGETS[key]
+
+
+@dataclass(frozen=True)
+class MeasureSpec:
+    """What the ingest tasks need to measure requests as fitting would: the job's config and model (each worker
+    builds the FitTarget from them once) and the model's limit, past which a request is rejected."""
+
+    config: JobConfig
+    model: ResolvedModel
+    limit: int
+
+    def target(self) -> FitTarget:
+        target = fit_target(self.config, self.model)
+        if isinstance(target, str):
+            raise RuntimeError(f"cannot measure requests on this worker: {target}")
+        return target
+
+
+def measuring(config: JobConfig, model: ResolvedModel) -> MeasureSpec | None:
+    """How ingest measures the job's requests, or None when the job is not fitted (nothing is then measured and no
+    request is rejected for its length, as `_decide` would do)."""
+    if not config.engine.fit.enabled:
+        return None
+    target = fit_target(config, model)
+    return None if isinstance(target, str) else MeasureSpec(config, model, target.model_limit)
+
 
 def _model_dir(model: ResolvedModel) -> str | None:
     if model.source != "hub-id":
@@ -231,8 +295,20 @@ class Lengths:
     )
     too_long: int = 0  # prompt reaches the model's limit: rejected here
     seconds: float = 0.0
+    # Where the longest request is, (file index, line): of equally long ones the first in the input is named, so
+    # aggregates merged in any order name the request one pass over the input would.
+    longest_at: tuple[int, int] | None = None
 
-    def add(self, custom_id: str, prompts: list[int], output: int, assumed: bool, limit: int) -> None:
+    def add(
+        self,
+        custom_id: str,
+        prompts: list[int],
+        output: int,
+        assumed: bool,
+        limit: int,
+        at: tuple[int, int] | None = None,
+    ) -> None:
+        """One request, added in input order (a tie keeps the earlier one)."""
         self.requests += 1
         self.assumed_output += assumed
         capped = False
@@ -245,7 +321,47 @@ class Lengths:
             capped |= need > limit
             if need > self.longest_need:
                 self.longest_need, self.longest_id, self.longest_prompt_of_longest = need, custom_id, prompt
+                self.longest_at = at
         self.output_capped += capped
+
+    _SUMS = (
+        "requests",
+        "sequences",
+        "prompt_sum",
+        "need_sum",
+        "assumed_output",
+        "untokenizable",
+        "output_capped",
+        "too_long",
+        "seconds",
+    )
+
+    def merge(self, other: Lengths) -> Lengths:
+        """Fold in the lengths of other requests (another part of the input); returns self. Sums add, maxima take
+        the larger; the longest request is the earlier one (by `longest_at`) when two are equally long."""
+        for name in self._SUMS:
+            setattr(self, name, getattr(self, name) + getattr(other, name))
+        self.longest_prompt = max(self.longest_prompt, other.longest_prompt)
+        if other.longest_need > self.longest_need or (
+            other.longest_need == self.longest_need
+            and other.longest_id is not None
+            and (self.longest_id is None or _earlier(other.longest_at, self.longest_at))
+        ):
+            self.longest_need, self.longest_id = other.longest_need, other.longest_id
+            self.longest_prompt_of_longest, self.longest_at = (
+                other.longest_prompt_of_longest,
+                other.longest_at,
+            )
+        return self
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-safe (kept in _staging/job.json between ingest and fitting)."""
+        return {**asdict(self), "longest_at": list(self.longest_at) if self.longest_at else None}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Lengths:
+        at = data.get("longest_at")
+        return cls(**{**data, "longest_at": tuple(at) if at else None})
 
     def summary(self) -> dict[str, Any]:
         n = self.sequences or 1
@@ -260,6 +376,10 @@ class Lengths:
             "output_capped_requests": self.output_capped,
             "seconds": round(self.seconds, 2),
         }
+
+
+def _earlier(a: tuple[int, int] | None, b: tuple[int, int] | None) -> bool:
+    return a is not None and (b is None or a < b)
 
 
 def context_problem(prompt: int, requested: int | None, limit: int) -> str | None:
@@ -414,13 +534,19 @@ def fit_job(
 ) -> JobConfig:
     """The job's config with fitted engine args, deciding them once (kept in `state`, i.e. _staging/job.json).
 
-    Updates state["input"] for requests rejected as too long (valid → invalid) and writes the state.
+    Uses the lengths ingest measured (state["lengths"]) when there are; else measures the work list here and
+    updates state["input"] for requests rejected as too long (valid → invalid). Writes the state.
     """
     if "fit" not in state:
-        state["fit"] = _decide(config, model, staging, state.get("job_id"))
-        rejected = state["fit"].get("context_length_exceeded", 0)
-        state["input"]["valid"] -= rejected
-        state["input"]["invalid"] += rejected
+        # Measured by ingest on the workers (its aggregate is in the state): too-long requests are already error
+        # records and out of the valid count. Otherwise (a job ingested without measuring) measured here.
+        measured = state.get("lengths")
+        lengths = Lengths.from_dict(measured) if measured is not None else None
+        state["fit"] = _decide(config, model, staging, state.get("job_id"), lengths)
+        if lengths is None:
+            rejected = state["fit"].get("context_length_exceeded", 0)
+            state["input"]["valid"] -= rejected
+            state["input"]["invalid"] += rejected
         staging.write_job(state)
     return apply_fit(config, state["fit"])
 
@@ -449,13 +575,16 @@ def apply_fit(config: JobConfig, record: dict[str, Any]) -> JobConfig:
 
 
 def _decide(
-    config: JobConfig, model: ResolvedModel, staging: StagingArea, job_id: str | None
+    config: JobConfig,
+    model: ResolvedModel,
+    staging: StagingArea,
+    job_id: str | None,
+    lengths: Lengths | None = None,
 ) -> dict[str, Any]:
     if not config.engine.fit.enabled:
         log.info("engine args not fitted (--no-fit)")
         return {"enabled": False, "reason": "turned off (--no-fit / engine.fit.enabled: false)"}
-    builder = _TARGETS.get(config.engine.backend)
-    target = builder(config, model) if builder else f"the {config.engine.backend} backend cannot count tokens"
+    target = fit_target(config, model)
     if isinstance(target, str):
         log.warning("engine args not fitted", reason=target)
         return {"enabled": True, "skipped": target}
@@ -473,7 +602,8 @@ def _decide(
     record: dict[str, Any] = {"enabled": True, "counted_by": target.counted_by}
     # Measured even when max_model_len is given: too-long prompts still fail early, and the KV checks below use
     # what the requests need, not only the worst case the given length allows.
-    lengths = measure(staging, target, limit, job_id)
+    if lengths is None:
+        lengths = measure(staging, target, limit, job_id)
     needed, why = fit_max_model_len(lengths, block, limit)
     record["measured"] = lengths.summary()
     record["context_length_exceeded"] = lengths.too_long

@@ -1,25 +1,72 @@
-"""Read → validate → stage: turn the input into the engines' work list and the first error records.
+"""Read → validate → measure → stage, on the cluster: the input becomes the engines' work list and the first error
+records, and only an aggregate comes back to the driver.
 
-Streams the input once (any location and format `pipeline.io.readers` knows): valid requests go to
-`_staging/requests/` in Parquet parts (the engines' work list, read by Ray Data), invalid rows go straight to
-`_staging/errors/`. The input fingerprint and row count are computed in the same pass. Memory: one part of requests
-plus the custom_id set the duplicate check needs.
+The input is cut into pieces (`InputSource.plan_reads`: whole files, byte ranges of large JSONL files, row groups of
+Parquet files; an http(s) input is one piece) and four steps run as parallel tasks, each a plain function of
+(the job, one item), so one code path runs on two executors: Ray tasks when Ray is initialized, a loop in this
+process otherwise (unit tests; no Ray needed):
+
+1. scan: byte ranges are read once — newline counts (a JSONL range does not know how many lines precede it, so its
+   line numbers start where the counts of the ranges ahead of it end; counting is a bytes.count, far cheaper than
+   the parse it lets start), and for a local input the sha256 of each range (the fingerprint `resume` compares).
+   Ranges are read in parallel, so a large file is cut into enough of them for every worker to get several: the
+   last ones to finish are short (`range_bytes`, unless given: the input / 8 per worker, 8 to 64 MiB).
+2. read (`read_piece`): each piece's rows are validated (`LineValidator.check`, without a duplicate set), keyed for
+   prefix routing and, when the job is fitted, measured with the counter fitting uses (a tokenizer loads once per
+   worker process, fit.prompt_counter); a request that can never fit the model becomes a context_length_exceeded
+   error record here. The piece stages its requests (`_staging/requests/`) and error records (`_staging/errors/`),
+   part names fixed by the piece (a task run again replaces its parts), and writes its custom_id claims to id
+   buckets.
+3. dedup, per bucket (runtime/dedup.py): duplicates are found, recorded, and the lengths of the requests that stay
+   are summed (fit's Lengths, mergeable).
+4. per piece that read a losing duplicate: what it had staged for that line (a request, or another error record)
+   is removed from its parts.
+
+The driver merges small per-task statistics. Its CPU and memory grow with the number of pieces, never with rows.
+Placement: a local input, or a local staging area (local OUTPUT), is on the driver's disk, so on a cluster that
+spans several hosts the tasks are pinned to the driver's node; otherwise (an s3:// input staged to s3://, or every
+node on the driver's host) they go wherever Ray finds room.
 """
 
 from __future__ import annotations
 
+import math
+import sys
+import time
 from collections import Counter
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from pipeline.config import InputLimits, StorageConfig
-from pipeline.io.readers import BadRow, InputSource, ReadStats, input_source
-from pipeline.io.staging import INGEST_PREFIX, StagedRow, StagingArea
+from pipeline.io.locations import RetryStats
+from pipeline.io.readers import (
+    HASH_RANGE_BYTES,
+    RANGE_BYTES,
+    BadRow,
+    ByteRange,
+    InputPiece,
+    InputSource,
+    ReadStats,
+    input_source,
+    with_line_counts,
+)
+from pipeline.io.staging import INGEST_PREFIX, REQUEST_SCHEMA, LocalFiles, StagedRow, StagingArea
 from pipeline.json_codec import dumps_body
-from pipeline.protocol import ErrorCode, dumps, invalid_line_record
+from pipeline.planner import requested_max_tokens
+from pipeline.protocol import ErrorCode, dumps, failed_request_record, invalid_line_record
+from pipeline.runtime.dedup import REQUEST, BucketOutcome, IdRows, drop_losers, find_duplicates
+from pipeline.runtime.finalize import spans_hosts
+from pipeline.runtime.fit import Lengths, MeasureSpec, context_problem, tokenizers_loaded
 from pipeline.stages.route import prefix_key
-from pipeline.stages.validate import InvalidLine, LineValidator, ValidRequest
+from pipeline.stages.validate import InvalidLine, LineValidator, ValidRequest, duplicate_line
+
+UNTOKENIZABLE = (True, 0, 0, 0, 0, False, False)  # an id row's measurement of a request the template rejected
+MIN_RANGE_BYTES = 8 << 20  # byte ranges below this cost more in task overhead than they gain in balance
+MEASURE_BATCH = 1024  # requests counted per call: a tokenizer works in bulk
+BUCKET_BYTES = 1 << 30  # input bytes per id bucket: a few million ids, what one dedup task holds at once
+MAX_BUCKETS = 64
 
 
 @dataclass
@@ -28,31 +75,48 @@ class IngestReport:
     fingerprint: str = ""
     size_bytes: int = 0
     lines: int = 0  # non-blank input lines / rows: the accounting base
-    valid: int = 0
+    valid: int = 0  # requests in the work list
     keyed: int = 0  # valid requests with a prefix key (a shared leading prompt worth routing by)
     invalid_by_code: Counter = field(default_factory=Counter)
     files: int = 0
+    lengths: Lengths | None = None  # what measuring learned, when the job is fitted
+    range_bytes: int = RANGE_BYTES  # the size of the byte ranges large JSONL files were read in
+    # Where the work ran: per step, Ray node id → tasks ("local": in this process), and the step's seconds.
+    placement: dict[str, dict[str, int]] = field(default_factory=dict)
+    seconds: dict[str, float] = field(default_factory=dict)
+    task_cpu_s: float = 0.0  # CPU seconds the read tasks spent, wherever they ran
+    tokenizer_loads: int = 0
 
     @property
     def invalid(self) -> int:
         return sum(self.invalid_by_code.values())
+
+    def nodes(self) -> list[str]:
+        return sorted({node for step in self.placement.values() for node in step})
+
+
+# --- one row --------------------------------------------------------------------------------------------------------
+
+
+def _bad_row_check(row: BadRow, line: int, source: str, job_id: str | None) -> tuple[InvalidLine, str | None]:
+    custom_id = row.custom_id if isinstance(row.custom_id, str) and row.custom_id else None
+    seed = f"{job_id}:{source}:{line}" if job_id else None
+    record = invalid_line_record(custom_id, ErrorCode(row.code), row.message, line, source, seed)
+    return InvalidLine(record, line, source), custom_id
 
 
 def bad_row(validator: LineValidator, row: BadRow, line: int, source: str) -> InvalidLine:
     """An error the reader decided (a line over the length limit, a Parquet `body` string that is not JSON). A row
     with a custom_id still claims it, so a later row with the same id is a duplicate, as for any other invalid
     line."""
-    custom_id = row.custom_id if isinstance(row.custom_id, str) and row.custom_id else None
+    outcome, claim = _bad_row_check(row, line, source, validator.job_id)
+    if claim is None:
+        return outcome
     seen = validator._seen  # noqa: SLF001 - the duplicate rule is the validator's; this row takes part in it
-    if custom_id is not None and custom_id in seen:
-        code = ErrorCode.DUPLICATE_CUSTOM_ID
-        message = f"custom_id {custom_id!r} already appeared earlier in the input"
-    else:
-        code, message = ErrorCode(row.code), row.message
-        if custom_id is not None:
-            seen.add(custom_id)
-    seed = f"{validator.job_id}:{source}:{line}" if validator.job_id else None
-    return InvalidLine(invalid_line_record(custom_id, code, message, line, source, seed), line, source)
+    if claim in seen:
+        return duplicate_line(claim, line, source, validator.job_id)
+    seen.add(claim)
+    return outcome
 
 
 def as_source(location: InputSource | Path | str, storage: StorageConfig | None = None) -> InputSource:
@@ -83,7 +147,7 @@ def _validated(
 def iter_validated(
     location: InputSource | Path | str, validator: LineValidator, report: IngestReport
 ) -> Iterator[ValidRequest | InvalidLine]:
-    """Validate every row of the input, fingerprinting it as it streams past."""
+    """Validate every row of the input in this process, one stream (`nightshift validate`, `plan --input`)."""
     for _, outcome in _validated(as_source(location), validator, report):
         yield outcome
 
@@ -101,6 +165,345 @@ def invalid_to_staged(item: InvalidLine) -> StagedRow:
     )
 
 
+# --- the job every task shares --------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class IngestJob:
+    """What every ingest task needs (shipped to the workers once, through the object store)."""
+
+    source: InputSource
+    staging: StagingArea
+    served: str | Mapping[str, str | None]  # the job's model name, or every served model and its task
+    job_id: str | None
+    limits: InputLimits
+    measure: MeasureSpec | None
+    buckets: int
+    part_rows: int
+
+
+def _here() -> str:
+    """The Ray node this runs on, or "local" outside Ray."""
+    ray = sys.modules.get("ray")
+    if ray is not None and ray.is_initialized():
+        return ray.get_runtime_context().get_node_id()
+    return "local"
+
+
+# --- step 1: scan -----------------------------------------------------------------------------------------------
+
+
+@dataclass
+class ScanOutcome:
+    counts: list[tuple[list[int], str | None]]  # per range: (newlines per segment, sha256 or None)
+    node: str = ""
+
+
+def scan_ranges(job: IngestJob, ranges: list[ByteRange]) -> ScanOutcome:
+    return ScanOutcome([job.source.scan(r) for r in ranges], _here())
+
+
+# --- step 2: read ---------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class PieceStats:
+    """What one read task returns: counts, never rows."""
+
+    piece: int
+    rows: int = 0
+    valid: int = 0
+    keyed: int = 0
+    invalid_by_code: Counter = field(default_factory=Counter)
+    parts: list[str] = field(default_factory=list)  # the request and error parts it staged
+    size_bytes: int = 0  # http: the bytes downloaded
+    fingerprint: str = ""  # http: the input's fingerprint (known once downloaded)
+    node: str = ""
+    seconds: float = 0.0
+    cpu_seconds: float = 0.0
+    measure_seconds: float = 0.0
+    tokenizer_loads: int = 0
+
+
+class _PieceOutput:
+    """What one piece stages: request and error parts of at most `part_rows` rows, named after the piece."""
+
+    def __init__(self, job: IngestJob, piece: InputPiece, stats: PieceStats) -> None:
+        self.job = job
+        self.piece = piece
+        self.stats = stats
+        self.ids = IdRows(piece.index, job.buckets)
+        self.requests: list[tuple[str, str, str, int, str, str | None, str | None]] = []
+        self.errors: list[StagedRow] = []
+        self._seq = {"part": 0, INGEST_PREFIX: 0}
+
+    def _name(self, prefix: str) -> str:
+        self._seq[prefix] += 1
+        return f"{prefix}-{self.piece.index:06d}-{self._seq[prefix]:04d}.parquet"
+
+    def request(self, request: ValidRequest, body: str, key: str | None) -> None:
+        model = request.body.get("model")  # the served model it runs on (a pool serving that model takes it)
+        self.requests.append((request.custom_id, request.url, body, request.line, request.source, key, model))
+        self.stats.valid += 1
+        if len(self.requests) >= self.job.part_rows:
+            self.flush_requests()
+
+    def error(self, row: StagedRow, code: str) -> None:
+        self.errors.append(row)
+        self.stats.invalid_by_code[code] += 1
+        if len(self.errors) >= self.job.part_rows:
+            self.flush_errors()
+
+    def flush_requests(self) -> None:
+        import pyarrow as pa
+
+        if self.requests:
+            name = self._name("part")
+            columns = zip(*self.requests, strict=True)
+            table = pa.table(dict(zip(REQUEST_SCHEMA.names, columns, strict=True)), schema=REQUEST_SCHEMA)
+            self.job.staging.write_requests(table, name=name)
+            self.stats.parts.append(f"{self.job.staging.requests_dir}/{name}")
+            self.requests = []
+
+    def flush_errors(self) -> None:
+        if self.errors:
+            name = self._name(INGEST_PREFIX)
+            self.job.staging.write_rows("errors", self.errors, name=name)
+            self.stats.parts.append(f"{self.job.staging.errors_dir}/{name}")
+            self.errors = []
+
+    def close(self) -> None:
+        self.flush_requests()
+        self.flush_errors()
+        self.ids.write(self.job.staging)
+
+
+class _Measure:
+    """Measures valid requests a batch at a time, as fitting would (fit.measure): too-long ones become errors."""
+
+    def __init__(self, spec: MeasureSpec, out: _PieceOutput, job_id: str | None) -> None:
+        self.spec = spec
+        self.target = spec.target()
+        self.out = out
+        self.job_id = job_id
+        self.pending: list[tuple[ValidRequest, str, str | None]] = []
+        self.seconds = 0.0
+
+    def add(self, request: ValidRequest, body: str, key: str | None) -> None:
+        self.pending.append((request, body, key))
+        if len(self.pending) >= MEASURE_BATCH:
+            self.flush()
+
+    def flush(self) -> None:
+        if not self.pending:
+            return
+        started = time.monotonic()
+        target, limit, out, file = self.target, self.spec.limit, self.out, self.out.piece.file
+        counts = target.count([(request.url, request.body) for request, _, _ in self.pending])
+        for (request, body, key), prompts in zip(self.pending, counts, strict=True):
+            custom_id = request.custom_id
+            if isinstance(prompts, Exception):  # left to the engine, which rejects it with its own message
+                out.ids.add(custom_id, file, request.line, None, key is not None, UNTOKENIZABLE)
+                out.request(request, body, key)
+                continue
+            problem = prompts and context_problem(max(prompts), requested_max_tokens(request.body), limit)
+            if problem:
+                code = ErrorCode.CONTEXT_LENGTH_EXCEEDED
+                seed = f"{self.job_id}:{custom_id}" if self.job_id else None
+                record = failed_request_record(custom_id, code, problem, seed=seed)
+                row = StagedRow(custom_id, request.line, request.source, code.value, 0, 0, "", dumps(record))
+                out.ids.add(custom_id, file, request.line, code.value, key is not None)
+                out.error(row, code.value)
+                continue
+            output, assumed = target.output_budget(request.url, request.body)
+            longest = max(prompts) if prompts else 0
+            capped = bool(prompts) and longest + output > limit
+            measured = (False, len(prompts), sum(prompts), longest, output, assumed, capped)
+            out.ids.add(custom_id, file, request.line, None, key is not None, measured)
+            out.request(request, body, key)
+        self.pending = []
+        self.seconds += time.monotonic() - started
+
+
+def read_piece(job: IngestJob, piece: InputPiece) -> PieceStats:
+    """Step 2 for one piece: validate, key, measure and stage its rows; write its id claims to the buckets."""
+    started, cpu = time.monotonic(), time.process_time()
+    loaded_before = tokenizers_loaded()
+    stats = PieceStats(piece.index, node=_here())
+    source, file = job.source, piece.file
+    source.limits = job.limits  # the reader enforces the line-length bound, the validator the rest
+    validator = LineValidator(job.served, job.job_id, job.limits)
+    out = _PieceOutput(job, piece, stats)
+    measure = _Measure(job.measure, out, job.job_id) if job.measure is not None else None
+    read = ReadStats()
+    for name, number, payload in source.piece_rows(piece, read):
+        stats.rows += 1
+        if isinstance(payload, BadRow):
+            outcome, claim = _bad_row_check(payload, number, name, job.job_id)
+        else:
+            outcome, claim = validator.check(payload, number, name)
+        if isinstance(outcome, ValidRequest):
+            key = prefix_key(outcome.url, outcome.body)
+            stats.keyed += key is not None
+            body = dumps_body(outcome.body, payload)  # a valid outcome never comes from a BadRow
+            if measure is not None:
+                measure.add(outcome, body, key)
+            else:
+                out.ids.add(outcome.custom_id, file, number, None, key is not None)
+                out.request(outcome, body, key)
+        else:
+            if claim is not None:
+                out.ids.add(claim, file, number, outcome.code)
+            out.error(invalid_to_staged(outcome), outcome.code)
+    if measure is not None:
+        measure.flush()
+        stats.measure_seconds = measure.seconds
+    out.close()
+    stats.size_bytes, stats.fingerprint = read.size_bytes, read.fingerprint
+    stats.tokenizer_loads = tokenizers_loaded() - loaded_before
+    stats.seconds, stats.cpu_seconds = time.monotonic() - started, time.process_time() - cpu
+    return stats
+
+
+# --- steps 3 and 4: duplicates ----------------------------------------------------------------------------------------
+
+
+def dedup_bucket(job: IngestJob, bucket: int) -> BucketOutcome:
+    sources = [file.name for file in job.source.files]
+    outcome = find_duplicates(job.staging, bucket, sources, job.job_id, job.part_rows)
+    outcome.node = _here()
+    return outcome
+
+
+@dataclass
+class FixOutcome:
+    removed: int
+    node: str
+
+
+def fix_piece(job: IngestJob, item: tuple[int, list[str]]) -> FixOutcome:
+    piece, parts = item
+    return FixOutcome(drop_losers(job.staging, piece, parts), _here())
+
+
+# --- executors ----------------------------------------------------------------------------------------------------
+
+
+class _InProcess:
+    """Runs each step's tasks one after the other in this process (no Ray: unit tests, small tools)."""
+
+    parallelism = 1
+
+    def map(self, fn: Callable[[IngestJob, Any], Any], job: IngestJob, items: list[Any]) -> list[Any]:
+        return [fn(job, item) for item in items]
+
+
+def _counting_retries(fn: Callable[[IngestJob, Any], Any], job: IngestJob, item: Any) -> tuple[Any, dict]:
+    """A task in a worker process: its result, and the storage retries it made there."""
+    before = RetryStats.snapshot()
+    result = fn(job, item)
+    return result, RetryStats.since(before)["by_operation"]
+
+
+class _RayTasks:
+    """Runs each step's tasks as Ray tasks, pinned to `node` when given (the input or the staging area is on that
+    node's disk), else spread over the cluster. A task takes one CPU; on a node that offers none (a head started
+    with num-cpus 0 keeps the driver) it takes none, so it can run at all. Either way at most `in_flight` tasks
+    are submitted at once: Ray holds what is queued, and a zero-CPU task would not wait for a free core. A task
+    that fails raises its own exception here, not Ray's wrapper."""
+
+    def __init__(self, node: str | None) -> None:
+        import ray
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+        self._ray = ray
+        self._job: tuple[IngestJob, Any] | None = None
+        if node is None:
+            self._strategy: Any = "SPREAD"
+            cpus = float(ray.cluster_resources().get("CPU", 0))
+        else:
+            self._strategy = NodeAffinitySchedulingStrategy(node, soft=False)
+            cpus = next(
+                (float(n["Resources"].get("CPU", 0)) for n in ray.nodes() if n.get("NodeID") == node), 0.0
+            )
+        self._cpus = 1 if cpus >= 1 else 0
+        self.parallelism = max(1, int(cpus))  # tasks that run at once
+        self.in_flight = 2 * self.parallelism
+
+    def map(self, fn: Callable[[IngestJob, Any], Any], job: IngestJob, items: list[Any]) -> list[Any]:
+        ray = self._ray
+        if self._job is None or self._job[0] is not job:
+            self._job = (job, ray.put(job))  # shipped once, not once per task
+        remote = ray.remote(_counting_retries).options(
+            num_cpus=self._cpus, max_retries=3, scheduling_strategy=self._strategy
+        )
+        refs: list[Any] = []
+        pending: list[Any] = []
+        try:
+            for item in items:
+                if len(pending) >= self.in_flight:
+                    done, pending = ray.wait(pending, num_returns=1)
+                    ray.get(done)  # a failure stops the step before the rest is submitted
+                ref = remote.remote(fn, self._job[1], item)
+                refs.append(ref)
+                pending.append(ref)
+            results = []
+            for result, retries in ray.get(refs):
+                RetryStats.add(retries)  # the job's storage statistics include what its tasks retried
+                results.append(result)
+            return results
+        except ray.exceptions.RayTaskError as exc:
+            for ref in refs:
+                ray.cancel(ref)
+            cause = getattr(exc, "cause", None)
+            if isinstance(cause, Exception):
+                raise cause from None
+            raise
+
+
+def _executor(parallel: bool | None, source: InputSource, staging: StagingArea) -> _InProcess | _RayTasks:
+    ray = sys.modules.get("ray")
+    if parallel is None:
+        parallel = ray is not None and ray.is_initialized()
+    if not parallel:
+        return _InProcess()
+    import ray
+
+    driver = ray.get_runtime_context().get_node_id()
+    return _RayTasks(pinned_to(source, staging, ray.nodes(), driver))
+
+
+def pinned_to(
+    source: InputSource, staging: StagingArea, nodes: list[dict[str, Any]], driver: str
+) -> str | None:
+    """The node the ingest tasks must run on, or None to spread them: a local input or a local staging area is
+    on the driver's disk, which nodes on other hosts cannot read (nodes on the driver's host can)."""
+    local = source.kind == "local" or isinstance(staging.files, LocalFiles)
+    return driver if local and spans_hosts(nodes, driver) else None
+
+
+def _scan_batches(scans: list[ByteRange]) -> list[list[ByteRange]]:
+    """Scans grouped into tasks of at most HASH_RANGE_BYTES (many small files share a task)."""
+    batches: list[list[ByteRange]] = []
+    size = 0
+    for byte_range in scans:
+        length = byte_range.end - byte_range.start
+        if not batches or size + length > HASH_RANGE_BYTES:
+            batches.append([])
+            size = 0
+        batches[-1].append(byte_range)
+        size += length
+    return batches
+
+
+def _count(placement: dict[str, dict[str, int]], step: str, nodes: list[str]) -> None:
+    if nodes:
+        placement[step] = dict(Counter(nodes))
+
+
+# --- the whole pass -------------------------------------------------------------------------------------------------
+
+
 def ingest(
     location: InputSource | Path | str,
     served: str | Mapping[str, str | None],
@@ -109,36 +512,79 @@ def ingest(
     storage: StorageConfig | None = None,
     job_id: str | None = None,
     limits: InputLimits | None = None,
+    measure: MeasureSpec | None = None,
+    range_bytes: int | None = None,
+    buckets: int | None = None,
+    parallel: bool | None = None,
 ) -> IngestReport:
-    """Validate the whole input into staging. Memory: one part of requests plus the custom_id set."""
+    """Validate (and, with `measure`, measure) the whole input into staging, as parallel tasks on Ray when it is
+    initialized (`parallel` None), else in this process. Staging must hold no earlier ingest (discard_ingest)."""
     source = as_source(location, storage)
-    report = IngestReport(source=str(location) if isinstance(location, Path | str) else source.describe())
-    validator = LineValidator(served, job_id, limits)
-    requests: list[dict] = []
-    errors: list[StagedRow] = []
-    for payload, outcome in _validated(source, validator, report):
-        if isinstance(outcome, ValidRequest):
-            key = prefix_key(outcome.url, outcome.body)
-            report.keyed += key is not None
-            requests.append(
-                {
-                    "custom_id": outcome.custom_id,
-                    "url": outcome.url,
-                    "body": dumps_body(outcome.body, payload),  # a valid outcome never comes from a BadRow
-                    "line": outcome.line,
-                    "source": outcome.source,
-                    "prefix_key": key,
-                    "model": outcome.body.get("model"),
-                }
-            )
-            if len(requests) >= part_rows:
-                staging.write_requests(requests)
-                requests = []
-        else:
-            errors.append(invalid_to_staged(outcome))
-            if len(errors) >= part_rows:
-                staging.write_rows("errors", errors, prefix=INGEST_PREFIX)
-                errors = []
-    staging.write_requests(requests)
-    staging.write_rows("errors", errors, prefix=INGEST_PREFIX)
+    source.limits = limits or InputLimits()
+    run = _executor(parallel, source, staging)
+    if range_bytes is None:
+        share = math.ceil((source.size_bytes or 0) / (8 * run.parallelism))
+        range_bytes = min(RANGE_BYTES, max(MIN_RANGE_BYTES, share))
+    report = IngestReport(
+        source=str(location) if isinstance(location, Path | str) else source.describe(),
+        files=len(source.files),
+        range_bytes=range_bytes,
+    )
+    started = time.monotonic()
+    pieces, scans = source.plan_reads(range_bytes)
+    if buckets is None:
+        # Enough buckets to keep each one's ids small, and to give every worker a bucket when there are pieces
+        # enough to fill them (each piece writes one file per bucket it has ids in).
+        by_size = math.ceil((source.size_bytes or 0) / BUCKET_BYTES)
+        buckets = max(1, min(MAX_BUCKETS, max(by_size, min(len(pieces), run.parallelism))))
+    job = IngestJob(source, staging, served, job_id, source.limits, measure, buckets, part_rows)
+    batches = _scan_batches(scans)
+    scanned = run.map(scan_ranges, job, batches)
+    counts = [count for outcome in scanned for count in outcome.counts]
+    pieces = with_line_counts(pieces, scans, [newlines for newlines, _ in counts])
+    report.seconds["scan"] = time.monotonic() - started
+    _count(report.placement, "scan", [outcome.node for outcome in scanned])
+
+    started = time.monotonic()
+    read: list[PieceStats] = run.map(read_piece, job, pieces)
+    report.seconds["read"] = time.monotonic() - started
+    _count(report.placement, "read", [stats.node for stats in read])
+
+    started = time.monotonic()
+    found: list[BucketOutcome] = run.map(dedup_bucket, job, list(range(buckets)))
+    parts = {stats.piece: stats.parts for stats in read}
+    fixes = sorted({piece for outcome in found for piece in outcome.pieces})
+    fixed: list[FixOutcome] = run.map(fix_piece, job, [(piece, parts[piece]) for piece in fixes])
+    staging.files.delete_tree(staging.ids_dir)
+    report.seconds["dedup"] = time.monotonic() - started
+    _count(report.placement, "dedup", [outcome.node for outcome in found] + [fix.node for fix in fixed])
+
+    for stats in read:
+        report.lines += stats.rows
+        report.valid += stats.valid
+        report.keyed += stats.keyed
+        report.invalid_by_code.update(stats.invalid_by_code)
+        report.tokenizer_loads += stats.tokenizer_loads
+        report.task_cpu_s += stats.cpu_seconds
+    lengths = Lengths()
+    for outcome in found:
+        lengths.merge(outcome.lengths)
+        report.valid -= outcome.replaced.get(REQUEST, 0)
+        report.keyed -= outcome.replaced_keyed
+        report.invalid_by_code.subtract({c: n for c, n in outcome.replaced.items() if c != REQUEST})
+        report.invalid_by_code[ErrorCode.DUPLICATE_CUSTOM_ID.value] += outcome.duplicates
+    report.invalid_by_code = +report.invalid_by_code  # drop codes that no line has any more
+    if measure is not None:
+        lengths.seconds = sum(stats.measure_seconds for stats in read)
+        report.lengths = lengths
+
+    if source.kind == "local":
+        report.fingerprint = source.local_fingerprint(scans, [digest or "" for _, digest in counts])
+        report.size_bytes = source.size_bytes or 0
+    elif source.kind == "s3":
+        report.fingerprint = source.s3_fingerprint()
+        report.size_bytes = source.size_bytes or 0
+    else:
+        report.fingerprint = read[0].fingerprint
+        report.size_bytes = read[0].size_bytes
     return report

@@ -4,7 +4,7 @@
 
     runtime/preflight.py  input and output reachable and usable, before any work
     runtime/session.py    the Ray session (a private instance, or a cluster's address)
-    runtime/ingest.py     read + validate + stage the work list and the first error records
+    runtime/ingest.py     read + validate + measure as tasks on the cluster: the work list, the first error records
     runtime/fit.py        engine args fitted to the measured requests
     runtime/feed.py       pools of engine actors leasing chunks from the work queue (work_queue.py, worker.py)
     runtime/sink.py       engines stage their own results; only acknowledgements reach the queue
@@ -37,7 +37,7 @@ from pipeline.models import ResolvedModel, resolve_models
 from pipeline.observe.progress import JobCounters
 from pipeline.runtime.feed import EngineRun, models_summary, run_engines
 from pipeline.runtime.finalize import FORMAT_VERSION, commit, write_outputs
-from pipeline.runtime.fit import fit_job
+from pipeline.runtime.fit import fit_job, measuring
 from pipeline.runtime.ingest import ingest
 from pipeline.runtime.monitor import preemption_remedy, summarize_engines
 from pipeline.runtime.preflight import (
@@ -46,7 +46,7 @@ from pipeline.runtime.preflight import (
     check_output_target,
     output_problem,
 )
-from pipeline.runtime.session import InBackground, start_ray
+from pipeline.runtime.session import start_ray
 
 log = structlog.get_logger(__name__)
 
@@ -133,7 +133,15 @@ def run_job(config: JobConfig, show_progress: bool = True, resume: bool = False)
             # Each line goes to a model some pool serves (model_not_found otherwise); the model's task rejects a
             # route it cannot serve at validation (unsupported_task), before any engine.
             served = {m.name: m.task for m in pool_models.values()}
-            report = ingest(source, served, staging, job_id=job_id, limits=config.limits)
+            # Validated and measured by tasks on the cluster; too-long prompts are error records already.
+            report = ingest(
+                source,
+                served,
+                staging,
+                job_id=job_id,
+                limits=config.limits,
+                measure=measuring(config, model),
+            )
             state["input"] = {
                 "location": source.describe(),
                 "fingerprint": report.fingerprint,
@@ -143,18 +151,22 @@ def run_job(config: JobConfig, show_progress: bool = True, resume: bool = False)
                 "invalid": report.invalid,
                 "prefix_keyed": report.keyed,
             }
+            if report.lengths is not None:
+                state["lengths"] = report.lengths.to_dict()
+            state["ingest"] = {
+                "nodes": report.nodes(),
+                "tasks_by_node": report.placement,
+                "seconds": {step: round(s, 3) for step, s in report.seconds.items()},
+                "range_bytes": report.range_bytes,
+            }
             state["ingested"] = True
             staging.write_job(state)
-        # Engine args fitted to the data, too-long prompts failed before any engine (runtime/fit.py; kept in state).
+        # Engine args fitted to the measured aggregate (runtime/fit.py; kept in state).
         return fit_job(config, model, staging, state)
 
-    # Ray's start-up (seconds of process launches, mostly waiting) overlaps validation and fitting instead of
-    # following them; engines are needed unless every row is invalid or already finished, which is rare.
-    preparing = InBackground(prepare_work)
-    try:
-        start_ray(config.resources.address)
-    finally:
-        config = preparing.result()
+    # Ingest runs as tasks on the cluster, so Ray starts first.
+    start_ray(config.resources.address)
+    config = prepare_work()
     spec = engine_spec(config, model)
     lines = state["input"]["lines"]
     log.info("input validated", lines=lines, valid=state["input"]["valid"], invalid=state["input"]["invalid"])
@@ -190,6 +202,7 @@ def run_job(config: JobConfig, show_progress: bool = True, resume: bool = False)
         "created_at": started_at.isoformat(),
         "finished_at": dt.datetime.now(dt.timezone.utc).isoformat(),
         "input": {k: state["input"][k] for k in ("location", "fingerprint", "size_bytes", "lines")},
+        "ingest": state.get("ingest"),  # where validation ran (Ray node ids), per step
         "model": model.model_dump(),
         # Rows answered and tokens, per served model (a job may serve one model per pool).
         "models": models_summary(pool_models, run.pools),

@@ -153,6 +153,22 @@ class LineValidator:
     def __call__(
         self, raw: str | bytes | dict[str, Any], line: int, source: str
     ) -> ValidRequest | InvalidLine:
+        outcome, claim = self.check(raw, line, source)
+        if claim is None:
+            return outcome
+        # The first line that names a custom_id owns it, valid or not; every later line with it is a duplicate.
+        if claim in self._seen:
+            return duplicate_line(claim, line, source, self.job_id)
+        self._seen.add(claim)
+        return outcome
+
+    def check(
+        self, raw: str | bytes | dict[str, Any], line: int, source: str
+    ) -> tuple[ValidRequest | InvalidLine, str | None]:
+        """The line on its own, without the duplicate check: its outcome, and the custom_id it claims (None when
+        it names no usable one). A claimed id that an earlier line claimed makes this line a duplicate instead,
+        whatever its outcome: `__call__` applies that rule with one set, `runtime/dedup.py` with id buckets."""
+
         def invalid(code: ErrorCode, message: str, custom_id: str | None = None) -> InvalidLine:
             seed = f"{self.job_id}:{source}:{line}" if self.job_id else None
             return InvalidLine(
@@ -165,58 +181,54 @@ class LineValidator:
             try:
                 obj = loads(raw, self.limits.max_json_depth)
             except JSONNestingError as exc:
-                return invalid(ErrorCode.INVALID_JSON, f"{exc} (limits.max_json_depth)")
+                return invalid(ErrorCode.INVALID_JSON, f"{exc} (limits.max_json_depth)"), None
             except (ValueError, UnicodeDecodeError) as exc:
-                return invalid(ErrorCode.INVALID_JSON, f"line is not valid JSON: {exc}")
+                return invalid(ErrorCode.INVALID_JSON, f"line is not valid JSON: {exc}"), None
         if not isinstance(obj, dict):
-            return invalid(ErrorCode.INVALID_JSON, f"line must be a JSON object, got {type(obj).__name__}")
+            return invalid(
+                ErrorCode.INVALID_JSON, f"line must be a JSON object, got {type(obj).__name__}"
+            ), None
         if _has_lone_surrogate(raw, obj):
             return invalid(
                 ErrorCode.INVALID_JSON, "line holds an unpaired UTF-16 surrogate: not valid Unicode"
-            )
+            ), None
 
         custom_id = obj.get("custom_id")
         if not isinstance(custom_id, str) or not custom_id:
             shown = custom_id if isinstance(custom_id, str) else None
-            return invalid(ErrorCode.MISSING_CUSTOM_ID, "custom_id must be a non-empty string", shown)
+            return invalid(ErrorCode.MISSING_CUSTOM_ID, "custom_id must be a non-empty string", shown), None
         problem = custom_id_problem(custom_id, self.limits.max_custom_id_bytes)
         if problem:
             # Not echoed whole: a megabyte of id would make a megabyte of error line.
             shown = custom_id if len(custom_id) <= self.limits.max_custom_id_bytes else None
-            return invalid(ErrorCode.INVALID_CUSTOM_ID, problem, shown)
+            return invalid(ErrorCode.INVALID_CUSTOM_ID, problem, shown), None
 
-        # The first line that names a custom_id owns it, valid or not; every later line with it is a duplicate.
-        if custom_id in self._seen:
-            return invalid(
-                ErrorCode.DUPLICATE_CUSTOM_ID,
-                f"custom_id {custom_id!r} already appeared earlier in the input",
-                custom_id,
-            )
-        self._seen.add(custom_id)
-
+        # From here on the line claims its custom_id, valid or not.
         try:
             request = BatchRequestLine.model_validate(obj)
         except ValidationError as exc:
-            return invalid(ErrorCode.INVALID_REQUEST, _pydantic_message(exc), custom_id)
+            return invalid(ErrorCode.INVALID_REQUEST, _pydantic_message(exc), custom_id), custom_id
 
         # Exactly as OpenAI's Batch API compares it: HTTP methods are case-sensitive, and only POST is served.
         if request.method != "POST":
             return invalid(
                 ErrorCode.UNSUPPORTED_METHOD, f'method must be "POST", got {request.method!r}', custom_id
-            )
+            ), custom_id
         endpoint = endpoint_for(request.url)
         if endpoint is None:
             return invalid(
                 ErrorCode.UNSUPPORTED_URL,
                 f"url {request.url!r} is not served; supported: {', '.join(SUPPORTED_URLS)}",
                 custom_id,
-            )
+            ), custom_id
         body, problem = _read_fields(endpoint.fields, request.body)
         if problem:
-            return invalid(ErrorCode.INVALID_REQUEST, problem, custom_id)
+            return invalid(ErrorCode.INVALID_REQUEST, problem, custom_id), custom_id
         # After the fields are read as vLLM reads them: "stream": "True" or 1 asks for a stream just as true does.
         if body.get("stream"):
-            return invalid(ErrorCode.STREAM_UNSUPPORTED, "stream=true is not supported in a batch", custom_id)
+            return invalid(
+                ErrorCode.STREAM_UNSUPPORTED, "stream=true is not supported in a batch", custom_id
+            ), custom_id
         model = body.get("model")
         if model is None:
             model = self.default_model(endpoint.tasks)
@@ -225,7 +237,7 @@ class LineValidator:
                 ErrorCode.MODEL_NOT_FOUND,
                 f"model {model!r} is not served by this job; it serves {self._names()}",
                 custom_id,
-            )
+            ), custom_id
         task = self.served[model]
         if task is not None and task not in endpoint.tasks:
             return invalid(
@@ -233,13 +245,13 @@ class LineValidator:
                 f"model {model!r} runs the {task!r} task, which cannot serve {request.url}; it serves "
                 f"{', '.join(urls_for_task(task))}",
                 custom_id,
-            )
+            ), custom_id
         problem = endpoint.check(body)
         if problem:
-            return invalid(ErrorCode.INVALID_REQUEST, problem, custom_id)
+            return invalid(ErrorCode.INVALID_REQUEST, problem, custom_id), custom_id
 
         # A body without `model` gets the job's, so vLLM's serving layer sees the name it serves.
-        return ValidRequest(custom_id, request.url, {**body, "model": model}, line, source)
+        return ValidRequest(custom_id, request.url, {**body, "model": model}, line, source), custom_id
 
     def default_model(self, tasks: frozenset[str]) -> str:
         """The model a body without `model` goes to: the first served model (the job's own comes first) whose task
@@ -251,3 +263,14 @@ class LineValidator:
 
     def _names(self) -> str:
         return ", ".join(repr(name) for name in self.served)
+
+
+def duplicate_line(custom_id: str, line: int, source: str, job_id: str | None = None) -> InvalidLine:
+    """The error record of a line whose custom_id an earlier line (by file, then line) already claimed."""
+    seed = f"{job_id}:{source}:{line}" if job_id else None
+    message = f"custom_id {custom_id!r} already appeared earlier in the input"
+    return InvalidLine(
+        invalid_line_record(custom_id, ErrorCode.DUPLICATE_CUSTOM_ID, message, line, source, seed),
+        line,
+        source,
+    )

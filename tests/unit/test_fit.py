@@ -401,3 +401,65 @@ def test_a_max_tokens_the_context_cannot_hold_is_that_requests_error_not_the_job
     lengths = measure(small, word_target(limit=1000), 1000)
     context, _ = fit_max_model_len(lengths, 16, 1000)
     assert context == 32  # sized for "ok" (10 + 20), not the model's limit
+
+
+# --- Lengths from many tasks -------------------------------------------------------------------------------------
+
+
+def test_lengths_merged_in_any_order_equal_one_pass_in_input_order():
+    import random
+
+    rng = random.Random(11)
+    requests = [
+        (
+            f"r{i}",
+            [rng.randint(1, 60) for _ in range(rng.choice([0, 1, 1, 1, 2]))],
+            rng.choice([5, 40]),
+            rng.random() < 0.3,
+        )
+        for i in range(300)
+    ]
+    one_pass = Lengths()
+    for line, (custom_id, prompts, output, assumed) in enumerate(requests, 1):
+        one_pass.add(custom_id, prompts, output, assumed, 90, at=(0, line))
+    one_pass.untokenizable, one_pass.too_long, one_pass.seconds = 3, 2, 1.5
+
+    for seed in range(5):
+        cuts = sorted(random.Random(seed).sample(range(1, len(requests)), 6))
+        chunks = []
+        for start, end in zip([0, *cuts], [*cuts, len(requests)], strict=True):
+            chunk = Lengths()
+            for line in range(start, end):
+                custom_id, prompts, output, assumed = requests[line]
+                chunk.add(custom_id, prompts, output, assumed, 90, at=(0, line + 1))
+            chunks.append(chunk)
+        chunks[0].untokenizable, chunks[-1].too_long, chunks[1].too_long = 3, 1, 1
+        chunks[2].seconds, chunks[3].seconds = 1.0, 0.5
+        random.Random(seed).shuffle(chunks)
+        merged = Lengths()
+        for chunk in chunks:
+            merged.merge(chunk)
+        assert merged == one_pass
+    assert Lengths.from_dict(json.loads(json.dumps(one_pass.to_dict()))) == one_pass
+
+
+def test_fit_job_decides_from_the_lengths_ingest_measured_without_measuring_again(tmp_path):
+    rows = [
+        chat("a", 3, 1, max_tokens=20),
+        chat("huge", 9000, 3),
+    ]  # "huge" would be rejected by a measuring pass
+    staging = staged(tmp_path, [rows])
+    lengths = Lengths()
+    lengths.add("a", [4], 20, False, 8192, at=(0, 1))
+    lengths.too_long = 1
+    state = {**fake_state(3, 2), "lengths": lengths.to_dict()}
+    config = fit_job(fake_job(tmp_path), MODEL, staging, state)
+    record = state["fit"]
+    assert record["max_model_len"]["value"] == 32 == config.engine.vllm.max_model_len
+    assert record["context_length_exceeded"] == 1 and record["measured"]["longest_request"] == "a"
+    assert any("1 request(s) cannot run within the model's limit" in w for w in record["warnings"])
+    assert (state["input"]["valid"], state["input"]["invalid"]) == (
+        2,
+        1,
+    )  # ingest counted the rejection already
+    assert request_ids(staging) == ["a", "huge"]  # nothing measured or dropped here

@@ -9,6 +9,7 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 
+from pipeline.io.readers import input_source
 from pipeline.io.staging import StagingArea
 from pipeline.runtime.ingest import ingest
 from tests.conftest import staged_rows
@@ -236,3 +237,35 @@ def test_hostile_lines_become_error_records_and_the_rest_run(tmp_path: Path, sta
     }
     bodies = {r["custom_id"]: json.loads(r["body"]) for r in read_requests(staging)}
     assert bodies["tokens-str"]["max_tokens"] == 12 and bodies["stream-off"]["stream"] is False
+
+
+def test_ingest_tasks_are_pinned_to_the_drivers_node_only_when_local_files_are_out_of_other_hosts_reach(
+    tmp_path: Path,
+):
+    from pipeline.config import StorageConfig
+    from pipeline.io.locations import parse_location
+    from pipeline.io.readers import InputFile, InputSource
+    from pipeline.io.staging import ObjectStoreFiles
+    from pipeline.runtime.ingest import pinned_to
+
+    def node(node_id: str, host: str) -> dict:
+        return {"NodeID": node_id, "NodeManagerAddress": host, "Alive": True}
+
+    one_host = [node("d", "10.0.0.1"), node("w", "10.0.0.1")]
+    two_hosts = [node("d", "10.0.0.1"), node("w", "10.0.0.2"), {**node("x", "10.0.0.3"), "Alive": False}]
+    path = tmp_path / "in.jsonl"
+    path.write_text(chat("a") + "\n")
+    local_input = input_source(str(path))
+    s3_input = InputSource(
+        parse_location("s3://bucket/in.jsonl"), [InputFile("s3://bucket/in.jsonl", "bucket/in.jsonl", 9)]
+    )
+    local_staging = StagingArea(tmp_path / "out")
+    s3_staging = StagingArea("bucket/out", ObjectStoreFiles(StorageConfig(), tmp_path / "cache"))
+
+    assert pinned_to(local_input, s3_staging, two_hosts, "d") == "d"
+    assert pinned_to(s3_input, local_staging, two_hosts, "d") == "d"
+    assert pinned_to(s3_input, s3_staging, two_hosts, "d") is None
+    assert pinned_to(local_input, local_staging, one_host, "d") is None  # every node reads the driver's disk
+    assert (
+        pinned_to(local_input, local_staging, [two_hosts[0], two_hosts[2]], "d") is None
+    )  # the other one is gone
