@@ -77,6 +77,7 @@ def test_s3_input_is_read_on_several_nodes_and_the_job_accounts_for_every_line(c
     )
     manifest = run_job(config, show_progress=False).manifest
 
+    assert manifest["placement"]["ingest"] == manifest["ingest"]["tasks_by_node"]
     ingest_nodes = manifest["ingest"]["nodes"]
     assert len(ingest_nodes) >= 2 and set(ingest_nodes) <= set(cluster.node_ids.values())
     assert sum(manifest["ingest"]["tasks_by_node"]["read"].values()) == shards
