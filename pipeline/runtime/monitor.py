@@ -33,6 +33,7 @@ class JobMonitor:
             set()
         )  # started alone and not finished: if seen again, it killed the engine
         self._chunk_on: dict[int, str] = {}  # chunk in flight -> the engine that last began it
+        self._chunk_runs: dict[int, int] = {}  # chunk in flight -> times it began on an engine
         self._work: dict[str, dict[str, Any]] = {}  # engine -> rows begun, finished, re-run elsewhere
 
     # -- engine stats ---------------------------------------------------------------------------------------
@@ -55,16 +56,20 @@ class JobMonitor:
         self._engine_work(engine)["begun"] += rows
         before = self._chunk_on.get(chunk)
         self._chunk_on[chunk] = engine
+        # Times the chunk actually reached an engine: a chunk handed out again may have died with its engine before
+        # it began (leased, not yet running); such a lease put none of its requests at risk.
+        runs = self._chunk_runs.get(chunk, 0) + 1
+        self._chunk_runs[chunk] = runs
         if before is not None and before != engine:  # it was in flight on `before` when that engine died
             rerun = self._engine_work(before)["rerun_on"]
             rerun[engine] = rerun.get(engine, 0) + rows
-        if attempt <= 1 or not custom_ids:
+        if attempt <= 1 or runs <= 1 or not custom_ids:
             return {}
         attempts = self._attempts
         plan: dict[str, str] = {}
         for custom_id in custom_ids:
-            # Every request of a chunk handed out again was in flight in each earlier attempt of the chunk.
-            count = max(attempts.get(custom_id, 0) + 1, attempt)
+            # Every request of a chunk that runs again was in flight in each earlier run of the chunk.
+            count = max(attempts.get(custom_id, 0) + 1, runs)
             attempts[custom_id] = count
             if custom_id in self._solo_running:
                 plan[custom_id] = "isolate"  # it ran alone and the engine died: it is the poison
@@ -77,6 +82,7 @@ class JobMonitor:
         self._engine_work(engine)["finished"] += rows
         if chunk is not None:
             self._chunk_on.pop(chunk, None)
+            self._chunk_runs.pop(chunk, None)
 
     def _engine_work(self, engine: str) -> dict[str, Any]:
         work = self._work.get(engine)

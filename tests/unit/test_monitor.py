@@ -42,8 +42,16 @@ def test_ledger_retries_then_runs_alone_then_isolates():
     assert ledger.retries() == {"a": 4, "b": 4}
 
 
+def test_a_chunk_lost_before_it_began_put_none_of_its_requests_at_risk():
+    ledger = JobMonitor()
+    assert ledger.begin(5, "e2", 2, 2, ["a", "b"]) == {}  # handed out again, but it never ran on the dead engine
+    assert ledger.retries() == {}
+
+
 def test_a_solo_run_that_finishes_clears_suspicion():
     ledger = JobMonitor()
+    ledger.begin(1, "e0", 1)
+    ledger.begin(1, "e1", 1, 2, ["a"])
     assert ledger.begin(1, "e1", 1, 3, ["a"]) == {"a": "solo"}
     ledger.solo_started("a")
     ledger.solo_finished("a")
