@@ -187,7 +187,10 @@ def run_job(config: JobConfig, show_progress: bool = True, resume: bool = False)
         output, staging, config.output_options.rows_per_shard, lines, format=config.output_options.format
     )
     # Where each stage's tasks ran (node id prefixes): ingest's steps, finalize's; engines are in engine.per_engine.
-    outputs["placement"] = {"ingest": (state.get("ingest") or {}).get("tasks_by_node"), **outputs["placement"]}
+    outputs["placement"] = {
+        "ingest": (state.get("ingest") or {}).get("tasks_by_node"),
+        **outputs["placement"],
+    }
     wall = time.monotonic() - t0
     engines = summarize_engines(run.snapshot)
     remedy = preemption_remedy(

@@ -44,7 +44,9 @@ def test_ledger_retries_then_runs_alone_then_isolates():
 
 def test_a_chunk_lost_before_it_began_put_none_of_its_requests_at_risk():
     ledger = JobMonitor()
-    assert ledger.begin(5, "e2", 2, 2, ["a", "b"]) == {}  # handed out again, but it never ran on the dead engine
+    assert (
+        ledger.begin(5, "e2", 2, 2, ["a", "b"]) == {}
+    )  # handed out again, but it never ran on the dead engine
     assert ledger.retries() == {}
 
 
