@@ -72,6 +72,9 @@ RANGE_BYTES = 64 << 20  # a larger JSONL file is read in byte ranges of at most 
 PIECE_ROWS = 100_000  # Parquet rows read together (whole row groups): a couple of seconds of validation
 # The local fingerprint hashes files in ranges of this size (fixed, whatever the read ranges: resume compares it).
 HASH_RANGE_BYTES = 64 << 20
+# Fewer bytes than the shortest line that can hold a valid request (`{"custom_id":"a","method":"POST","url":"/score",
+# "body":{}}` takes 59 with its newline): a file's size over this bounds the requests it can hold.
+MIN_REQUEST_BYTES = 48
 
 
 class InputFormatError(LocationError):
@@ -593,6 +596,22 @@ class InputSource:
     def size_bytes(self) -> int | None:
         sizes = [f.size for f in self.files]
         return None if any(s is None for s in sizes) else sum(sizes)  # type: ignore[misc]
+
+    def rows_at_most(self) -> int | None:
+        """An upper bound on the rows, known before reading them (None: no bound without reading): a JSONL line of
+        a request takes at least MIN_REQUEST_BYTES; a local Parquet file says its rows in its footer."""
+        total = 0
+        for index, file in enumerate(self.files):
+            if file.size is None:
+                return None
+            fmt = self.file_format(index) if self.kind == "local" else file.declared_format
+            if fmt == "parquet" and self.kind == "local":
+                total += self._parquet_file(file).metadata.num_rows
+            elif fmt == "jsonl" and not file.ref.split("?", 1)[0].endswith(".gz"):
+                total += file.size // MIN_REQUEST_BYTES + 1
+            else:
+                return None  # compressed rows, or a format known only once read
+        return total
 
     def _s3(self):
         if self._fs is None:

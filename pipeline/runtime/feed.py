@@ -148,158 +148,225 @@ def _wait_for_earlier_driver(job_id: str, timeout_s: float = 120.0) -> None:
         time.sleep(0.5)
 
 
-def run_engines(
-    config: JobConfig,
-    spec: EngineSpec,
-    staging: StagingArea,
-    counters: JobCounters,
-    show_progress: bool,
-    job_id: str,
-    finished: set[str],
-    keyed_rows: int = 0,
-    pool_models: dict[str, ResolvedModel] | None = None,
-) -> EngineRun:
-    import ray
-    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+class EngineLaunch:
+    """A job's engines, started before their work is known, then fed and watched.
 
-    from pipeline.runtime.monitor import JobMonitor
-    from pipeline.runtime.sink import PartWriter, engines_share_disk_with_driver
-    from pipeline.runtime.work_queue import WorkQueue
+    Started right after Ray (before ingest): the actors' processes, their placement and the engines' imports —
+    seconds on every engine — overlap ingest and fitting. Each engine then waits in its queue's `engine_plan` for
+    the engine args fitted to the measured input; `feed` hands every queue its work list and the plans, and
+    `wait` watches until every row is staged. An engine that finds no work never builds its engine.
 
-    _wait_for_earlier_driver(job_id)
-    files = staging.pending_requests(finished)
-    if not files:
-        return EngineRun()
-    # Each pool serves one model (its own, or the job's); with several models, each model's requests are a work
-    # list of their own, leased only by the pools serving that model.
-    fit = staging.read_job().get("fit")
-    specs, model_of = {}, {}
-    for pool in effective_pools(config):
-        model = (pool_models or {}).get(pool.name)
-        specs[pool.name] = pool_spec(spec, model, fit, pool) if model is not None else spec
-        model_of[pool.name] = specs[pool.name].served_model_name
-    models = list(dict.fromkeys(model_of.values()))
-    work = (
-        {m: staging.requests_for_model(files, m) for m in models} if len(models) > 1 else {models[0]: files}
-    )
-    rows_of = {m: staging.num_rows(paths) for m, paths in work.items()}
-    # Engine counts and CPUs the job left open are decided against the cluster Ray now sees; never more engines
-    # than there are chunks to give them (a chunk's size does not depend on how many engines there are). A pool
-    # whose model has no requests starts no engine.
-    engines_given = bool(config.pools) or config.resources.num_engines is not None
-    pools = [
-        place_pool(
-            pool,
-            specs[pool.name],
-            engines_given,
-            -(-rows_of[model_of[pool.name]] // plan_feed(config, specs[pool.name], pool).chunk_rows),
+    How many engines a pool runs is decided at launch against `rows_at_most` (an upper bound: the work is not
+    counted yet), never more than its chunks of work."""
+
+    def __init__(
+        self,
+        config: JobConfig,
+        spec: EngineSpec,
+        staging: StagingArea,
+        job_id: str,
+        pool_models: dict[str, ResolvedModel] | None = None,
+        rows_at_most: int | None = None,
+    ) -> None:
+        import ray
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+        from pipeline.runtime.monitor import JobMonitor
+        from pipeline.runtime.sink import PartWriter, engines_share_disk_with_driver
+        from pipeline.runtime.work_queue import WorkQueue
+
+        _wait_for_earlier_driver(job_id)
+        self.config = config
+        self.job_id = job_id
+        self.staging = staging
+        self.pool_models = pool_models or {}
+        # Which model each pool serves is known before fitting (fitting changes engine args, not models); each
+        # model's requests are a work list of their own, leased only by the pools serving that model.
+        early = {pool.name: self._spec_of(spec, pool, None) for pool in effective_pools(config)}
+        self.model_of = {name: s.served_model_name for name, s in early.items()}
+        self.models = list(dict.fromkeys(self.model_of.values()))
+        # Engine counts and CPUs the job left open are decided against the cluster Ray now sees.
+        engines_given = bool(config.pools) or config.resources.num_engines is not None
+        self.pools = []
+        for pool in effective_pools(config):
+            chunk_rows = plan_feed(config, early[pool.name], pool).chunk_rows
+            chunks = -(-rows_at_most // chunk_rows) if rows_at_most is not None else None
+            self.pools.append(place_pool(pool, early[pool.name], engines_given, chunks))
+        # The monitor, the queues and (for a local OUTPUT on a multi-host cluster) the part writer are pinned to
+        # the driver's node: they must not go down with a worker node (that is what they help survive), and a
+        # local staging directory is on this node's disk.
+        # The monitor is named so operators (and tests) can find a job's engines: ray.get_actor(name).snapshot().
+        here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
+        self.monitor = (
+            ray.remote(num_cpus=0)(JobMonitor)
+            .options(name=f"nightshift-monitor-{job_id}", scheduling_strategy=here)
+            .remote()
         )
-        for pool in effective_pools(config)
-        if rows_of[model_of[pool.name]]
-    ]
-    # The monitor, the queues and (for a local OUTPUT on a multi-host cluster) the part writer are pinned to the
-    # driver's node: they must not go down with a worker node (that is what they help survive), and a local
-    # staging directory is on this node's disk.
-    # The monitor is named so operators (and tests) can find a job's engines: ray.get_actor(name).snapshot().
-    node_id = ray.get_runtime_context().get_node_id()
-    here = NodeAffinitySchedulingStrategy(node_id, soft=False)
-    monitor = (
-        ray.remote(num_cpus=0)(JobMonitor)
-        .options(name=f"nightshift-monitor-{job_id}", scheduling_strategy=here)
-        .remote()
-    )
-    plans = [plan_feed(config, specs[pool.name], pool) for pool in pools]
-    writer = None
-    if not engines_share_disk_with_driver(staging.is_local):
-        writer = ray.remote(num_cpus=0)(PartWriter).options(scheduling_strategy=here).remote(staging)
-    sink = ChunkSink(staging, writer)
-    run_id = uuid.uuid4().hex[:8]
-    queues, datasets = [], []
-    route = False
-    for model in models:
-        mine = [plan for plan in plans if model_of[plan.pool.name] == model]
-        if not mine:
-            continue
-        routed = config.routing.prefix_aware and keyed_rows > 0 and sum(p.max_engines for p in mine) > 1
-        route |= routed
-        # The queue looks ahead a few chunks per engine to find rows of each engine's prompts; bounded, since a
-        # million-row job must not be read into memory.
-        window = min(65536, max(8192, 4 * sum(p.max_engines * p.chunk_rows for p in mine)))
-        queue = (
-            ray.remote(num_cpus=0)(WorkQueue)
-            .options(scheduling_strategy=here)
-            .remote(
-                work[model],
-                files_on=staging.files,
-                route=routed,
-                window_rows=window,
-                run_id=f"{run_id}{len(queues)}" if len(models) > 1 else run_id,
+        self.writer = None
+        if not engines_share_disk_with_driver(staging.is_local):
+            self.writer = ray.remote(num_cpus=0)(PartWriter).options(scheduling_strategy=here).remote(staging)
+        sink = ChunkSink(staging, self.writer)
+        run_id = uuid.uuid4().hex[:8]
+        self.queues: dict[str, Any] = {}
+        datasets = []
+        for i, model in enumerate(self.models):
+            self.queues[model] = (
+                ray.remote(num_cpus=0)(WorkQueue)
+                .options(scheduling_strategy=here)
+                .remote(
+                    [],
+                    files_on=staging.files,
+                    input_closed=False,
+                    planned=False,
+                    run_id=f"{run_id}{i}" if len(self.models) > 1 else run_id,
+                )
             )
+            datasets += [
+                _pool_dataset(
+                    plan_feed(config, early[pool.name], pool),
+                    self.queues[model],
+                    self.monitor,
+                    sink,
+                    job_id,
+                    config.engine.max_in_flight,
+                )
+                for pool in self.pools
+                if self.model_of[pool.name] == model
+            ]
+        ds = datasets[0].union(*datasets[1:]) if len(datasets) > 1 else datasets[0]
+        # The engines run in Ray; the driver only watches: acknowledgements are counted by the queues.
+        self._running = InBackground(
+            lambda: sum(int(b["chunks"].sum()) for b in ds.iter_batches(batch_size=None))
         )
-        queues.append(queue)
-        datasets += [
-            _pool_dataset(plan, queue, monitor, sink, job_id, config.engine.max_in_flight) for plan in mine
-        ]
-    ds = datasets[0].union(*datasets[1:]) if len(datasets) > 1 else datasets[0]
+        self.route = False
+        self.keyed_rows = 0
+        self._fit: dict[str, Any] | None = None
+        self._fed = False
 
-    # Live engine numbers (KV usage, preemptions, prefix hits) in the display and logs; warns once on preemptions.
-    watch = EngineWatch.of_monitor(monitor, staging.read_job().get("fit"))
-    seen = {"rows": 0, "failed": 0, "prompt_tokens": 0, "completion_tokens": 0}
-    progress_pools: dict[str, dict[str, Any]] = {}
+    def _spec_of(self, spec: EngineSpec, pool: PoolConfig, fit: dict[str, Any] | None) -> EngineSpec:
+        model = self.pool_models.get(pool.name)
+        return pool_spec(spec, model, fit, pool) if model is not None else spec
 
-    def take_progress() -> None:
-        latest = _merged_progress(ray.get([queue.progress.remote() for queue in queues]))
-        delta = {key: latest[key] - seen[key] for key in seen}
-        if delta["rows"]:
-            counters.add(delta["rows"], delta["failed"], delta["prompt_tokens"], delta["completion_tokens"])
-            seen.update({key: latest[key] for key in seen})
-        progress_pools.clear()
-        progress_pools.update(latest["pools"])
+    def feed(self, config: JobConfig, spec: EngineSpec, finished: set[str], keyed_rows: int = 0) -> None:
+        """Hand the queues the work list (the requests without a staged row) and each pool its fitted plan."""
+        import ray
 
-    # The engines run in Ray; the driver only watches: acknowledgements are counted by the queue.
-    running = InBackground(lambda: sum(int(b["chunks"].sum()) for b in ds.iter_batches(batch_size=None)))
-    with ProgressDisplay(counters, enabled=show_progress, engines=watch.poll) as progress:
-        while not running.wait(PROGRESS_POLL_S):
+        staging = self.staging
+        files = staging.pending_requests(finished)
+        self._fit = staging.read_job().get("fit")
+        plans = {
+            pool.name: plan_feed(config, self._spec_of(spec, pool, self._fit), pool) for pool in self.pools
+        }
+        if len(self.models) > 1:
+            work = {m: staging.requests_for_model(files, m) for m in self.models}
+        else:
+            work = {self.models[0]: files}
+        self.keyed_rows = keyed_rows
+        calls = []
+        for model, queue in self.queues.items():
+            mine = [plan for name, plan in plans.items() if self.model_of[name] == model]
+            routed = config.routing.prefix_aware and keyed_rows > 0 and sum(p.max_engines for p in mine) > 1
+            self.route |= routed
+            # The queue looks ahead a few chunks per engine to find rows of each engine's prompts; bounded, since
+            # a million-row job must not be read into memory.
+            window = min(65536, max(8192, 4 * sum(p.max_engines * p.chunk_rows for p in mine)))
+            paths = work[model]
+            calls.append(
+                queue.start_work.remote(
+                    paths,
+                    {plan.pool.name: plan for plan in mine},
+                    route=routed,
+                    window_rows=window,
+                    rows=staging.num_rows(paths),
+                )
+            )
+        ray.get(calls)
+        self._fed = True
+
+    def cancel(self) -> None:
+        """No work for any engine (nothing valid, or all of it already staged): every ticket ends unbuilt."""
+        import ray
+
+        ray.get([queue.start_work.remote([], {}) for queue in self.queues.values()])
+
+    def abort(self, timeout_s: float = 30.0) -> None:
+        """The job failed before or while feeding: end the engines' tickets, then release the job's actors."""
+        import ray
+
+        try:
+            self.cancel()
+            if not self._fed:  # unbuilt engines end their tickets at once; fed ones are not waited for
+                self._running.wait(timeout_s)
+        except Exception as exc:  # noqa: BLE001 - already failing; what matters is the first error
+            log.warning("engines not stopped cleanly", error=str(exc))
+        for actor in (self.monitor, *self.queues.values(), self.writer):
+            if actor is not None:
+                ray.kill(actor)
+
+    def wait(self, counters: JobCounters, show_progress: bool) -> EngineRun:
+        """Watch until every engine's ticket has ended; what the engine phase reports to the manifest."""
+        import ray
+
+        monitor, queues = self.monitor, list(self.queues.values())
+        # Live engine numbers (KV usage, preemptions, prefix hits) in the display and logs; warns once on preemptions.
+        watch = EngineWatch.of_monitor(monitor, self._fit)
+        seen = {"rows": 0, "failed": 0, "prompt_tokens": 0, "completion_tokens": 0}
+        progress_pools: dict[str, dict[str, Any]] = {}
+
+        def take_progress() -> None:
+            latest = _merged_progress(ray.get([queue.progress.remote() for queue in queues]))
+            delta = {key: latest[key] - seen[key] for key in seen}
+            if delta["rows"]:
+                counters.add(
+                    delta["rows"], delta["failed"], delta["prompt_tokens"], delta["completion_tokens"]
+                )
+                seen.update({key: latest[key] for key in seen})
+            progress_pools.clear()
+            progress_pools.update(latest["pools"])
+
+        with ProgressDisplay(counters, enabled=show_progress, engines=watch.poll) as progress:
+            while not self._running.wait(PROGRESS_POLL_S):
+                take_progress()
+                progress.update(pools=progress_pools)
+            self._running.result()
             take_progress()
-            progress.update(pools=progress_pools)
-        running.result()
-        take_progress()
-        progress.update(force=True, pools=progress_pools)
-    run = EngineRun(pools={name: dict(stats) for name, stats in progress_pools.items()})
-    reserved = {pool.name: pool.cpus_per_engine for pool in pools}
-    snapshot = ray.get(monitor.snapshot.remote())
-    for name, stats in run.pools.items():
-        stats["cpus_per_engine"] = reserved.get(name) or 0.0
-        stats["engines"] = sum(1 for info in snapshot.values() if info["pool"] == name)
-        span = stats.get("last_result_s") or 0
-        stats["output_tokens_per_s"] = round(stats["completion_tokens"] / span, 2) if span else 0.0
-    run.snapshot = snapshot
-    run.retried_requests = len(ray.get(monitor.retries.remote()))
-    run.recovery = summarize_recovery(ray.get(monitor.work.remote()))
-    run.preemption_warned = watch.warned
-    queued = _merged_stats(ray.get([queue.stats.remote() for queue in queues]))
-    run.duplicates_dropped = queued["duplicate_acks"]
-    run.leases = {
-        k: queued[k] for k in ("chunks_issued", "chunks_reissued", "rows_reissued", "duplicate_acks")
-    }
-    # Routing facts: rows each engine ran; "rows_routed" ran on their key's owner, "rows_stolen" on another
-    # engine (so that none idled), "rows_unkeyed" had no shared prompt; "keys": prompts that got an owning engine.
-    run.routing = {
-        "enabled": config.routing.prefix_aware,
-        "used": route,
-        "keyed_rows_in_input": keyed_rows,
-        "rows_by_engine": dict(sorted(queued["served_by"].items())) if route else {},
-        **queued["routing"],
-    }
-    for actor in (monitor, *queues, writer):
-        if actor is not None:
-            ray.kill(actor)
-    if run.duplicates_dropped:
-        log.warning(
-            "dropped chunks that ran twice (their engine died after staging them)",
-            chunks=run.duplicates_dropped,
-        )
-    return run
+            progress.update(force=True, pools=progress_pools)
+        run = EngineRun(pools={name: dict(stats) for name, stats in progress_pools.items()})
+        reserved = {pool.name: pool.cpus_per_engine for pool in self.pools}
+        snapshot = ray.get(monitor.snapshot.remote())
+        for name, stats in run.pools.items():
+            stats["cpus_per_engine"] = reserved.get(name) or 0.0
+            stats["engines"] = sum(1 for info in snapshot.values() if info["pool"] == name)
+            span = stats.get("last_result_s") or 0
+            stats["output_tokens_per_s"] = round(stats["completion_tokens"] / span, 2) if span else 0.0
+        run.snapshot = snapshot
+        run.retried_requests = len(ray.get(monitor.retries.remote()))
+        run.recovery = summarize_recovery(ray.get(monitor.work.remote()))
+        run.preemption_warned = watch.warned
+        queued = _merged_stats(ray.get([queue.stats.remote() for queue in queues]))
+        run.duplicates_dropped = queued["duplicate_acks"]
+        run.leases = {
+            k: queued[k] for k in ("chunks_issued", "chunks_reissued", "rows_reissued", "duplicate_acks")
+        }
+        # Routing facts: rows each engine ran; "rows_routed" ran on their key's owner, "rows_stolen" on another
+        # engine (so that none idled), "rows_unkeyed" had no shared prompt; "keys": prompts that got an owning
+        # engine.
+        run.routing = {
+            "enabled": self.config.routing.prefix_aware,
+            "used": self.route,
+            "keyed_rows_in_input": self.keyed_rows,
+            "rows_by_engine": dict(sorted(queued["served_by"].items())) if self.route else {},
+            **queued["routing"],
+        }
+        for actor in (monitor, *queues, self.writer):
+            if actor is not None:
+                ray.kill(actor)
+        if run.duplicates_dropped:
+            log.warning(
+                "dropped chunks that ran twice (their engine died after staging them)",
+                chunks=run.duplicates_dropped,
+            )
+        return run
 
 
 def pool_spec(

@@ -412,7 +412,7 @@ class _RayTasks:
     are submitted at once: Ray holds what is queued, and a zero-CPU task would not wait for a free core. A task
     that fails raises its own exception here, not Ray's wrapper."""
 
-    def __init__(self, node: str | None) -> None:
+    def __init__(self, node: str | None, reserve_cpus: bool = True) -> None:
         import ray
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
@@ -426,7 +426,9 @@ class _RayTasks:
             cpus = next(
                 (float(n["Resources"].get("CPU", 0)) for n in ray.nodes() if n.get("NodeID") == node), 0.0
             )
-        self._cpus = 1 if cpus >= 1 else 0
+        # Engines started before ingest hold their CPUs while they load and wait for the fitted args; a task
+        # waiting for one of those CPUs would wait forever (a CPU pool takes every core by default).
+        self._cpus = 1 if cpus >= 1 and reserve_cpus else 0
         self.parallelism = max(1, int(cpus))  # tasks that run at once
         self.in_flight = 2 * self.parallelism
 
@@ -461,7 +463,9 @@ class _RayTasks:
             raise
 
 
-def _executor(parallel: bool | None, source: InputSource, staging: StagingArea) -> _InProcess | _RayTasks:
+def _executor(
+    parallel: bool | None, source: InputSource, staging: StagingArea, reserve_cpus: bool = True
+) -> _InProcess | _RayTasks:
     ray = sys.modules.get("ray")
     if parallel is None:
         parallel = ray is not None and ray.is_initialized()
@@ -470,7 +474,7 @@ def _executor(parallel: bool | None, source: InputSource, staging: StagingArea) 
     import ray
 
     driver = ray.get_runtime_context().get_node_id()
-    return _RayTasks(pinned_to(source, staging, ray.nodes(), driver))
+    return _RayTasks(pinned_to(source, staging, ray.nodes(), driver), reserve_cpus)
 
 
 def pinned_to(
@@ -516,12 +520,15 @@ def ingest(
     range_bytes: int | None = None,
     buckets: int | None = None,
     parallel: bool | None = None,
+    reserve_cpus: bool = True,
 ) -> IngestReport:
     """Validate (and, with `measure`, measure) the whole input into staging, as parallel tasks on Ray when it is
-    initialized (`parallel` None), else in this process. Staging must hold no earlier ingest (discard_ingest)."""
+    initialized (`parallel` None), else in this process. Staging must hold no earlier ingest (discard_ingest).
+    `reserve_cpus=False`: the tasks take no Ray CPU (engines already hold them; at most twice the cluster's CPUs
+    run at once either way)."""
     source = as_source(location, storage)
     source.limits = limits or InputLimits()
-    run = _executor(parallel, source, staging)
+    run = _executor(parallel, source, staging, reserve_cpus)
     if range_bytes is None:
         share = math.ceil((source.size_bytes or 0) / (8 * run.parallelism))
         range_bytes = min(RANGE_BYTES, max(MIN_RANGE_BYTES, share))

@@ -1,6 +1,7 @@
 """One batch job, end to end — the order of the steps; each step lives in its own module:
 
     preflight ─▶ ingest ─▶ fit ─▶ (resume filter) ─▶ feed: engine actors ─▶ sink: staged parts ─▶ finalize
+                 └── engine actors start, load and wait for the fitted args ──┘
 
     runtime/preflight.py  input and output reachable and usable, before any work
     runtime/session.py    the Ray session (a private instance, or a cluster's address)
@@ -35,7 +36,7 @@ from pipeline.io.staging import StagingArea
 from pipeline.io.writers import OutputTarget, output_target
 from pipeline.models import ResolvedModel, resolve_models
 from pipeline.observe.progress import JobCounters
-from pipeline.runtime.feed import EngineRun, models_summary, run_engines
+from pipeline.runtime.feed import EngineLaunch, EngineRun, models_summary
 from pipeline.runtime.finalize import FORMAT_VERSION, commit, write_outputs
 from pipeline.runtime.fit import fit_job, measuring
 from pipeline.runtime.ingest import ingest
@@ -141,6 +142,7 @@ def run_job(config: JobConfig, show_progress: bool = True, resume: bool = False)
                 job_id=job_id,
                 limits=config.limits,
                 measure=measuring(config, model),
+                reserve_cpus=launch is None,
             )
             state["input"] = {
                 "location": source.describe(),
@@ -164,24 +166,36 @@ def run_job(config: JobConfig, show_progress: bool = True, resume: bool = False)
         # Engine args fitted to the measured aggregate (runtime/fit.py; kept in state).
         return fit_job(config, model, staging, state)
 
-    # Ingest runs as tasks on the cluster, so Ray starts first.
+    # Ingest runs as tasks on the cluster, so Ray starts first. On a fresh job the engines start right after it:
+    # their processes and imports overlap ingest and fitting, and they wait for the fitted args (runtime/feed.py).
     start_ray(config.resources.address)
-    config = prepare_work()
-    spec = engine_spec(config, model)
-    lines = state["input"]["lines"]
-    log.info("input validated", lines=lines, valid=state["input"]["valid"], invalid=state["input"]["invalid"])
-
-    finished = set(staging.finished_ids())
-    counters = JobCounters(total=lines)
-    counters.add_invalid(state["input"]["invalid"])
-    counters.done += len(finished)
+    launch: EngineLaunch | None = None
+    if not state.get("ingested"):
+        launch = EngineLaunch(config, spec, staging, job_id, pool_models, source.rows_at_most())
     run = EngineRun()
-    if state["input"]["valid"] > len(finished):
-        start_ray(config.resources.address)
-        keyed = state["input"].get("prefix_keyed", 0)
-        run = run_engines(
-            config, spec, staging, counters, show_progress, job_id, finished, keyed, pool_models
+    try:
+        config = prepare_work()
+        spec = engine_spec(config, model)
+        lines = state["input"]["lines"]
+        log.info(
+            "input validated", lines=lines, valid=state["input"]["valid"], invalid=state["input"]["invalid"]
         )
+        finished = set(staging.finished_ids())
+        counters = JobCounters(total=lines)
+        counters.add_invalid(state["input"]["invalid"])
+        counters.done += len(finished)
+        pending = state["input"]["valid"] - len(finished)
+        if pending > 0:
+            launch = launch or EngineLaunch(config, spec, staging, job_id, pool_models, pending)
+            launch.feed(config, spec, finished, state["input"].get("prefix_keyed", 0))
+            run = launch.wait(counters, show_progress)
+        elif launch is not None:
+            launch.cancel()
+            launch.wait(counters, show_progress=False)
+    except BaseException:
+        if launch is not None:
+            launch.abort()
+        raise
 
     outputs = write_outputs(
         output, staging, config.output_options.rows_per_shard, lines, format=config.output_options.format

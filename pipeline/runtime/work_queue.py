@@ -17,8 +17,11 @@ owns yet (it claims them); requests without a key; keys it already took over fro
 engine's keys (it steals, so no engine idles while work remains: the key with the most rows waiting, where one more
 prefill of its prompt pays best). Chunks are prefix-homogeneous where the window allows.
 
-The work list may still be growing (`add_files` while ingest stages it, then `close_input`): an engine that finds
-the queue empty waits until more arrives or the input is closed.
+Engines start before their work is known: a queue made with `WorkQueue.waiting()` holds no work list yet, and each
+engine asks it for its pool's plan (`engine_plan`: the engine args fitted to the measured input, the chunk size)
+while ingest and fitting still run — the engine's process and imports overlap them. `start_work` hands over the work
+list and the plans at once. The work list may also still be growing (`add_files` while ingest stages it, then
+`close_input`): an engine that finds the queue empty waits until more arrives or the input is closed.
 """
 
 from __future__ import annotations
@@ -55,12 +58,17 @@ class WorkQueue:
         run_id: str = "run",
         input_closed: bool = True,
         shrink_tail: bool = True,
+        plans: dict[str, Any] | None = None,
+        planned: bool = True,
     ) -> None:
         """`files_on`: the staging area's storage (`pipeline.io.staging.PartFiles`); default: local paths.
         `route`: group by prefix key and give each key an owner; `window_rows`: how far ahead the queue reads to
         find rows of a key (bounds its memory). `run_id` makes chunk names unique across runs of one job (a
         resumed job must never overwrite a part an earlier run staged). `input_closed=False`: more files will
-        come (`add_files`) until `close_input` — engines start while the input is still being staged."""
+        come (`add_files`) until `close_input` — engines start while the input is still being staged. `plans`: per
+        pool, what its engines run with (an object with `spec` and `chunk_rows`); a pool without one keeps the spec
+        its engines were made with. `planned=False`: not decided yet — engines wait in `engine_plan` until
+        `start_work`."""
         self._open = files_on.parquet if files_on is not None else pq.ParquetFile
         self._files = list(files)
         self._input_closed = input_closed
@@ -99,6 +107,13 @@ class WorkQueue:
         self.served_by: dict[str, int] = {}
         self.routing = {"keys": 0, "rows_routed": 0, "rows_stolen": 0, "rows_unkeyed": 0}
         self.progress_totals = Progress()
+        self._plans = plans or {}
+        self._planned = planned
+
+    @classmethod
+    def waiting(cls, **options: Any) -> WorkQueue:
+        """A queue whose work list and engine plans come later (`start_work`)."""
+        return cls([], input_closed=False, planned=False, **options)
 
     # -- the window ------------------------------------------------------------------------------------------------
     def _read_batch(self) -> pa.RecordBatch | None:
@@ -258,6 +273,35 @@ class WorkQueue:
         left = self._total_rows - self._new_rows_out
         share = -(-left // (2 * len(self._takers)))
         return max(min(rows, share), max(1, rows // 16))
+
+    async def start_work(
+        self,
+        files: list[str],
+        plans: dict[str, Any],
+        route: bool = False,
+        window_rows: int = 32768,
+        rows: int | None = None,
+        input_closed: bool = True,
+    ) -> None:
+        """The work list (or its first files, with `input_closed=False`) and each pool's plan, decided once ingest
+        and fitting are done; engines waiting in `engine_plan` go on. `rows`: the work list's row count when the
+        caller knows it (else read from each part's metadata). No files and closed: nothing to do, and every
+        engine's ticket ends without building its engine."""
+        async with self._condition():
+            self._plans = plans
+            self._planned = True
+            self._route = route
+            self._window_rows = window_rows if route else 0
+            self._total_rows += rows if rows is not None else sum(self._rows_in(f) for f in files)
+            self._files.extend(files)
+            self._input_closed = input_closed
+            self._changed.notify_all()
+
+    async def engine_plan(self, pool: str) -> Any:
+        """What `pool`'s engines run with (see `start_work`), once decided; None: keep the spec the engine has."""
+        async with self._condition():
+            await self._changed.wait_for(lambda: self._planned)
+            return self._plans.get(pool)
 
     async def add_files(self, files: list[str]) -> None:
         """More of the work list was staged (ingest still running)."""

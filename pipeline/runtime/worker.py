@@ -386,12 +386,23 @@ class EngineWorker:
     async def serve(self, ticket: str) -> int:
         """Lease chunks from the queue and run them until it is empty, holding about `window` requests inside
         the engine plus one chunk in reserve, so continuous batching stays full across chunk boundaries.
-        Returns the chunks this ticket ran."""
-        await self._engine()
+        Returns the chunks this ticket ran.
+
+        The engine is built only once there is a chunk for it: engines start while ingest and fitting run (their
+        process and imports overlap them), wait for their pool's plan — the engine args fitted to the measured
+        input — and an engine that finds no work left never pays for building its engine."""
+        plan = await self.queue.engine_plan.remote(self.pool)
+        if plan is not None:
+            self.spec, self.chunk_rows = plan.spec, plan.chunk_rows
         await self.queue.ticket_started.remote(ticket)  # a re-run ticket: its lost chunks come back first
         holding = 0  # rows leased and not yet staged
         running: dict[asyncio.Task, int] = {}
-        asking: asyncio.Task | None = None
+        first = await self._lease(ticket)
+        if first is None:
+            return 0
+        await self._engine()
+        asking: asyncio.Future | None = asyncio.get_running_loop().create_future()
+        asking.set_result(first)
         exhausted = False
         chunks = 0
         while True:
