@@ -10,7 +10,7 @@ error record instead of whatever it would have been.
 2. One task per bucket (`find_duplicates`) reads its bucket alone — every claim of an id is in the same bucket —
    orders each duplicated id's claims by (file, line), writes a duplicate error record for every claim but the
    first (`_staging/errors/validate-dup-k-*.parquet`) and lists the losers of each piece
-   (`_staging/ids/losers/piece-p/bucket-k.parquet`). It also sums the lengths of the requests that stay in the work
+   (`_staging/ids/losers/piece-p-bucket-k.parquet`). It also sums the lengths of the requests that stay in the work
    list: fitting needs only that aggregate, and only here is it known which occurrence stays.
 3. One task per piece with losers (`drop_losers`) removes their first outcome from the parts that piece staged: a
    request leaves the work list, an error record leaves the error parts. A part is rewritten under a new name and
@@ -18,6 +18,12 @@ error record instead of whatever it would have been.
    serve its old content (listings always ask the bucket, so a new name is always read afresh).
 
 Steps 2 and 3 are idempotent (fixed names; a part already rewritten is gone), so a retried task changes nothing.
+
+When engines take requests while ingest still runs (streaming), the work list is theirs before step 2 knows which
+requests lost their id: step 3 then leaves request parts alone, a losing request may run, and once the engines are
+done (or when a resumed job starts) `settle_losers` in runtime/ingest.py drops the losers from the work list and
+their rows from what the engines staged (`drop_loser_results`), by (file, line) — a result's custom_id is its
+winner's too.
 """
 
 from __future__ import annotations
@@ -53,7 +59,7 @@ ID_SCHEMA = pa.schema(
         ("capped", pa.bool_()),
     ]
 )
-LOSER_SCHEMA = pa.schema([("line", pa.int64()), ("code", pa.string())])
+LOSER_SCHEMA = pa.schema([("line", pa.int64()), ("code", pa.string()), ("source", pa.string())])
 REQUEST = "request"  # how a loser that was a request is counted in `replaced`
 
 
@@ -66,8 +72,16 @@ def bucket_dir(staging: StagingArea, bucket: int) -> str:
     return f"{staging.ids_dir}/bucket-{bucket:04d}"
 
 
-def losers_dir(staging: StagingArea, piece: int) -> str:
-    return f"{staging.ids_dir}/losers/piece-{piece:06d}"
+def losers_dir(staging: StagingArea) -> str:
+    """Where step 2 lists each piece's losers: `piece-p-bucket-k.parquet`, one flat directory (listed whole)."""
+    return f"{staging.ids_dir}/losers"
+
+
+def losers_of(staging: StagingArea, piece: int) -> list[str]:
+    prefix = f"piece-{piece:06d}-"
+    return [
+        p for p in staging.files.list_parts(losers_dir(staging)) if p.rsplit("/", 1)[-1].startswith(prefix)
+    ]
 
 
 class IdRows:
@@ -192,12 +206,15 @@ def _record_losers(
     for seq, start in enumerate(range(0, len(rows), part_rows)):
         name = f"{INGEST_PREFIX}-dup-{bucket:04d}-{seq:04d}.parquet"
         staging.write_rows("errors", rows[start : start + part_rows], name=name)
+    losers = losers.append_column(
+        "source", pa.array([sources[file] for file in losers.column("file").to_pylist()], pa.string())
+    )
     pieces = losers.column("piece")
     for piece in sorted(pc.unique(pieces).to_pylist()):
         mine = losers.filter(pc.equal(pieces, piece)).select(LOSER_SCHEMA.names)
-        directory = losers_dir(staging, piece)
+        directory = losers_dir(staging)
         staging.files.makedirs(directory)
-        staging.files.write_parquet(mine, f"{directory}/bucket-{bucket:04d}.parquet")
+        staging.files.write_parquet(mine, f"{directory}/piece-{piece:06d}-bucket-{bucket:04d}.parquet")
         outcome.pieces.append(piece)
 
 
@@ -240,7 +257,9 @@ def lengths_of(claims: pa.Table) -> Lengths:
 
 def drop_losers(staging: StagingArea, piece: int, parts: list[str]) -> int:
     """Step 3 for one piece: its parts without the lines that lost their custom_id. Returns the rows removed."""
-    found = staging.files.list_parts(losers_dir(staging, piece))
+    found = losers_of(staging, piece)
+    if not found:
+        return 0
     lines = pa.concat_tables(staging.read_part(p, ["line"]) for p in found).column("line").combine_chunks()
     removed = 0
     for path in parts:
@@ -262,3 +281,40 @@ def drop_losers(staging: StagingArea, piece: int, parts: list[str]) -> int:
 def rewritten_name(path: str) -> str:
     """`part-000003-0001.parquet` → `part-000003-0001d.parquet`: sorts where the original did."""
     return path.removesuffix(".parquet") + "d.parquet"
+
+
+def request_losers(staging: StagingArea) -> pa.Table:
+    """(source, line) of every request that lost its custom_id, recorded by step 2 and not yet settled."""
+    found = staging.files.list_parts(losers_dir(staging))
+    if not found:
+        return pa.table({"source": pa.array([], pa.string()), "line": pa.array([], pa.int64())})
+    table = pa.concat_tables(staging.read_part(p, ["line", "code", "source"]) for p in found)
+    return table.filter(pc.is_null(table.column("code"))).select(["source", "line"])
+
+
+def drop_loser_results(staging: StagingArea, parts: list[str], losers: pa.Table) -> int:
+    """Engine-staged parts without the rows of requests that lost their custom_id (`losers`: source, line): such a
+    row carries its winner's custom_id, so only its place in the input tells it apart. Returns the rows removed."""
+    by_source: dict[str, pa.Array] = {}
+    for source in pc.unique(losers.column("source")).to_pylist():
+        lines = losers.filter(pc.equal(losers.column("source"), source)).column("line")
+        by_source[source] = lines.combine_chunks()
+    removed = 0
+    for path in parts:
+        try:
+            table = staging.read_part(path)
+        except FileNotFoundError:  # rewritten by an earlier attempt of this task
+            continue
+        drop = pa.array([False] * table.num_rows)
+        for source, lines in by_source.items():
+            here = pc.and_(pc.equal(table.column("source"), source), pc.is_in(table.column("line"), lines))
+            drop = pc.or_(drop, pc.fill_null(here, False))
+        dropped = int(pc.sum(drop).as_py() or 0)
+        if not dropped:
+            continue
+        removed += dropped
+        left = table.filter(pc.invert(drop))
+        if left.num_rows:
+            staging.files.write_parquet(left, rewritten_name(path))
+        staging.files.delete([path])
+    return removed

@@ -247,6 +247,49 @@ class EngineLaunch:
         model = self.pool_models.get(pool.name)
         return pool_spec(spec, model, fit, pool) if model is not None else spec
 
+    def _plans(self, config: JobConfig, spec: EngineSpec) -> dict[str, FeedPlan]:
+        return {
+            pool.name: plan_feed(config, self._spec_of(spec, pool, self._fit), pool) for pool in self.pools
+        }
+
+    @property
+    def can_stream(self) -> bool:
+        """Whether requests can reach the engines while ingest still stages them: one work list (one model)."""
+        return len(self.models) == 1
+
+    def stream(self, config: JobConfig, spec: EngineSpec) -> None:
+        """Streaming: the engines start on `spec` (nothing is fitted to the input) and take requests as ingest
+        hands them over (`add_work`), until `close_input`."""
+        import ray
+
+        plans = self._plans(config, spec)
+        engines = sum(plan.max_engines for plan in plans.values())
+        # Whether rows share prompts is known only once they are read: routing is on wherever it could pay.
+        self.route = config.routing.prefix_aware and engines > 1
+        window = min(65536, max(8192, 4 * sum(p.max_engines * p.chunk_rows for p in plans.values())))
+        (queue,) = self.queues.values()
+        ray.get(
+            queue.start_work.remote(
+                [], plans, route=self.route, window_rows=window, rows=0, input_closed=False
+            )
+        )
+        self._fed = True
+        log.info("engines take requests while ingest reads the rest (nothing is fitted to the input)")
+
+    def add_work(self, parts: list[str]) -> None:
+        """More of the work list is staged (streaming)."""
+        import ray
+
+        (queue,) = self.queues.values()
+        ray.get(queue.add_files.remote(parts))
+
+    def close_input(self, keyed_rows: int, fit: dict[str, Any] | None) -> None:
+        """The work list is complete (streaming)."""
+        import ray
+
+        self.keyed_rows, self._fit = keyed_rows, fit
+        ray.get([queue.close_input.remote() for queue in self.queues.values()])
+
     def feed(self, config: JobConfig, spec: EngineSpec, finished: set[str], keyed_rows: int = 0) -> None:
         """Hand the queues the work list (the requests without a staged row) and each pool its fitted plan."""
         import ray
@@ -254,9 +297,7 @@ class EngineLaunch:
         staging = self.staging
         files = staging.pending_requests(finished)
         self._fit = staging.read_job().get("fit")
-        plans = {
-            pool.name: plan_feed(config, self._spec_of(spec, pool, self._fit), pool) for pool in self.pools
-        }
+        plans = self._plans(config, spec)
         if len(self.models) > 1:
             work = {m: staging.requests_for_model(files, m) for m in self.models}
         else:
@@ -284,10 +325,14 @@ class EngineLaunch:
         self._fed = True
 
     def cancel(self) -> None:
-        """No work for any engine (nothing valid, or all of it already staged): every ticket ends unbuilt."""
+        """No more work for any engine (nothing valid, or all of it already staged, or the job failed): engines
+        not yet fed end their tickets unbuilt."""
         import ray
 
-        ray.get([queue.start_work.remote([], {}) for queue in self.queues.values()])
+        if self._fed:  # what was handed over still runs; nothing more comes
+            ray.get([queue.close_input.remote() for queue in self.queues.values()])
+        else:
+            ray.get([queue.start_work.remote([], {}) for queue in self.queues.values()])
 
     def abort(self, timeout_s: float = 30.0) -> None:
         """The job failed before or while feeding: end the engines' tickets, then release the job's actors."""

@@ -551,6 +551,21 @@ def fit_job(
     return apply_fit(config, state["fit"])
 
 
+def nothing_to_fit(config: JobConfig) -> bool:
+    """Whether the engine args are settled before any request is read — fitting is off, or every arg it fits is
+    given — so engines may take requests while ingest still reads them (they run `apply_fit(config, {})`)."""
+    if not config.engine.fit.enabled:
+        return True
+    if config.engine.vllm.max_model_len is None:
+        return False
+    if config.engine.backend != "vllm":
+        return True  # only vLLM engines have max_num_seqs fitted
+    given = config.engine.vllm.max_num_seqs
+    return all(
+        pool.engine_overrides.get("max_num_seqs", given) is not None for pool in effective_pools(config)
+    )
+
+
 def apply_fit(config: JobConfig, record: dict[str, Any]) -> JobConfig:
     """`config` with the record's fitted values; given values are never replaced."""
     data = config.model_dump()

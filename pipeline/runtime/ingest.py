@@ -56,7 +56,17 @@ from pipeline.io.staging import INGEST_PREFIX, REQUEST_SCHEMA, LocalFiles, Stage
 from pipeline.json_codec import dumps_body
 from pipeline.planner import requested_max_tokens
 from pipeline.protocol import ErrorCode, dumps, failed_request_record, invalid_line_record
-from pipeline.runtime.dedup import REQUEST, BucketOutcome, IdRows, drop_losers, find_duplicates
+from pipeline.runtime.dedup import (
+    REQUEST,
+    BucketOutcome,
+    IdRows,
+    bucket_dir,
+    drop_loser_results,
+    drop_losers,
+    find_duplicates,
+    losers_dir,
+    request_losers,
+)
 from pipeline.runtime.finalize import spans_hosts
 from pipeline.runtime.fit import Lengths, MeasureSpec, context_problem, tokenizers_loaded
 from pipeline.stages.route import prefix_key
@@ -67,6 +77,7 @@ MIN_RANGE_BYTES = 8 << 20  # byte ranges below this cost more in task overhead t
 MEASURE_BATCH = 1024  # requests counted per call: a tokenizer works in bulk
 BUCKET_BYTES = 1 << 30  # input bytes per id bucket: a few million ids, what one dedup task holds at once
 MAX_BUCKETS = 64
+SETTLE_PARTS_PER_TASK = 256  # engine-staged parts one task checks for rows of losing requests
 
 
 @dataclass
@@ -386,6 +397,53 @@ def fix_piece(job: IngestJob, item: tuple[int, list[str]]) -> FixOutcome:
     return FixOutcome(drop_losers(job.staging, piece, parts), _here())
 
 
+def _drop_results_task(job: IngestJob, parts: list[str]) -> int:
+    return drop_loser_results(job.staging, parts, request_losers(job.staging))
+
+
+def _drop_loser_results(run: _InProcess | _RayTasks, job: IngestJob) -> int:
+    """Rows the engines staged for requests that lost their custom_id, dropped (tasks over the engines' parts)."""
+    staging = job.staging
+    if not request_losers(staging).num_rows:
+        return 0
+    engine_parts = [
+        part
+        for kind in ("results", "errors")
+        for part in staging.parts(kind)
+        if not part.rsplit("/", 1)[-1].startswith(f"{INGEST_PREFIX}-")
+    ]
+    groups = [
+        engine_parts[i : i + SETTLE_PARTS_PER_TASK]
+        for i in range(0, len(engine_parts), SETTLE_PARTS_PER_TASK)
+    ]
+    return sum(run.map(_drop_results_task, job, groups))
+
+
+def _piece_of(path: str) -> int:
+    return int(path.rsplit("/", 1)[-1].split("-")[1])
+
+
+def settle_losers(staging: StagingArea, source: InputSource, parallel: bool | None = None) -> int:
+    """After a streamed ingest (see runtime/dedup.py), once no engine reads the work list: requests that lost their
+    custom_id leave the work list, and the rows engines made of them leave staging. Idempotent; a no-op when there
+    is nothing to settle. Returns the engine rows dropped."""
+    found = staging.files.list_parts(losers_dir(staging))
+    if not found:
+        staging.files.delete_tree(staging.ids_dir)
+        return 0
+    run = _executor(parallel, source, staging)
+    job = IngestJob(source, staging, {}, None, source.limits, None, 1, 0)
+    with_losers = {_piece_of(path) for path in found}  # piece-<p>-bucket-<k>.parquet
+    by_piece: dict[int, list[str]] = {}
+    for part in staging.request_files():  # part-<p>-<seq>[d].parquet
+        if _piece_of(part) in with_losers:
+            by_piece.setdefault(_piece_of(part), []).append(part)
+    run.map(fix_piece, job, sorted(by_piece.items()))
+    dropped = _drop_loser_results(run, job)
+    staging.files.delete_tree(staging.ids_dir)
+    return dropped
+
+
 # --- executors ----------------------------------------------------------------------------------------------------
 
 
@@ -394,8 +452,19 @@ class _InProcess:
 
     parallelism = 1
 
-    def map(self, fn: Callable[[IngestJob, Any], Any], job: IngestJob, items: list[Any]) -> list[Any]:
-        return [fn(job, item) for item in items]
+    def map(
+        self,
+        fn: Callable[[IngestJob, Any], Any],
+        job: IngestJob,
+        items: list[Any],
+        on_result: Callable[[Any], None] | None = None,
+    ) -> list[Any]:
+        results = []
+        for item in items:
+            results.append(fn(job, item))
+            if on_result is not None:
+                on_result(results[-1])
+        return results
 
 
 def _counting_retries(fn: Callable[[IngestJob, Any], Any], job: IngestJob, item: Any) -> tuple[Any, dict]:
@@ -432,7 +501,14 @@ class _RayTasks:
         self.parallelism = max(1, int(cpus))  # tasks that run at once
         self.in_flight = 2 * self.parallelism
 
-    def map(self, fn: Callable[[IngestJob, Any], Any], job: IngestJob, items: list[Any]) -> list[Any]:
+    def map(
+        self,
+        fn: Callable[[IngestJob, Any], Any],
+        job: IngestJob,
+        items: list[Any],
+        on_result: Callable[[Any], None] | None = None,
+    ) -> list[Any]:
+        """The results in the order of `items`; `on_result` sees each as soon as its task is done."""
         ray = self._ray
         if self._job is None or self._job[0] is not job:
             self._job = (job, ray.put(job))  # shipped once, not once per task
@@ -440,19 +516,30 @@ class _RayTasks:
             num_cpus=self._cpus, max_retries=3, scheduling_strategy=self._strategy
         )
         refs: list[Any] = []
+        place: dict[Any, int] = {}
+        results: list[Any] = [None] * len(items)
         pending: list[Any] = []
+
+        def settle(done: list[Any]) -> None:
+            for ref in done:
+                result, retries = ray.get(ref)  # a failure stops the step before the rest is submitted
+                RetryStats.add(retries)  # the job's storage statistics include what its tasks retried
+                results[place[ref]] = result
+                if on_result is not None:
+                    on_result(result)
+
         try:
-            for item in items:
+            for index, item in enumerate(items):
                 if len(pending) >= self.in_flight:
                     done, pending = ray.wait(pending, num_returns=1)
-                    ray.get(done)  # a failure stops the step before the rest is submitted
+                    settle(done)
                 ref = remote.remote(fn, self._job[1], item)
+                place[ref] = index
                 refs.append(ref)
                 pending.append(ref)
-            results = []
-            for result, retries in ray.get(refs):
-                RetryStats.add(retries)  # the job's storage statistics include what its tasks retried
-                results.append(result)
+            while pending:
+                done, pending = ray.wait(pending, num_returns=1)
+                settle(done)
             return results
         except ray.exceptions.RayTaskError as exc:
             for ref in refs:
@@ -521,11 +608,15 @@ def ingest(
     buckets: int | None = None,
     parallel: bool | None = None,
     reserve_cpus: bool = True,
+    on_requests: Callable[[list[str]], None] | None = None,
 ) -> IngestReport:
     """Validate (and, with `measure`, measure) the whole input into staging, as parallel tasks on Ray when it is
     initialized (`parallel` None), else in this process. Staging must hold no earlier ingest (discard_ingest).
     `reserve_cpus=False`: the tasks take no Ray CPU (engines already hold them; at most twice the cluster's CPUs
-    run at once either way)."""
+    run at once either way).
+    `on_requests`: streaming — called with each piece's request parts as soon as they are staged (engines take them
+    while the rest is read); requests that turn out to have lost their custom_id stay in the work list until
+    `settle_losers`."""
     source = as_source(location, storage)
     source.limits = limits or InputLimits()
     run = _executor(parallel, source, staging, reserve_cpus)
@@ -553,7 +644,15 @@ def ingest(
     _count(report.placement, "scan", [outcome.node for outcome in scanned])
 
     started = time.monotonic()
-    read: list[PieceStats] = run.map(read_piece, job, pieces)
+    requests_dir = staging.requests_dir
+
+    def hand_over(stats: PieceStats) -> None:
+        if on_requests is not None:
+            mine = [part for part in stats.parts if part.startswith(requests_dir)]
+            if mine:
+                on_requests(mine)
+
+    read: list[PieceStats] = run.map(read_piece, job, pieces, hand_over)
     report.seconds["read"] = time.monotonic() - started
     _count(report.placement, "read", [stats.node for stats in read])
 
@@ -561,8 +660,16 @@ def ingest(
     found: list[BucketOutcome] = run.map(dedup_bucket, job, list(range(buckets)))
     parts = {stats.piece: stats.parts for stats in read}
     fixes = sorted({piece for outcome in found for piece in outcome.pieces})
+    if on_requests is not None:  # handed over already: their losers are settled once the engines are done
+        parts = {piece: [p for p in mine if not p.startswith(requests_dir)] for piece, mine in parts.items()}
     fixed: list[FixOutcome] = run.map(fix_piece, job, [(piece, parts[piece]) for piece in fixes])
-    staging.files.delete_tree(staging.ids_dir)
+    if on_requests is None:
+        # A job resumed after a streamed run was cut short may hold rows its engines made of losing requests.
+        _drop_loser_results(run, job)
+        staging.files.delete_tree(staging.ids_dir)
+    else:
+        for bucket in range(buckets):
+            staging.files.delete_tree(bucket_dir(staging, bucket))
     report.seconds["dedup"] = time.monotonic() - started
     _count(report.placement, "dedup", [outcome.node for outcome in found] + [fix.node for fix in fixed])
 

@@ -38,8 +38,8 @@ from pipeline.models import ResolvedModel, resolve_models
 from pipeline.observe.progress import JobCounters
 from pipeline.runtime.feed import EngineLaunch, EngineRun, models_summary
 from pipeline.runtime.finalize import FORMAT_VERSION, commit, write_outputs
-from pipeline.runtime.fit import fit_job, measuring
-from pipeline.runtime.ingest import ingest
+from pipeline.runtime.fit import apply_fit, fit_job, measuring, nothing_to_fit
+from pipeline.runtime.ingest import ingest, settle_losers
 from pipeline.runtime.monitor import preemption_remedy, summarize_engines
 from pipeline.runtime.preflight import (
     PreflightError,
@@ -124,6 +124,14 @@ def run_job(config: JobConfig, show_progress: bool = True, resume: bool = False)
 
     staging.create()
 
+    handed_over: list[float] = []  # when ingest handed the engines their first requests (streaming)
+
+    def hand_over(parts: list[str]) -> None:
+        assert launch is not None
+        launch.add_work(parts)
+        if not handed_over:
+            handed_over.append(time.time())
+
     def prepare_work() -> JobConfig:
         if not state.get("ingested"):
             # A validation pass cut short is redone whole: it is cheap next to generation, and partial parts of it
@@ -143,6 +151,7 @@ def run_job(config: JobConfig, show_progress: bool = True, resume: bool = False)
                 limits=config.limits,
                 measure=measuring(config, model),
                 reserve_cpus=launch is None,
+                on_requests=hand_over if streaming else None,
             )
             state["input"] = {
                 "location": source.describe(),
@@ -160,6 +169,10 @@ def run_job(config: JobConfig, show_progress: bool = True, resume: bool = False)
                 "tasks_by_node": report.placement,
                 "seconds": {step: round(s, 3) for step, s in report.seconds.items()},
                 "range_bytes": report.range_bytes,
+                # Engines took requests while ingest ran (nothing was fitted to the input), and when it ended.
+                "streamed": streaming,
+                "finished_at": time.time(),
+                "first_work_handed_over_at": handed_over[0] if handed_over else None,
             }
             state["ingested"] = True
             staging.write_job(state)
@@ -169,9 +182,15 @@ def run_job(config: JobConfig, show_progress: bool = True, resume: bool = False)
     # Ingest runs as tasks on the cluster, so Ray starts first. On a fresh job the engines start right after it:
     # their processes and imports overlap ingest and fitting, and they wait for the fitted args (runtime/feed.py).
     start_ray(config.resources.address)
+    # When nothing is fitted to the input, they take requests while ingest still reads the rest (streaming).
     launch: EngineLaunch | None = None
+    streaming = False
     if not state.get("ingested"):
         launch = EngineLaunch(config, spec, staging, job_id, pool_models, source.rows_at_most())
+        if not resume and launch.can_stream and nothing_to_fit(config):
+            settled = apply_fit(config, {})
+            launch.stream(settled, engine_spec(settled, model))
+            streaming = True
     run = EngineRun()
     try:
         config = prepare_work()
@@ -180,16 +199,28 @@ def run_job(config: JobConfig, show_progress: bool = True, resume: bool = False)
         log.info(
             "input validated", lines=lines, valid=state["input"]["valid"], invalid=state["input"]["invalid"]
         )
-        finished = set(staging.finished_ids())
         counters = JobCounters(total=lines)
         counters.add_invalid(state["input"]["invalid"])
-        counters.done += len(finished)
-        pending = state["input"]["valid"] - len(finished)
+        if streaming:
+            assert launch is not None
+            launch.close_input(state["input"].get("prefix_keyed", 0), state.get("fit"))
+            run = launch.wait(counters, show_progress)
+            # Requests that lost their custom_id to an earlier line may have run before that was known.
+            dropped = settle_losers(staging, source)
+            counters.done -= dropped
+            state["ingest"]["rows_dropped_after_running"] = dropped
+            finished: set[str] = set()
+            pending = 0
+        else:
+            settle_losers(staging, source)  # a resumed job whose streamed run was cut short
+            finished = set(staging.finished_ids())
+            counters.done += len(finished)
+            pending = state["input"]["valid"] - len(finished)
         if pending > 0:
             launch = launch or EngineLaunch(config, spec, staging, job_id, pool_models, pending)
             launch.feed(config, spec, finished, state["input"].get("prefix_keyed", 0))
             run = launch.wait(counters, show_progress)
-        elif launch is not None:
+        elif launch is not None and not streaming:
             launch.cancel()
             launch.wait(counters, show_progress=False)
     except BaseException:

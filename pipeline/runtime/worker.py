@@ -353,16 +353,20 @@ class EngineWorker:
         ids, urls, bodies = (table.column(name).to_pylist() for name in ("custom_id", "url", "body"))
         requests = [EngineRequest(i, u, loads(b)) for i, u, b in zip(ids, urls, bodies, strict=True)]
         plan = await self._plan(chunk, attempt, ids)
-        normal = [r for r in requests if plan.get(r.custom_id, "normal") == "normal"]
-        suspects = [r for r in requests if plan.get(r.custom_id, "normal") != "normal"]
+        normal = [n for n, r in enumerate(requests) if plan.get(r.custom_id, "normal") == "normal"]
+        suspects = [n for n, r in enumerate(requests) if plan.get(r.custom_id, "normal") != "normal"]
         outcomes = await asyncio.gather(
-            self._run_normal(engine, normal),
-            *(self._run_alone(engine, r, plan[r.custom_id]) for r in suspects),
+            self._run_normal(engine, [requests[n] for n in normal]),
+            *(self._run_alone(engine, requests[n], plan[requests[n].custom_id]) for n in suspects),
         )
-        by_id = {result.custom_id: result for result in [*outcomes[0], *outcomes[1:]]}
+        # Realigned by position, not by id: a chunk may hold two lines with one custom_id (while ingest streams,
+        # a duplicate runs before it is known to be one), and each row must keep its own answer.
+        results: list[EngineResult] = [None] * len(requests)  # type: ignore[list-item]
+        for n, result in zip([*normal, *suspects], [*outcomes[0], *outcomes[1:]], strict=True):
+            results[n] = result
         lines = table.column("line").to_pylist()
         sources = table.column("source").to_pylist()
-        return result_table([by_id[i] for i in ids], lines, sources, self.pool, self.job_id)
+        return result_table(results, lines, sources, self.pool, self.job_id)
 
     async def _run_lease(self, chunk: int, name: str, attempt: int, table: pa.Table) -> int:
         self.activity.begin()

@@ -1,0 +1,107 @@
+"""Engines take requests while ingest still reads the input, when nothing is fitted to it (--no-fit, or every
+fitted arg given): the work list is handed over piece by piece. Duplicates are found only once every piece is read,
+so a request that loses its custom_id to an earlier line may already have run: its row must leave no trace but its
+duplicate_custom_id error record, and the winner's answer must be the one in the output."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from pipeline.config import JobConfig
+from pipeline.runtime.job import run_job
+from tests.conftest import chat_line, read_jsonl
+
+pytestmark = pytest.mark.usefixtures("local_ray")
+
+FILES, ROWS = 6, 400
+
+
+def _job(input_dir: Path, output: Path, fit: bool) -> JobConfig:
+    return JobConfig.model_validate(
+        {
+            "input": str(input_dir),
+            "output": str(output),
+            "model": None,
+            "engine": {"backend": "fake", "fake": {"output_tokens": 4}, "fit": {"enabled": fit}},
+            "resources": {"num_engines": 2, "cpus_per_engine": 0.5, "rows_per_task": 32},
+            "output_options": {"rows_per_shard": 500},
+        }
+    )
+
+
+@pytest.fixture(scope="module")
+def input_dir(tmp_path_factory) -> tuple[Path, int, int]:
+    """Several files (a piece each). Ids repeat within a file and across files; one id's first line is not a
+    valid request, so its later, valid line loses too. Returns (dir, lines, losing valid requests)."""
+    root = tmp_path_factory.mktemp("streamed")
+    lines_total, losers = 0, 0
+    for f in range(FILES):
+        lines = []
+        for i in range(ROWS):
+            custom_id = f"f{f}-{i:04d}"
+            if i % 97 == 50:  # again, later in the same file
+                custom_id = f"f{f}-{i - 3:04d}"
+                losers += 1
+            elif f > 0 and i % 131 == 7:  # an id first seen in an earlier file
+                custom_id = f"f0-{i:04d}"
+                losers += 1
+            lines.append(chat_line(custom_id, f"file {f} line {i}"))
+        if f == 0:
+            lines[10] = json.dumps({"custom_id": "bad-first", "method": "POST", "url": "/v1/chat/completions"})
+        if f == FILES - 1:
+            lines.append(chat_line("bad-first", "valid, but the id was claimed by an invalid line"))
+            losers += 1
+        (root / f"part-{f}.jsonl").write_text("\n".join(lines) + "\n")
+        lines_total += len(lines)
+    return root, lines_total, losers
+
+
+@pytest.fixture(scope="module")
+def runs(input_dir, tmp_path_factory):
+    root, _, _ = input_dir
+    out = tmp_path_factory.mktemp("out")
+    streamed = run_job(_job(root, out / "streamed", fit=False), show_progress=False)
+    whole = run_job(_job(root, out / "whole", fit=True), show_progress=False)
+    return streamed, whole
+
+
+def _answers(output: Path) -> dict[str, str]:
+    rows = read_jsonl(sorted(output.glob("results-*.jsonl")))
+    return {r["custom_id"]: r["response"]["body"]["choices"][0]["message"]["content"] for r in rows}
+
+
+def _errors(output: Path) -> set[tuple[str, int, str]]:
+    rows = read_jsonl(sorted(output.glob("errors-*.jsonl")))
+    return {(r["error"]["source"], r["error"]["line"], r["error"]["code"]) for r in rows}
+
+
+def test_the_engines_had_work_before_ingest_ended(runs):
+    streamed, whole = runs
+    ingest = streamed.manifest["ingest"]
+    assert ingest["streamed"] is True and whole.manifest["ingest"]["streamed"] is False
+    assert ingest["first_work_handed_over_at"] < ingest["finished_at"]
+
+
+def test_losing_requests_that_ran_leave_only_their_error_record(runs, input_dir):
+    streamed, whole = runs
+    _, lines, losers = input_dir
+    assert streamed.manifest["ingest"]["rows_dropped_after_running"] == losers
+    results = read_jsonl(sorted(Path(streamed.output).glob("results-*.jsonl")))
+    errors = read_jsonl(sorted(Path(streamed.output).glob("errors-*.jsonl")))
+    assert len(results) + len(errors) == lines
+    assert len({r["custom_id"] for r in results}) == len(results)
+    codes = [e["error"]["code"] for e in errors]
+    assert codes.count("duplicate_custom_id") == losers
+    assert streamed.manifest["counts"]["total"] == lines
+    assert streamed.counters.done == lines
+
+
+def test_the_output_is_what_reading_everything_first_gives(runs):
+    """Each id's answer is its first line's (the fake engine's text is drawn from the prompt), and the error
+    records are the same lines with the same codes."""
+    streamed, whole = runs
+    assert _answers(Path(streamed.output)) == _answers(Path(whole.output))
+    assert _errors(Path(streamed.output)) == _errors(Path(whole.output))
