@@ -6,13 +6,18 @@ duplicate_custom_id error record, and the winner's answer must be the one in the
 from __future__ import annotations
 
 import json
+import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
 
 from pipeline.config import JobConfig
 from pipeline.runtime.job import run_job
-from tests.conftest import chat_line, read_jsonl
+from tests.conftest import chat_line, read_jsonl, write_lines
+from tests.integration.test_recovery import _settled, _staged_ids
 
 pytestmark = pytest.mark.usefixtures("local_ray")
 
@@ -105,3 +110,68 @@ def test_the_output_is_what_reading_everything_first_gives(runs):
     streamed, whole = runs
     assert _answers(Path(streamed.output)) == _answers(Path(whole.output))
     assert _errors(Path(streamed.output)) == _errors(Path(whole.output))
+
+
+@pytest.mark.slow
+def test_a_streamed_job_killed_half_way_resumes_exactly_once(tmp_path):
+    """README "Failure model", row "the driver is killed", for a streamed job whose duplicates ran before they
+    were known: `resume` settles them before it lists what is left, and the output equals an uninterrupted run's."""
+    n = 2400
+    lines = [chat_line(f"id-{(i * 7919) % n:05d}", f"question {i}") for i in range(n)]
+    for i in range(100, n, 200):  # a later line takes an earlier line's id
+        lines[i] = chat_line(f"id-{((i - 50) * 7919) % n:05d}", f"again {i}")
+    path = write_lines(tmp_path / "in.jsonl", lines)
+    config = tmp_path / "job.yaml"
+    config.write_text(
+        json.dumps(
+            {
+                "job_id": "streamed-resume",
+                "engine": {
+                    "backend": "fake",
+                    "fake": {"output_tokens": 4, "decode_seconds_per_token": 0.05, "max_concurrency": 64},
+                    "fit": {"enabled": False},
+                },
+                "resources": {"cpus_per_engine": 0.5, "rows_per_task": 16},
+                "output_options": {"rows_per_shard": 700, "staging_rows": 100},
+            }
+        )
+    )
+    output = tmp_path / "out"
+    run = [sys.executable, "-m", "pipeline", "run", str(path), str(output), "-c", str(config), "--no-progress"]
+    driver = subprocess.Popen(run, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 300
+    while len(_staged_ids(output)) < n // 2:
+        assert driver.poll() is None, driver.stderr.read()[-2000:]
+        assert time.monotonic() < deadline, "the job never got half way"
+        time.sleep(0.2)
+    driver.send_signal(signal.SIGKILL)
+    driver.wait()
+    staged_before = _settled(lambda: _staged_ids(output))
+    assert len(staged_before) < n
+
+    resumed = subprocess.run(
+        [sys.executable, "-m", "pipeline", "resume", str(output), "--no-progress"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    results = read_jsonl(output.glob("results-*.jsonl"))
+    errors = read_jsonl(output.glob("errors-*.jsonl"))
+    assert len(results) + len(errors) == n
+    assert len({r["custom_id"] for r in results}) == len(results)
+    assert [e["error"]["code"] for e in errors] == ["duplicate_custom_id"] * len(range(100, n, 200))
+
+    clean = tmp_path / "clean"
+    uninterrupted = subprocess.run(
+        [sys.executable, "-m", "pipeline", "run", str(path), str(clean), "-c", str(config), "--no-progress"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert uninterrupted.returncode == 0, uninterrupted.stderr[-3000:]
+    assert json.loads((clean / "manifest.json").read_text())["ingest"]["streamed"] is True
+    names = sorted(p.name for p in clean.glob("*-of-*.jsonl"))
+    assert names == sorted(p.name for p in output.glob("*-of-*.jsonl"))
+    for name in names:
+        assert (clean / name).read_bytes() == (output / name).read_bytes(), name
