@@ -57,8 +57,8 @@ from pipeline.json_codec import dumps_body
 from pipeline.planner import requested_max_tokens
 from pipeline.protocol import ErrorCode, dumps, failed_request_record, invalid_line_record
 from pipeline.runtime.dedup import REQUEST, BucketOutcome, IdRows, drop_losers, find_duplicates
-from pipeline.runtime.finalize import spans_hosts
 from pipeline.runtime.fit import Lengths, MeasureSpec, context_problem, tokenizers_loaded
+from pipeline.runtime.session import must_pin_to_driver
 from pipeline.stages.route import prefix_key
 from pipeline.stages.validate import InvalidLine, LineValidator, ValidRequest, duplicate_line
 
@@ -483,7 +483,7 @@ def pinned_to(
     """The node the ingest tasks must run on, or None to spread them: a local input or a local staging area is
     on the driver's disk, which nodes on other hosts cannot read (nodes on the driver's host can)."""
     local = source.kind == "local" or isinstance(staging.files, LocalFiles)
-    return driver if local and spans_hosts(nodes, driver) else None
+    return driver if must_pin_to_driver(local, nodes, driver) else None
 
 
 def _scan_batches(scans: list[ByteRange]) -> list[list[ByteRange]]:
