@@ -232,10 +232,10 @@ def _measure_input(
 
 def _valid_requests(path: Path, served: dict[str, str | None], stats: InputStats):
     """The requests a job would run: lines that fail validation (including another model's name) are skipped."""
-    from pipeline.runtime.ingest import IngestReport, iter_validated
+    from pipeline.stages.intake import InputCounts, iter_validated
     from pipeline.stages.validate import LineValidator, ValidRequest
 
-    report = IngestReport(source=str(path))
+    report = InputCounts(source=str(path))
     for outcome in iter_validated(path, LineValidator(served), report):
         if isinstance(outcome, ValidRequest):
             yield outcome

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import re
+import time
 from pathlib import Path
 
 import pytest
@@ -63,6 +64,19 @@ def staged_rows(staging, kind: str) -> list:
         return []
     table = sort_table(pa.concat_tables(staging.read_part(part) for part in parts), kind)
     return [StagedRow(**row) for row in table.to_pylist()]
+
+
+def once_settled(read, quiet_s: float = 3.0, timeout_s: float = 60.0):
+    """What `read()` returns once it has not changed for `quiet_s` seconds (or when `timeout_s` is up): what staging
+    holds after a driver is killed. Engines stage their own chunks, and the ones running when their driver died may
+    stage a last chunk or two before Ray tears down the dead driver's actors."""
+    value, since, deadline = read(), time.monotonic(), time.monotonic() + timeout_s
+    while time.monotonic() - since < quiet_s and time.monotonic() < deadline:
+        time.sleep(0.5)
+        now = read()
+        if now != value:
+            value, since = now, time.monotonic()
+    return value
 
 
 @pytest.fixture(scope="session")

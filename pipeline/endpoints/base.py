@@ -291,3 +291,75 @@ def pooling_usage(prompt_tokens: int) -> dict[str, Any]:
         "completion_tokens": 0,
         "prompt_tokens_details": None,
     }
+
+
+# --- what the routes' answers share ----------------------------------------------------------------------------
+
+
+def open_ended_budget(requested: int | None, budget: Budget) -> tuple[int, bool]:
+    """The output budget of a route that, without a limit, lets the answer run to the end of the context (chat,
+    responses), which cannot be planned for: the request's own limit, else the model's generation_config
+    max_new_tokens when it sets one, else the job's default, flagged as assumed."""
+    if requested is not None:
+        return requested, False
+    if budget.generation_default:
+        return budget.generation_default, False
+    return budget.chat_default, True
+
+
+def conversation_prefix(messages: list[Any], tools: Any) -> tuple[str, str] | None:
+    """A conversation's prefix key (see `Endpoint.prefix`): every message but the last is the leading part. Chat
+    templates render tools ahead of the messages: they belong to it too."""
+    if not messages:
+        return None
+    leading = (canonical(tools) if tools else "") + "".join(render_message(m) for m in messages[:-1])
+    return leading, leading + render_message(messages[-1])
+
+
+def fake_choice(
+    kind: str,
+    answer_id: str,
+    ctx: FakeContext,
+    content: dict[str, Any],
+    prompt_tokens: list[int],
+    tokens: int,
+) -> FakeAnswer:
+    """A fake generated answer of the shape chat and completions share: one choice, cut at `tokens` ("length"),
+    holding `content` (its message, or its text); `kind` is the body's `object`."""
+    prompt = sum(prompt_tokens)
+    response = {
+        "id": answer_id,
+        "object": kind,
+        "created": ctx.created,
+        "model": ctx.model,
+        "choices": [{"index": 0, **content, "logprobs": None, "finish_reason": "length"}],
+        "usage": {"prompt_tokens": prompt, "completion_tokens": tokens, "total_tokens": prompt + tokens},
+    }
+    return FakeAnswer(response, prompt, tokens)
+
+
+def fake_list(
+    answer_id: str, ctx: FakeContext, data: list[dict[str, Any]], prompt_tokens: list[int]
+) -> FakeAnswer:
+    """A fake pooling answer of the shape embeddings and score share: a list of `data` items, and pooling usage."""
+    prompt = sum(prompt_tokens)
+    response = {
+        "id": answer_id,
+        "object": "list",
+        "created": ctx.created,
+        "model": ctx.model,
+        "data": data,
+        "usage": pooling_usage(prompt),
+    }
+    return FakeAnswer(response, prompt, 0)
+
+
+def lists(body: dict[str, Any], item: str, empty: bool) -> bool:
+    """Whether a response body is a list of `item` objects (`object: "list"`, each `data` item's `object` is
+    `item`, as far as the first one tells); `empty`: whether an empty list is one."""
+    data = body.get("data")
+    if body.get("object") != "list" or not isinstance(data, list):
+        return False
+    if not data:
+        return empty
+    return isinstance(data[0], dict) and data[0].get("object") == item

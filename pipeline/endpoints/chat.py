@@ -17,8 +17,10 @@ from pipeline.endpoints.base import (
     Prompt,
     VllmBinding,
     canonical,
+    conversation_prefix,
+    fake_choice,
     fake_text,
-    render_message,
+    open_ended_budget,
 )
 
 
@@ -74,44 +76,19 @@ class ChatCompletions(Endpoint):
         return [Chat(list(body.get("messages") or []), body.get("tools"), chat_options(body))]
 
     def output_budget(self, body: dict[str, Any], budget: Budget) -> tuple[int, bool]:
-        # Without a limit vLLM lets the answer run to the end of the context, which cannot be planned for: the
-        # model's generation_config max_new_tokens when it sets one, else the job's default, flagged as assumed.
-        requested = requested_max_tokens(body)
-        if requested is not None:
-            return requested, False
-        if budget.generation_default:
-            return budget.generation_default, False
-        return budget.chat_default, True
+        return open_ended_budget(requested_max_tokens(body), budget)
 
     def prefix(self, body: dict[str, Any]) -> tuple[str, str] | None:
         messages = body.get("messages")
-        if not isinstance(messages, list) or not messages:
-            return None
-        # Chat templates render tools ahead of the messages: they belong to the shared leading part.
-        tools = canonical(body["tools"]) if body.get("tools") else ""
-        leading = tools + "".join(render_message(m) for m in messages[:-1])
-        return leading, leading + render_message(messages[-1])
+        return conversation_prefix(messages, body.get("tools")) if isinstance(messages, list) else None
 
     def fake(self, body: dict[str, Any], ctx: FakeContext, prompt_tokens: list[int]) -> FakeAnswer:
-        prompt = sum(prompt_tokens)
         tokens = requested_max_tokens(body) or ctx.output_tokens
         text = fake_text(canonical(body.get("messages")), tokens)
-        response = {
-            "id": f"chatcmpl-{ctx.request_id}",
-            "object": "chat.completion",
-            "created": ctx.created,
-            "model": ctx.model,
-            "choices": [
-                {
-                    "index": 0,
-                    "message": {"role": ctx.response_role, "content": text},
-                    "logprobs": None,
-                    "finish_reason": "length",
-                }
-            ],
-            "usage": {"prompt_tokens": prompt, "completion_tokens": tokens, "total_tokens": prompt + tokens},
-        }
-        return FakeAnswer(response, prompt, tokens)
+        message = {"role": ctx.response_role, "content": text}
+        return fake_choice(
+            "chat.completion", f"chatcmpl-{ctx.request_id}", ctx, {"message": message}, prompt_tokens, tokens
+        )
 
     def answers(self, body: dict[str, Any]) -> bool:
         return body.get("object") == "chat.completion"

@@ -16,6 +16,7 @@ from pipeline.endpoints.base import (
     Prompt,
     Text,
     VllmBinding,
+    fake_choice,
     fake_text,
     text_of,
 )
@@ -64,24 +65,11 @@ class Completions(Endpoint):
         return ("", prompt) if isinstance(prompt, str) else None
 
     def fake(self, body: dict[str, Any], ctx: FakeContext, prompt_tokens: list[int]) -> FakeAnswer:
-        prompt = sum(prompt_tokens)
         tokens = requested_max_tokens(body) or ctx.output_tokens
-        response = {
-            "id": f"cmpl-{ctx.request_id}",
-            "object": "text_completion",
-            "created": ctx.created,
-            "model": ctx.model,
-            "choices": [
-                {
-                    "index": 0,
-                    "text": fake_text(text_of(body.get("prompt")), tokens),
-                    "logprobs": None,
-                    "finish_reason": "length",
-                }
-            ],
-            "usage": {"prompt_tokens": prompt, "completion_tokens": tokens, "total_tokens": prompt + tokens},
-        }
-        return FakeAnswer(response, prompt, tokens)
+        text = fake_text(text_of(body.get("prompt")), tokens)
+        return fake_choice(
+            "text_completion", f"cmpl-{ctx.request_id}", ctx, {"text": text}, prompt_tokens, tokens
+        )
 
     def answers(self, body: dict[str, Any]) -> bool:
         return body.get("object") == "text_completion"

@@ -15,8 +15,9 @@ from pipeline.endpoints.base import (
     Prompt,
     VllmBinding,
     canonical,
+    fake_list,
     fake_vector,
-    pooling_usage,
+    lists,
     text_of,
 )
 from pipeline.endpoints.completions import prompt_items
@@ -90,25 +91,10 @@ class Embeddings(Endpoint):
                 )
             else:
                 data.append({"index": index, "object": "embedding", "embedding": vector})
-        prompt = sum(prompt_tokens)
-        response = {
-            "id": f"embd-{ctx.request_id}",
-            "object": "list",
-            "created": ctx.created,
-            "model": ctx.model,
-            "data": data,
-            "usage": pooling_usage(prompt),
-        }
-        return FakeAnswer(response, prompt, 0)
+        return fake_list(f"embd-{ctx.request_id}", ctx, data, prompt_tokens)
 
     def answers(self, body: dict[str, Any]) -> bool:
-        data = body.get("data")
-        return (
-            body.get("object") == "list"
-            and isinstance(data, list)
-            and (not data or (isinstance(data[0], dict) and data[0].get("object") == "embedding"))
-            and str(body.get("id", "")).startswith("embd")
-        )
+        return lists(body, "embedding", empty=True) and str(body.get("id", "")).startswith("embd")
 
     def flatten(self, body: dict[str, Any]) -> dict[str, Any]:
         vectors = []

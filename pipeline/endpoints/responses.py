@@ -18,8 +18,9 @@ from pipeline.endpoints.base import (
     VllmBinding,
     canonical,
     content_text,
+    conversation_prefix,
     fake_text,
-    render_message,
+    open_ended_budget,
 )
 from pipeline.endpoints.chat import chat_options, requested_max_tokens
 
@@ -66,20 +67,10 @@ class Responses(Endpoint):
         return [Chat(input_messages(body), body.get("tools") or None, chat_options(body))]
 
     def output_budget(self, body: dict[str, Any], budget: Budget) -> tuple[int, bool]:
-        requested = requested_max_tokens(body, ("max_output_tokens",))
-        if requested is not None:
-            return requested, False
-        if budget.generation_default:
-            return budget.generation_default, False
-        return budget.chat_default, True
+        return open_ended_budget(requested_max_tokens(body, ("max_output_tokens",)), budget)
 
     def prefix(self, body: dict[str, Any]) -> tuple[str, str] | None:
-        messages = input_messages(body)
-        if not messages:
-            return None
-        tools = canonical(body["tools"]) if body.get("tools") else ""
-        leading = tools + "".join(render_message(m) for m in messages[:-1])
-        return leading, leading + render_message(messages[-1])
+        return conversation_prefix(input_messages(body), body.get("tools"))
 
     def fake(self, body: dict[str, Any], ctx: FakeContext, prompt_tokens: list[int]) -> FakeAnswer:
         prompt = sum(prompt_tokens)

@@ -18,8 +18,9 @@ from pipeline.endpoints.base import (
     TextPair,
     VllmBinding,
     cosine,
+    fake_list,
     fake_vector,
-    pooling_usage,
+    lists,
     text_of,
 )
 
@@ -82,26 +83,10 @@ class Score(Endpoint):
             {"index": i, "object": "score", "score": _fake_score(q, d, ctx)}
             for i, (q, d) in enumerate(scored)
         ]
-        prompt = sum(prompt_tokens)
-        response = {
-            "id": f"score-{ctx.request_id}",
-            "object": "list",
-            "created": ctx.created,
-            "model": ctx.model,
-            "data": data,
-            "usage": pooling_usage(prompt),
-        }
-        return FakeAnswer(response, prompt, 0)
+        return fake_list(f"score-{ctx.request_id}", ctx, data, prompt_tokens)
 
     def answers(self, body: dict[str, Any]) -> bool:
-        data = body.get("data")
-        return (
-            body.get("object") == "list"
-            and isinstance(data, list)
-            and bool(data)
-            and isinstance(data[0], dict)
-            and data[0].get("object") == "score"
-        )
+        return lists(body, "score", empty=False)
 
     def flatten(self, body: dict[str, Any]) -> dict[str, Any]:
         data = sorted(

@@ -8,13 +8,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from pipeline.runtime.ingest import IngestReport, iter_validated
+from pipeline.stages.intake import InputCounts, iter_validated
 from pipeline.stages.validate import InvalidLine, LineValidator
 
 
 @dataclass
 class DryRunReport:
-    ingest: IngestReport
+    ingest: InputCounts
     error_records: list[dict[str, Any]] = field(default_factory=list)
     prompt_tokens: list[int] = field(default_factory=list)
     routes: Counter = field(default_factory=Counter)
@@ -55,7 +55,7 @@ def dry_run(
     chat_template: str | None = None,
     runner: str = "auto",
 ) -> DryRunReport:
-    report = DryRunReport(IngestReport(source=str(path)))
+    report = DryRunReport(InputCounts(source=str(path)))
     counter = None
     task = None
     if tokenize:

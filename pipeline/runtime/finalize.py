@@ -47,6 +47,7 @@ from pipeline.io.files import atomic_write_json
 from pipeline.io.locations import Location, RetryStats
 from pipeline.io.staging import STAGED_SCHEMA, LocalFiles, PartFiles, StagingArea
 from pipeline.io.writers import MANIFEST_NAME, OutputTarget, output_target, shard_encoder
+from pipeline.runtime.session import must_pin_to_driver
 from pipeline.stages.finalize import (
     assign_shards,
     cut_ranks,
@@ -294,13 +295,6 @@ def _reduce_task(ctx: _Context, kind: str, shard: int, count: int, sources: list
 # -- where the tasks run ---------------------------------------------------------------------------------------------
 
 
-def spans_hosts(nodes: Sequence[dict[str, Any]], node_id: str) -> bool:
-    """Whether a live node of the cluster is on another host than node `node_id` (Ray's `ray.nodes()` entries)."""
-    alive = [n for n in nodes if n.get("Alive", True)]
-    here = next((n["NodeManagerAddress"] for n in alive if n["NodeID"] == node_id), None)
-    return any(n["NodeManagerAddress"] != here for n in alive)
-
-
 def _running_ray() -> Any | None:
     ray = sys.modules.get("ray")  # never imported: certainly not running (and no second spent importing it)
     return ray if ray is not None and ray.is_initialized() else None
@@ -341,7 +335,7 @@ class _Tasks:
         nodes = ray.nodes()
         here = next((n for n in nodes if n["NodeID"] == node_id), {})
         strategy: Any = "SPREAD"
-        if local_paths and spans_hosts(nodes, node_id):
+        if must_pin_to_driver(local_paths, nodes, node_id):
             if here.get("Resources", {}).get("CPU", 0) < 1:
                 # A head that offers no CPUs to tasks (KubeRay's usual `num-cpus: 0`) could never run them.
                 log.warning(

@@ -34,7 +34,7 @@ import math
 import sys
 import time
 from collections import Counter
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -49,13 +49,12 @@ from pipeline.io.readers import (
     InputPiece,
     InputSource,
     ReadStats,
-    input_source,
     with_line_counts,
 )
 from pipeline.io.staging import INGEST_PREFIX, REQUEST_SCHEMA, LocalFiles, StagedRow, StagingArea
 from pipeline.json_codec import dumps_body
 from pipeline.planner import requested_max_tokens
-from pipeline.protocol import ErrorCode, dumps, failed_request_record, invalid_line_record
+from pipeline.protocol import ErrorCode, dumps, failed_request_record
 from pipeline.runtime.dedup import (
     REQUEST,
     BucketOutcome,
@@ -67,10 +66,11 @@ from pipeline.runtime.dedup import (
     losers_dir,
     request_losers,
 )
-from pipeline.runtime.finalize import spans_hosts
 from pipeline.runtime.fit import Lengths, MeasureSpec, context_problem, tokenizers_loaded
+from pipeline.runtime.session import must_pin_to_driver
+from pipeline.stages.intake import InputCounts, as_source, bad_row_check
 from pipeline.stages.route import prefix_key
-from pipeline.stages.validate import InvalidLine, LineValidator, ValidRequest, duplicate_line
+from pipeline.stages.validate import InvalidLine, LineValidator, ValidRequest
 
 UNTOKENIZABLE = (True, 0, 0, 0, 0, False, False)  # an id row's measurement of a request the template rejected
 MIN_RANGE_BYTES = 8 << 20  # byte ranges below this cost more in task overhead than they gain in balance
@@ -81,15 +81,8 @@ SETTLE_PARTS_PER_TASK = 256  # engine-staged parts one task checks for rows of l
 
 
 @dataclass
-class IngestReport:
-    source: str
-    fingerprint: str = ""
-    size_bytes: int = 0
-    lines: int = 0  # non-blank input lines / rows: the accounting base
-    valid: int = 0  # requests in the work list
+class IngestReport(InputCounts):
     keyed: int = 0  # valid requests with a prefix key (a shared leading prompt worth routing by)
-    invalid_by_code: Counter = field(default_factory=Counter)
-    files: int = 0
     lengths: Lengths | None = None  # what measuring learned, when the job is fitted
     range_bytes: int = RANGE_BYTES  # the size of the byte ranges large JSONL files were read in
     # Where the work ran: per step, Ray node id → tasks ("local": in this process), and the step's seconds.
@@ -98,69 +91,11 @@ class IngestReport:
     task_cpu_s: float = 0.0  # CPU seconds the read tasks spent, wherever they ran
     tokenizer_loads: int = 0
 
-    @property
-    def invalid(self) -> int:
-        return sum(self.invalid_by_code.values())
-
     def nodes(self) -> list[str]:
         return sorted({node for step in self.placement.values() for node in step})
 
 
 # --- one row --------------------------------------------------------------------------------------------------------
-
-
-def _bad_row_check(row: BadRow, line: int, source: str, job_id: str | None) -> tuple[InvalidLine, str | None]:
-    custom_id = row.custom_id if isinstance(row.custom_id, str) and row.custom_id else None
-    seed = f"{job_id}:{source}:{line}" if job_id else None
-    record = invalid_line_record(custom_id, ErrorCode(row.code), row.message, line, source, seed)
-    return InvalidLine(record, line, source), custom_id
-
-
-def bad_row(validator: LineValidator, row: BadRow, line: int, source: str) -> InvalidLine:
-    """An error the reader decided (a line over the length limit, a Parquet `body` string that is not JSON). A row
-    with a custom_id still claims it, so a later row with the same id is a duplicate, as for any other invalid
-    line."""
-    outcome, claim = _bad_row_check(row, line, source, validator.job_id)
-    if claim is None:
-        return outcome
-    seen = validator._seen  # noqa: SLF001 - the duplicate rule is the validator's; this row takes part in it
-    if claim in seen:
-        return duplicate_line(claim, line, source, validator.job_id)
-    seen.add(claim)
-    return outcome
-
-
-def as_source(location: InputSource | Path | str, storage: StorageConfig | None = None) -> InputSource:
-    return location if isinstance(location, InputSource) else input_source(str(location), storage)
-
-
-def _validated(
-    source: InputSource, validator: LineValidator, report: IngestReport
-) -> Iterator[tuple[bytes | dict | BadRow, ValidRequest | InvalidLine]]:
-    stats = ReadStats()
-    source.limits = validator.limits  # the reader enforces the line-length bound, the validator the rest
-    for name, number, payload in source.rows(stats):
-        report.lines += 1
-        if isinstance(payload, BadRow):
-            outcome: ValidRequest | InvalidLine = bad_row(validator, payload, number, name)
-        else:
-            outcome = validator(payload, number, name)
-        if isinstance(outcome, ValidRequest):
-            report.valid += 1
-        else:
-            report.invalid_by_code[outcome.code] += 1
-        yield payload, outcome
-    report.fingerprint = stats.fingerprint
-    report.size_bytes = stats.size_bytes
-    report.files = stats.files
-
-
-def iter_validated(
-    location: InputSource | Path | str, validator: LineValidator, report: IngestReport
-) -> Iterator[ValidRequest | InvalidLine]:
-    """Validate every row of the input in this process, one stream (`nightshift validate`, `plan --input`)."""
-    for _, outcome in _validated(as_source(location), validator, report):
-        yield outcome
 
 
 def invalid_to_staged(item: InvalidLine) -> StagedRow:
@@ -350,7 +285,7 @@ def read_piece(job: IngestJob, piece: InputPiece) -> PieceStats:
     for name, number, payload in source.piece_rows(piece, read):
         stats.rows += 1
         if isinstance(payload, BadRow):
-            outcome, claim = _bad_row_check(payload, number, name, job.job_id)
+            outcome, claim = bad_row_check(payload, number, name, job.job_id)
         else:
             outcome, claim = validator.check(payload, number, name)
         if isinstance(outcome, ValidRequest):
@@ -570,7 +505,7 @@ def pinned_to(
     """The node the ingest tasks must run on, or None to spread them: a local input or a local staging area is
     on the driver's disk, which nodes on other hosts cannot read (nodes on the driver's host can)."""
     local = source.kind == "local" or isinstance(staging.files, LocalFiles)
-    return driver if local and spans_hosts(nodes, driver) else None
+    return driver if must_pin_to_driver(local, nodes, driver) else None
 
 
 def _scan_batches(scans: list[ByteRange]) -> list[list[ByteRange]]:

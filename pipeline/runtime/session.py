@@ -1,9 +1,11 @@
 """The Ray session a job runs in: start a private instance or join a cluster, quietly, with the settings Ray Data
-needs for a batch job; and a thread helper for work that overlaps Ray's start-up."""
+needs for a batch job; whether work on the driver's disk must stay on the driver's node; and a thread helper for
+work that overlaps Ray's start-up."""
 
 from __future__ import annotations
 
 import threading
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 
@@ -41,6 +43,17 @@ def start_ray(address: str | None) -> None:
     ctx.execution_options.preserve_order = False
     # Without this, engines asking for resources no node has would wait forever in silence.
     ctx.wait_for_min_actors_s = 300
+
+
+def must_pin_to_driver(local: bool, nodes: Sequence[Mapping[str, Any]], driver: str) -> bool:
+    """Whether work that reads or writes a path on the driver's disk (`local`) must run on the driver's node
+    (`driver`, a Ray node id): only when a live node of the cluster (`ray.nodes()` entries) is on another host, which
+    cannot reach that disk. Nodes on the driver's host can (a multi-node cluster of one machine, as in tests)."""
+    if not local:
+        return False
+    alive = [n for n in nodes if n.get("Alive", True)]
+    here = next((n["NodeManagerAddress"] for n in alive if n["NodeID"] == driver), None)
+    return any(n["NodeManagerAddress"] != here for n in alive)
 
 
 class InBackground:

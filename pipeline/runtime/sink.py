@@ -19,6 +19,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from pipeline.io.staging import StagingArea
+from pipeline.runtime.session import must_pin_to_driver
 
 
 def stage_chunk(staging: StagingArea, name: str, table: pa.Table) -> dict[str, Any]:
@@ -61,11 +62,8 @@ class ChunkSink:
 
 
 def engines_share_disk_with_driver(staging_is_local: bool) -> bool:
-    """Whether engines anywhere in the cluster can write a local staging directory: only when the cluster is this
-    one host (a multi-node cluster of one machine, as in tests, shares its disk)."""
-    if not staging_is_local:
-        return True
+    """Whether engines anywhere in the cluster can write the staging area directly: an s3:// one always, a local
+    one only when every live node is on the driver's host."""
     import ray
 
-    here = ray.util.get_node_ip_address()
-    return all(node["NodeManagerAddress"] == here for node in ray.nodes() if node.get("Alive"))
+    return not must_pin_to_driver(staging_is_local, ray.nodes(), ray.get_runtime_context().get_node_id())

@@ -20,7 +20,7 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 
-from tests.conftest import MODEL_NAME, chat_line, foreign_lines, read_jsonl, write_lines
+from tests.conftest import MODEL_NAME, chat_line, foreign_lines, once_settled, read_jsonl, write_lines
 from tests.e2e.conftest import run_cli
 
 pytestmark = pytest.mark.slow
@@ -77,13 +77,10 @@ def test_driver_killed_then_resumed_on_the_real_engine(e2e_dir, embedded_model):
     driver.send_signal(signal.SIGKILL)
     driver.wait()
     assert not (output / "manifest.json").exists()
-    # Engines stage their own chunks: the ones running when their driver died may stage a last chunk before Ray
-    # reaps them. What counts as "finished before the kill" is what staging holds once that has settled.
-    staged_before, since = _staged_results(output), time.monotonic()
-    while time.monotonic() - since < 5 and time.monotonic() < deadline:
-        time.sleep(0.5)
-        if (now := _staged_results(output)) != staged_before:
-            staged_before, since = now, time.monotonic()
+    # What counts as "finished before the kill" is what staging holds once the dead driver's engines have stopped.
+    staged_before = once_settled(
+        lambda: _staged_results(output), quiet_s=5, timeout_s=deadline - time.monotonic()
+    )
     assert 0 < len(staged_before) < n, "the kill came too late to leave work for resume"
 
     resumed = run_cli("resume", str(output), "--no-progress")

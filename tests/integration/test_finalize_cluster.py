@@ -99,7 +99,7 @@ def test_a_local_output_across_hosts_keeps_the_tasks_on_the_drivers_node(
     import ray
 
     monkeypatch.setattr(
-        finalize_module, "spans_hosts", lambda nodes, node_id: True
+        finalize_module, "must_pin_to_driver", lambda local, nodes, driver: local
     )  # as if on several machines
     output = tmp_path / "out"
     staging = StagingArea(output)

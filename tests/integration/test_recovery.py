@@ -20,7 +20,7 @@ import pytest
 
 from pipeline.config import JobConfig
 from pipeline.runtime.job import run_job
-from tests.conftest import chat_line, read_jsonl, write_lines
+from tests.conftest import chat_line, once_settled, read_jsonl, write_lines
 from tests.failure_figures import record
 from tests.integration.storage_fixtures import moto_s3  # noqa: F401
 
@@ -85,18 +85,6 @@ def _staged_ids(output: Path) -> set[str]:
     return ids
 
 
-def _settled(read, quiet_s: float = 3.0, timeout_s: float = 60.0) -> set[str]:
-    """The staged ids once nothing more arrives: engines stage their own chunks, and the ones that were running
-    when their driver died may stage a last chunk or two before Ray tears down the dead driver's actors."""
-    ids, since, deadline = read(), time.monotonic(), time.monotonic() + timeout_s
-    while time.monotonic() - since < quiet_s and time.monotonic() < deadline:
-        time.sleep(0.5)
-        now = read()
-        if now != ids:
-            ids, since = now, time.monotonic()
-    return ids
-
-
 @pytest.mark.slow
 def test_driver_killed_half_way_then_resume(tmp_path):
     """README "Failure model", row "the driver is killed (SSH drop, `kill -9`)"."""
@@ -145,7 +133,7 @@ def test_driver_killed_half_way_then_resume(tmp_path):
     driver.send_signal(signal.SIGKILL)
     driver.wait()
     assert not (output / "manifest.json").exists()
-    staged_before = _settled(lambda: _staged_ids(output))
+    staged_before = once_settled(lambda: _staged_ids(output))
     calls_before = len(calls.read_text().split())
     assert n // 2 <= len(staged_before) < n
 
@@ -306,7 +294,7 @@ def test_s3_driver_killed_half_way_then_resumed_on_another_machine(moto_s3, tmp_
     assert any(k.startswith("out/_staging/requests/") for k in staged_keys)
     assert "out/manifest.json" not in moto_s3.keys(bucket)
     assert not [p for p in Path(machine_a["NIGHTSHIFT_HOME"]).rglob("job.json")]
-    staged_before = _settled(lambda: _staged_ids_s3(moto_s3, bucket, "out"))
+    staged_before = once_settled(lambda: _staged_ids_s3(moto_s3, bucket, "out"))
     calls_before = len(calls.read_text().split())
     assert n // 2 <= len(staged_before) < n
 

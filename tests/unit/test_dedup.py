@@ -25,7 +25,8 @@ from pipeline.models import ResolvedModel
 from pipeline.planner import output_budget
 from pipeline.runtime import fit
 from pipeline.runtime.dedup import bucket_of
-from pipeline.runtime.ingest import IngestReport, ingest, iter_validated
+from pipeline.runtime.ingest import IngestReport, ingest
+from pipeline.stages.intake import InputCounts, iter_validated
 from pipeline.stages.validate import InvalidLine, LineValidator
 
 MODEL = "smollm2-135m-instruct"
@@ -55,8 +56,8 @@ def error_records(staging: StagingArea) -> list[str]:
     return sorted(staging.iter_column("errors", "record"))
 
 
-def reference(location: Path | str) -> tuple[list[tuple], list[str], IngestReport]:
-    report = IngestReport(source=str(location))
+def reference(location: Path | str) -> tuple[list[tuple], list[str], InputCounts]:
+    report = InputCounts(source=str(location))
     requests, errors = [], []
     for outcome in iter_validated(location, LineValidator(MODEL, JOB), report):
         if isinstance(outcome, InvalidLine):

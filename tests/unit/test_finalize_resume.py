@@ -12,7 +12,7 @@ import pytest
 
 from pipeline.io.staging import StagingArea
 from pipeline.runtime import finalize as finalize_module
-from pipeline.runtime.finalize import spans_hosts, write_outputs
+from pipeline.runtime.finalize import write_outputs
 from tests.unit.io.test_io_writers import error_row, result_row, stage_randomly, unicode_ids
 
 ROWS_PER_SHARD = 40
@@ -149,18 +149,3 @@ def test_a_plan_that_no_longer_fits_is_made_again(staged: Path, monkeypatch):
     assert [s["rows"] for s in summary["shards"]["results"]] == [100, 100, 100]
     assert shard_files(staged) == shard_files(pristine)
     assert not list(staged.glob("results-*-of-00008.jsonl"))
-
-
-def test_several_hosts_means_a_live_node_at_another_address():
-    def node(node_id: str, address: str, alive: bool = True) -> dict:
-        return {"NodeID": node_id, "NodeManagerAddress": address, "Alive": alive}
-
-    one_host = [
-        node("a", "10.0.0.1"),
-        node("b", "10.0.0.1"),
-        node("c", "10.0.0.1"),
-    ]  # local multi-node clusters
-    assert not spans_hosts(one_host, "a")
-    assert spans_hosts([*one_host, node("d", "10.0.0.2")], "b")
-    assert not spans_hosts([*one_host, node("d", "10.0.0.2", alive=False)], "b")  # a node that left
-    assert not spans_hosts([node("a", "10.0.0.1")], "a")
