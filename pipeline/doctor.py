@@ -76,6 +76,29 @@ def _base(version: str) -> str:
     return version.partition("+")[0]
 
 
+def torch_build(version: str) -> str | None:
+    """The build a torch-family version names by its local tag: 'cpu', 'cu128', 'rocm6.3', 'xpu', or 'default'
+    (no tag: PyPI's own build). None when the tag names no build — a source build's commit hash ('+git1c57644',
+    '+7af6987', as in AMD's vLLM ROCm images): such a tag says nothing about what the package was built for."""
+    tag = (local_tag(version) or "").lower()
+    if not tag:
+        return "default"
+    if tag == "cpu" or tag.startswith("cpu."):
+        return "cpu"
+    if re.fullmatch(r"(cu\d+|rocm[\d.]+|xpu)", tag):
+        return tag
+    return None
+
+
+def builds_clash(first: str | None, second: str | None) -> bool:
+    """Two torch-family builds that cannot load each other's operators. Unknown builds are not compared, and nor
+    are PyPI's default (a CUDA build on Linux) and an explicit CUDA tag: their tags alone do not tell."""
+    if first is None or second is None or first == second:
+        return False
+    pair = {first, second}
+    return not ("default" in pair and any(b.startswith("cu") for b in pair))
+
+
 # ------------------------------------------------------------------------------------------------ checks
 
 
@@ -178,23 +201,31 @@ def check_torch() -> Finding:
             detail="torch is not installed",
             fix="reinstall the engine stack: pip install 'nightshift-batch[cpu]' (or [cuda])",
         )
-    problems = []
+    problems: dict[str, str] = {}
     for companion in TORCH_COMPANIONS:
         version = dist_version(companion)
         if version is None:
             continue
         pin = pinned_torch(dist_requires(companion))
-        if local_tag(version) != local_tag(torch) or (pin is not None and _base(pin) != _base(torch)):
-            built_for = pin or (
-                "torch +" + local_tag(version) if local_tag(version) else "another torch build"
+        build = torch_build(version)
+        if builds_clash(build, torch_build(torch)) or (pin is not None and _base(pin) != _base(torch)):
+            built_for = (
+                f"torch {pin}" if pin else f"torch +{local_tag(version)}" if local_tag(version) else "torch"
             )
-            problems.append(f"{companion} {version} (built for {built_for})")
+            if build == "default":
+                built_for += ", PyPI's build"
+            problems[companion] = f"{companion} {version} (built for {built_for})"
     if problems:
+        symptom = (
+            "importing it fails with `operator torchvision::nms does not exist`"
+            if "torchvision" in problems
+            else "importing it fails"
+        )
         return Finding(
             name="torch",
             status="fail",
-            detail=f"torch {torch} is installed, but {', '.join(problems)} does not match it: importing it fails "
-            "with `operator torchvision::nms does not exist`",
+            detail=f"torch {torch} is installed, but {' and '.join(problems.values())} "
+            f"{'does' if len(problems) == 1 else 'do'} not match it: {symptom}",
             fix=f"{TORCH_COMPANIONS_FIX}  (text models need none of them)",
         )
     others = [f"{c} {v}" for c in TORCH_COMPANIONS if (v := dist_version(c))]

