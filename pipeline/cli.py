@@ -235,6 +235,8 @@ def run(
     if log_format not in ("console", "json"):
         _fail(f"--log-format must be console or json, got {log_format!r}")
     configure_logging(log_format)
+    if config is not None and config.is_dir():
+        _fail(f"config file {config} is a directory: give the path of a YAML job file")
     try:
         overrides = {
             "engine.vllm.runner": runner,
@@ -278,6 +280,12 @@ def run(
         job = merge_overrides(load_job_config(config), overrides, labels=FLAG_FOR_KEY)
     except ConfigError as exc:
         _fail(str(exc))
+    except UnicodeDecodeError as exc:
+        _fail(
+            f"config file {config} is not UTF-8 text ({exc.reason} at byte {exc.start}): give a YAML job file"
+        )
+    except OSError as exc:
+        _fail(f"config file {config} cannot be read ({exc.strerror or exc}): check its path and permissions")
     _run(job, progress, resume, token_file)
 
 

@@ -446,19 +446,43 @@ def test_missing_model_package_is_one_line_and_debug_shows_the_exception(monkeyp
 
 
 @pytest.mark.parametrize(
-    "args",
+    ("args", "raised"),
     [
-        ["run", "{tmp}/nope.jsonl", "{tmp}/out"],
-        ["run", "{batch}", "{tmp}/out", "--max-num-seqs", "0"],
-        ["run", "{batch}", "{tmp}/out", "--config", "{tmp}/missing.yaml"],
+        (["run", "{tmp}/nope.jsonl", "{tmp}/out"], ValueError),
+        (["run", "{batch}", "/proc/nightshift-out"], ValueError),
+        (["run", "{batch}", "{batch}/out"], ValueError),
+        (["run", "{batch}", "{tmp}/out", "--max-num-seqs", "0"], ValueError),
+        (["run", "{batch}", "{tmp}/out", "--config", "{tmp}/missing.yaml"], ValueError),
+        (["run", "{batch}", "{tmp}/out", "--config", "{tmp}/broken.yaml"], ValueError),
+        (["run", "{batch}", "{tmp}/out", "--config", "{tmp}/latin1.yaml"], UnicodeDecodeError),
+        (["run", "{batch}", "{tmp}/out", "--config", "{tmp}"], None),
+        (["run", "{batch}", "{tmp}/out", "--model", "embedded:nope"], ValueError),
+        (["resume", "{tmp}/nothing-here"], ValueError),
     ],
-    ids=["missing-input", "bad-flag", "missing-config"],
+    ids=[
+        "missing-input",
+        "unwritable-output",
+        "output-under-a-file",
+        "bad-flag",
+        "missing-config",
+        "config-not-yaml",
+        "config-not-utf8",
+        "config-is-a-directory",
+        "unknown-embedded-model",
+        "nothing-to-resume",
+    ],
 )
-def test_expected_failures_print_one_line_without_traceback(monkeypatch, batch, tmp_path, args):
+def test_expected_failures_print_one_line_without_traceback(monkeypatch, batch, tmp_path, args, raised):
     monkeypatch.setattr(doctor, "job_checks", lambda job: [])
+    (tmp_path / "broken.yaml").write_text("engine: [\n")
+    (tmp_path / "latin1.yaml").write_bytes("model: caf\xe9\n".encode("latin-1"))
     argv = [a.format(tmp=tmp_path, batch=batch) for a in args]
-    result = runner.invoke(app, argv)
-    assert result.exit_code == 2
+    result = runner.invoke(app, [*argv, "--no-progress"])
+    assert result.exit_code == 2, result.output
     assert "Traceback" not in result.output and result.output.startswith("error: ")
-    debug = runner.invoke(app, ["--debug", *argv])
-    assert debug.exit_code != 2 and isinstance(debug.exception, ValueError)
+    assert result.exception is None or isinstance(result.exception, SystemExit)
+    debug = runner.invoke(app, ["--debug", *argv, "--no-progress"])
+    if raised is None:  # no exception behind it: the same line
+        assert debug.exit_code == 2 and debug.output == result.output
+    else:
+        assert debug.exit_code != 2 and isinstance(debug.exception, raised)
