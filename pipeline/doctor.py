@@ -218,12 +218,12 @@ def check_torch() -> Finding:
         pin = pinned_torch(dist_requires(companion))
         build = torch_build(version)
         if builds_clash(build, torch_build(torch)) or (pin is not None and _base(pin) != _base(torch)):
-            built_for = (
-                f"torch {pin}" if pin else f"torch +{local_tag(version)}" if local_tag(version) else "torch"
-            )
+            built_for = [f"built for torch {pin}"] if pin else []
             if build == "default":
-                built_for += ", PyPI's build"
-            problems[companion] = f"{companion} {version} (built for {built_for})"
+                built_for.append("PyPI's build")
+            elif not pin:
+                built_for.append(f"built for torch +{local_tag(version)}")
+            problems[companion] = f"{companion} {version} ({', '.join(built_for)})"
     if problems:
         symptom = (
             "importing it fails with `operator torchvision::nms does not exist`"

