@@ -235,6 +235,8 @@ def run(
     if log_format not in ("console", "json"):
         _fail(f"--log-format must be console or json, got {log_format!r}")
     configure_logging(log_format)
+    if config is not None and config.is_dir():
+        _fail(f"config file {config} is a directory: give the path of a YAML job file")
     try:
         overrides = {
             "engine.vllm.runner": runner,
@@ -278,6 +280,12 @@ def run(
         job = merge_overrides(load_job_config(config), overrides, labels=FLAG_FOR_KEY)
     except ConfigError as exc:
         _fail(str(exc))
+    except UnicodeDecodeError as exc:
+        _fail(
+            f"config file {config} is not UTF-8 text ({exc.reason} at byte {exc.start}): give a YAML job file"
+        )
+    except OSError as exc:
+        _fail(f"config file {config} cannot be read ({exc.strerror or exc}): check its path and permissions")
     _run(job, progress, resume, token_file)
 
 
@@ -339,11 +347,16 @@ def resume_command(
 def _check_environment(job: JobConfig) -> None:
     """The fast checks of `nightshift doctor`, before Ray or an engine starts: a broken install stops here with
     its fix."""
+    import structlog
+
     from pipeline.doctor import describe, failures, job_checks
 
     if job.engine.backend != "vllm":
         return
-    problems = failures(job_checks(embedded_model=job.model is None))
+    findings = job_checks(job)
+    for warning in (f for f in findings if f.status == "warn"):
+        structlog.get_logger("nightshift").warning(describe(warning))
+    problems = failures(findings)
     for problem in problems[:-1]:
         typer.secho(f"error: {describe(problem)}", fg=typer.colors.RED, err=True)
     if problems:

