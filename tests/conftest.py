@@ -66,6 +66,17 @@ def staged_rows(staging, kind: str) -> list:
     return [StagedRow(**row) for row in table.to_pylist()]
 
 
+def engine_staged_ids(output: Path) -> set[str]:
+    """The custom_ids engines have staged rows for under a local OUTPUT (results and engine-side errors)."""
+    import pyarrow.parquet as pq
+
+    ids: set[str] = set()
+    for part in (Path(output) / "_staging").glob("*/*.parquet"):
+        if part.parent.name in ("results", "errors") and not part.name.startswith("validate-"):
+            ids.update(pq.read_table(part, columns=["custom_id"]).column("custom_id").to_pylist())
+    return ids
+
+
 def once_settled(read, quiet_s: float = 3.0, timeout_s: float = 60.0):
     """What `read()` returns once it has not changed for `quiet_s` seconds (or when `timeout_s` is up): what staging
     holds after a driver is killed. Engines stage their own chunks, and the ones running when their driver died may

@@ -20,7 +20,7 @@ import pytest
 
 from pipeline.config import JobConfig
 from pipeline.runtime.job import run_job
-from tests.conftest import chat_line, once_settled, read_jsonl, write_lines
+from tests.conftest import chat_line, engine_staged_ids, once_settled, read_jsonl, write_lines
 from tests.failure_figures import record
 from tests.integration.storage_fixtures import moto_s3  # noqa: F401
 
@@ -77,14 +77,6 @@ def test_poison_request_is_isolated_and_the_job_finishes(tmp_path):
     assert outcome.manifest["recovery"]["requests_retried_after_engine_failure"] >= 1
 
 
-def _staged_ids(output: Path) -> set[str]:
-    ids: set[str] = set()
-    for part in (output / "_staging").glob("*/*.parquet"):
-        if part.parent.name in ("results", "errors") and not part.name.startswith("validate-"):
-            ids.update(pq.read_table(part, columns=["custom_id"]).column("custom_id").to_pylist())
-    return ids
-
-
 @pytest.mark.slow
 def test_driver_killed_half_way_then_resume(tmp_path):
     """README "Failure model", row "the driver is killed (SSH drop, `kill -9`)"."""
@@ -126,14 +118,14 @@ def test_driver_killed_half_way_then_resume(tmp_path):
     ]
     driver = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 300
-    while len(_staged_ids(output)) < n // 2:
+    while len(engine_staged_ids(output)) < n // 2:
         assert driver.poll() is None, driver.stderr.read()[-2000:]
         assert time.monotonic() < deadline, "the job never got half way"
         time.sleep(0.2)
     driver.send_signal(signal.SIGKILL)
     driver.wait()
     assert not (output / "manifest.json").exists()
-    staged_before = once_settled(lambda: _staged_ids(output))
+    staged_before = once_settled(lambda: engine_staged_ids(output))
     calls_before = len(calls.read_text().split())
     assert n // 2 <= len(staged_before) < n
 

@@ -16,8 +16,7 @@ import pytest
 
 from pipeline.config import JobConfig
 from pipeline.runtime.job import run_job
-from tests.conftest import chat_line, read_jsonl, write_lines
-from tests.integration.test_recovery import _settled, _staged_ids
+from tests.conftest import chat_line, engine_staged_ids, once_settled, read_jsonl, write_lines
 
 pytestmark = pytest.mark.usefixtures("local_ray")
 
@@ -55,7 +54,9 @@ def input_dir(tmp_path_factory) -> tuple[Path, int, int]:
                 losers += 1
             lines.append(chat_line(custom_id, f"file {f} line {i}"))
         if f == 0:
-            lines[10] = json.dumps({"custom_id": "bad-first", "method": "POST", "url": "/v1/chat/completions"})
+            lines[10] = json.dumps(
+                {"custom_id": "bad-first", "method": "POST", "url": "/v1/chat/completions"}
+            )
         if f == FILES - 1:
             lines.append(chat_line("bad-first", "valid, but the id was claimed by an invalid line"))
             losers += 1
@@ -137,16 +138,26 @@ def test_a_streamed_job_killed_half_way_resumes_exactly_once(tmp_path):
         )
     )
     output = tmp_path / "out"
-    run = [sys.executable, "-m", "pipeline", "run", str(path), str(output), "-c", str(config), "--no-progress"]
+    run = [
+        sys.executable,
+        "-m",
+        "pipeline",
+        "run",
+        str(path),
+        str(output),
+        "-c",
+        str(config),
+        "--no-progress",
+    ]
     driver = subprocess.Popen(run, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 300
-    while len(_staged_ids(output)) < n // 2:
+    while len(engine_staged_ids(output)) < n // 2:
         assert driver.poll() is None, driver.stderr.read()[-2000:]
         assert time.monotonic() < deadline, "the job never got half way"
         time.sleep(0.2)
     driver.send_signal(signal.SIGKILL)
     driver.wait()
-    staged_before = _settled(lambda: _staged_ids(output))
+    staged_before = once_settled(lambda: engine_staged_ids(output))
     assert len(staged_before) < n
 
     resumed = subprocess.run(
