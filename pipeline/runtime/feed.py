@@ -253,7 +253,7 @@ class EngineLaunch:
 
         staging = self.staging
         files = staging.pending_requests(finished)
-        self._fit = staging.read_job().get("fit")
+        self._fit = staging.read_job().fit
         plans = {
             pool.name: plan_feed(config, self._spec_of(spec, pool, self._fit), pool) for pool in self.pools
         }

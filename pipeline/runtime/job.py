@@ -32,7 +32,7 @@ from pipeline.config import JobConfig, StorageConfig, effective_pools, merge_ove
 from pipeline.engines.base import EngineSpec, engine_class
 from pipeline.io.locations import RetryStats
 from pipeline.io.readers import InputSource
-from pipeline.io.staging import StagingArea
+from pipeline.io.staging import JobStateError, StagingArea
 from pipeline.io.writers import OutputTarget, output_target
 from pipeline.models import ResolvedModel, resolve_models
 from pipeline.observe.progress import JobCounters
@@ -48,6 +48,7 @@ from pipeline.runtime.preflight import (
     output_problem,
 )
 from pipeline.runtime.session import start_ray
+from pipeline.state import IngestRecord, JobInput, JobState
 
 log = structlog.get_logger(__name__)
 
@@ -68,16 +69,14 @@ def engine_spec(config: JobConfig, model: ResolvedModel) -> EngineSpec:
     return EngineSpec(engine.backend, model.path, model.name, args)
 
 
-def _prepare(
-    config: JobConfig, resume: bool
-) -> tuple[InputSource, OutputTarget, StagingArea, dict[str, Any]]:
+def _prepare(config: JobConfig, resume: bool) -> tuple[InputSource, OutputTarget, StagingArea, JobState]:
     """Preflight, then either a fresh job spec or the stored one of the job being resumed."""
     source = check_input_source(config.input, config.storage)
     output = check_output_target(config.output, config.overwrite, config.storage, resume=resume)
     staging = output.staging_area()
     if resume and staging.exists():
         state = staging.read_job()
-        stored = state.get("input", {}).get("fingerprint")
+        stored = state.input.fingerprint if state.input else None
         if stored:
             current = source.fingerprint()
             if current != stored:
@@ -85,13 +84,13 @@ def _prepare(
                     f"input {config.input} changed since the job started ({stored} → {current}); resuming would "
                     "mix two inputs. Restore the original input, or start a new job in another OUTPUT."
                 )
-        log.info("resuming job", job_id=state["job_id"], output=str(output))
+        log.info("resuming job", job_id=state.job_id, output=str(output))
         return source, output, staging, state
     if resume:
         raise PreflightError(
             f"output {config.output} holds no unfinished job (no _staging/): nothing to resume"
         )
-    state = {"job_id": config.job_id or uuid.uuid4().hex[:16], "config": config.model_dump(mode="json")}
+    state = JobState(job_id=config.job_id or uuid.uuid4().hex[:16], config=config)
     return source, output, staging, state
 
 
@@ -120,16 +119,16 @@ def run_job(config: JobConfig, show_progress: bool = True, resume: bool = False)
     engine_class(spec.backend).check_spec(spec)
     for unused in config.engine.unused_settings():
         log.warning(unused)
-    job_id = state["job_id"]
+    job_id = state.job_id
 
     staging.create()
 
     def prepare_work() -> JobConfig:
-        if not state.get("ingested"):
+        if not state.ingested:
             # A validation pass cut short is redone whole: it is cheap next to generation, and partial parts of it
             # could otherwise be staged twice.
             staging.discard_ingest()
-            state["model"] = model.model_dump()
+            state.model = model
             staging.write_job(state)
             # Each line goes to a model some pool serves (model_not_found otherwise); the model's task rejects a
             # route it cannot serve at validation (unsupported_task), before any engine.
@@ -144,24 +143,24 @@ def run_job(config: JobConfig, show_progress: bool = True, resume: bool = False)
                 measure=measuring(config, model),
                 reserve_cpus=launch is None,
             )
-            state["input"] = {
-                "location": source.describe(),
-                "fingerprint": report.fingerprint,
-                "size_bytes": report.size_bytes,
-                "lines": report.lines,
-                "valid": report.valid,
-                "invalid": report.invalid,
-                "prefix_keyed": report.keyed,
-            }
+            state.input = JobInput(
+                location=source.describe(),
+                fingerprint=report.fingerprint,
+                size_bytes=report.size_bytes,
+                lines=report.lines,
+                valid=report.valid,
+                invalid=report.invalid,
+                prefix_keyed=report.keyed,
+            )
             if report.lengths is not None:
-                state["lengths"] = report.lengths.to_dict()
-            state["ingest"] = {
-                "nodes": report.nodes(),
-                "tasks_by_node": report.placement,
-                "seconds": {step: round(s, 3) for step, s in report.seconds.items()},
-                "range_bytes": report.range_bytes,
-            }
-            state["ingested"] = True
+                state.lengths = report.lengths.to_dict()
+            state.ingest = IngestRecord(
+                nodes=report.nodes(),
+                tasks_by_node=report.placement,
+                seconds={step: round(s, 3) for step, s in report.seconds.items()},
+                range_bytes=report.range_bytes,
+            )
+            state.ingested = True
             staging.write_job(state)
         # Engine args fitted to the measured aggregate (runtime/fit.py; kept in state).
         return fit_job(config, model, staging, state)
@@ -170,24 +169,22 @@ def run_job(config: JobConfig, show_progress: bool = True, resume: bool = False)
     # their processes and imports overlap ingest and fitting, and they wait for the fitted args (runtime/feed.py).
     start_ray(config.resources.address)
     launch: EngineLaunch | None = None
-    if not state.get("ingested"):
+    if not state.ingested:
         launch = EngineLaunch(config, spec, staging, job_id, pool_models, source.rows_at_most())
     run = EngineRun()
     try:
         config = prepare_work()
         spec = engine_spec(config, model)
-        lines = state["input"]["lines"]
-        log.info(
-            "input validated", lines=lines, valid=state["input"]["valid"], invalid=state["input"]["invalid"]
-        )
+        lines = state.input.lines
+        log.info("input validated", lines=lines, valid=state.input.valid, invalid=state.input.invalid)
         finished = set(staging.finished_ids())
         counters = JobCounters(total=lines)
-        counters.add_invalid(state["input"]["invalid"])
+        counters.add_invalid(state.input.invalid)
         counters.done += len(finished)
-        pending = state["input"]["valid"] - len(finished)
+        pending = state.input.valid - len(finished)
         if pending > 0:
             launch = launch or EngineLaunch(config, spec, staging, job_id, pool_models, pending)
-            launch.feed(config, spec, finished, state["input"].get("prefix_keyed", 0))
+            launch.feed(config, spec, finished, state.input.prefix_keyed)
             run = launch.wait(counters, show_progress)
         elif launch is not None:
             launch.cancel()
@@ -202,7 +199,7 @@ def run_job(config: JobConfig, show_progress: bool = True, resume: bool = False)
     )
     # Where each stage's tasks ran (node id prefixes): ingest's steps, finalize's; engines are in engine.per_engine.
     outputs["placement"] = {
-        "ingest": (state.get("ingest") or {}).get("tasks_by_node"),
+        "ingest": state.ingest.tasks_by_node if state.ingest else None,
         **outputs["placement"],
     }
     wall = time.monotonic() - t0
@@ -210,7 +207,7 @@ def run_job(config: JobConfig, show_progress: bool = True, resume: bool = False)
     remedy = preemption_remedy(
         engines.get("num_preemptions", 0),
         engines.get("effective_args", {}),
-        (state.get("fit") or {}).get("longest_sequence"),
+        (state.fit or {}).get("longest_sequence"),
     )
     if remedy and not run.preemption_warned:
         log.warning(remedy)
@@ -220,8 +217,10 @@ def run_job(config: JobConfig, show_progress: bool = True, resume: bool = False)
         "job_id": job_id,
         "created_at": started_at.isoformat(),
         "finished_at": dt.datetime.now(dt.timezone.utc).isoformat(),
-        "input": {k: state["input"][k] for k in ("location", "fingerprint", "size_bytes", "lines")},
-        "ingest": state.get("ingest"),  # where validation ran (Ray node ids), per step
+        "input": state.input.summary().model_dump(),
+        "ingest": state.ingest.model_dump()
+        if state.ingest
+        else None,  # where validation ran (Ray node ids), per step
         "model": model.model_dump(),
         # Rows answered and tokens, per served model (a job may serve one model per pool).
         "models": models_summary(pool_models, run.pools),
@@ -236,7 +235,7 @@ def run_job(config: JobConfig, show_progress: bool = True, resume: bool = False)
             "kv_cache_usage_peak": engines.get("kv_cache_usage_peak"),
             "cpu_cores": engines.get("cpu_cores") or None,
             "first_ready_at": _iso(engines.get("first_ready_at")),  # engine start ends, generation begins
-            "fitted": state.get("fit"),
+            "fitted": state.fit,
         },
         **outputs,
         "wall_time_s": round(wall, 3),
@@ -288,10 +287,9 @@ def load_resumable(output: str, storage: dict[str, Any] | None = None) -> JobCon
         state = staging.read_job()
     except PreflightError:
         raise
-    except FileNotFoundError as exc:
+    except (FileNotFoundError, JobStateError) as exc:
         raise PreflightError(str(exc)) from exc
     except Exception as exc:  # noqa: BLE001 - an unreachable or denied OUTPUT: say what to change
         raise PreflightError(output_problem(exc, output, reach, "resume from")) from exc
-    config = JobConfig.model_validate(state["config"])
-    config = merge_overrides(config, {f"storage.{k}": v for k, v in given.items()})
-    return config.model_copy(update={"output": output, "job_id": state["job_id"]})
+    config = merge_overrides(state.config, {f"storage.{k}": v for k, v in given.items()})
+    return config.model_copy(update={"output": output, "job_id": state.job_id})
