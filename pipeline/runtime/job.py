@@ -34,6 +34,15 @@ from pipeline.io.locations import RetryStats
 from pipeline.io.readers import InputSource
 from pipeline.io.staging import JobStateError, StagingArea
 from pipeline.io.writers import OutputTarget, output_target
+from pipeline.manifest import (
+    DriverCost,
+    EngineReport,
+    Manifest,
+    Placement,
+    Recovery,
+    StorageRetries,
+    Throughput,
+)
 from pipeline.models import ResolvedModel, resolve_models
 from pipeline.observe.progress import JobCounters
 from pipeline.runtime.feed import EngineLaunch, EngineRun, models_summary
@@ -56,7 +65,7 @@ log = structlog.get_logger(__name__)
 @dataclass
 class JobOutcome:
     output: Path | str  # a local directory, or the s3:// / http(s):// URL
-    manifest: dict[str, Any]
+    manifest: dict[str, Any]  # manifest.json as written
     counters: JobCounters
     pools: dict[str, dict[str, float]] = field(default_factory=dict)
 
@@ -198,10 +207,9 @@ def run_job(config: JobConfig, show_progress: bool = True, resume: bool = False)
         output, staging, config.output_options.rows_per_shard, lines, format=config.output_options.format
     )
     # Where each stage's tasks ran (node id prefixes): ingest's steps, finalize's; engines are in engine.per_engine.
-    outputs["placement"] = {
-        "ingest": state.ingest.tasks_by_node if state.ingest else None,
-        **outputs["placement"],
-    }
+    placement = Placement(
+        ingest=state.ingest.tasks_by_node if state.ingest else None, **outputs.pop("placement")
+    )
     wall = time.monotonic() - t0
     engines = summarize_engines(run.snapshot)
     remedy = preemption_remedy(
@@ -211,65 +219,64 @@ def run_job(config: JobConfig, show_progress: bool = True, resume: bool = False)
     )
     if remedy and not run.preemption_warned:
         log.warning(remedy)
-    manifest = {
-        "format_version": FORMAT_VERSION,
-        "nightshift_version": __version__,
-        "job_id": job_id,
-        "created_at": started_at.isoformat(),
-        "finished_at": dt.datetime.now(dt.timezone.utc).isoformat(),
-        "input": state.input.summary().model_dump(),
-        "ingest": state.ingest.model_dump()
-        if state.ingest
-        else None,  # where validation ran (Ray node ids), per step
-        "model": model.model_dump(),
+    manifest = Manifest(
+        format_version=FORMAT_VERSION,
+        nightshift_version=__version__,
+        job_id=job_id,
+        created_at=started_at,
+        finished_at=dt.datetime.now(dt.timezone.utc),
+        input=state.input.summary(),
+        ingest=state.ingest,  # where validation ran (Ray node ids), per step
+        model=model,
         # Rows answered and tokens, per served model (a job may serve one model per pool).
-        "models": models_summary(pool_models, run.pools),
-        "engine": {
-            "backend": spec.backend,
-            "args": engines.get("effective_args") or spec.args,
-            "sampling_defaults": engines.get("sampling_defaults", {}),
-            "engines": engines.get("engines", 0),
-            "kv_cache_tokens_per_engine": engines.get("kv_cache_tokens_per_engine"),
-            "in_flight": engines.get("in_flight"),
-            "per_engine": engines.get("per_engine"),
-            "kv_cache_usage_peak": engines.get("kv_cache_usage_peak"),
-            "cpu_cores": engines.get("cpu_cores") or None,
-            "first_ready_at": _iso(engines.get("first_ready_at")),  # engine start ends, generation begins
-            "fitted": state.fit,
-        },
-        **outputs,
-        "wall_time_s": round(wall, 3),
-        "throughput": {
-            "rows_per_s": round(counters.done / wall, 2) if wall else 0.0,
-            "output_tokens_per_s": round(counters.completion_tokens / wall, 2) if wall else 0.0,
-        },
-        "preemptions": engines.get("num_preemptions", 0),
-        "preemption_warning": remedy,
-        "prefix_cache_hit_rate": engines.get("prefix_cache_hit_rate"),
-        "routing": run.routing,
-        "recovery": {
-            "resumed": bool(resume),
-            "rows_from_earlier_runs": len(finished),
-            "requests_retried_after_engine_failure": run.retried_requests,
-            "duplicate_deliveries_dropped": run.duplicates_dropped,
-            "leases": run.leases,
+        models=models_summary(pool_models, run.pools),
+        engine=EngineReport(
+            backend=spec.backend,
+            args=engines.get("effective_args") or spec.args,
+            sampling_defaults=engines.get("sampling_defaults", {}),
+            engines=engines.get("engines", 0),
+            kv_cache_tokens_per_engine=engines.get("kv_cache_tokens_per_engine"),
+            in_flight=engines.get("in_flight"),
+            per_engine=engines.get("per_engine"),
+            kv_cache_usage_peak=engines.get("kv_cache_usage_peak"),
+            cpu_cores=engines.get("cpu_cores") or None,
+            first_ready_at=_utc(engines.get("first_ready_at")),  # engine start ends, generation begins
+            fitted=state.fit,
+        ),
+        **outputs,  # counts, shards, tokens
+        placement=placement,
+        wall_time_s=round(wall, 3),
+        throughput=Throughput(
+            rows_per_s=round(counters.done / wall, 2) if wall else 0.0,
+            output_tokens_per_s=round(counters.completion_tokens / wall, 2) if wall else 0.0,
+        ),
+        preemptions=engines.get("num_preemptions", 0),
+        preemption_warning=remedy,
+        prefix_cache_hit_rate=engines.get("prefix_cache_hit_rate"),
+        routing=run.routing,
+        recovery=Recovery(
+            resumed=bool(resume),
+            rows_from_earlier_runs=len(finished),
+            requests_retried_after_engine_failure=run.retried_requests,
+            duplicate_deliveries_dropped=run.duplicates_dropped,
+            leases=run.leases,
             **run.recovery,
-        },
-        "pools": run.pools,
-        "storage": RetryStats.since(retries_before),
+        ),
+        pools=run.pools,
+        storage=StorageRetries(**RetryStats.since(retries_before)),
         # What coordinating cost this process (all its threads): the cluster does the per-row work, so this
         # should grow with files, chunks and shards, not with rows.
-        "driver": {
-            "cpu_s": round(time.process_time() - cpu0, 3),
-            "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
-        },
-    }
+        driver=DriverCost(
+            cpu_s=round(time.process_time() - cpu0, 3),
+            peak_rss_bytes=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+        ),
+    )
     commit(output, staging, manifest)
-    return JobOutcome(output.where, manifest, counters, run.pools)
+    return JobOutcome(output.where, manifest.model_dump(mode="json"), counters, run.pools)
 
 
-def _iso(epoch: float | None) -> str | None:
-    return dt.datetime.fromtimestamp(epoch, dt.timezone.utc).isoformat() if epoch else None
+def _utc(epoch: float | None) -> dt.datetime | None:
+    return dt.datetime.fromtimestamp(epoch, dt.timezone.utc) if epoch else None
 
 
 def load_resumable(output: str, storage: dict[str, Any] | None = None) -> JobConfig:

@@ -1,5 +1,5 @@
-"""The job state (`_staging/job.json`) as a typed model: it round-trips through JSON, reads what earlier runs
-wrote, and dumps back exactly the same keys and values."""
+"""The job state (`_staging/job.json`) and the manifest as typed models: they round-trip through JSON, read what
+earlier runs wrote, and dump back exactly the same keys and values."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ from pydantic import ValidationError
 
 from pipeline.config import JobConfig
 from pipeline.io.staging import JobStateError, StagingArea
+from pipeline.manifest import Manifest
 from pipeline.models import ResolvedModel
 from pipeline.runtime.job import load_resumable
 from pipeline.runtime.preflight import PreflightError
@@ -104,3 +105,20 @@ def test_assignments_are_checked():
     state = full_state()
     with pytest.raises(ValidationError):
         state.input.valid = "many"  # type: ignore[assignment]
+
+
+def test_a_manifest_written_before_the_manifest_was_typed_validates_and_dumps_back_unchanged():
+    recorded_manifest = recorded("manifest.json")
+    manifest = Manifest.model_validate(recorded_manifest)
+    assert manifest.counts.total == 19 and manifest.shards.results[0].rows == 17
+    assert manifest.created_at.tzinfo is not None
+    assert manifest.model_dump(mode="json") == recorded_manifest
+    # Key order too: the file reads the same.
+    assert json.dumps(manifest.model_dump(mode="json")) == json.dumps(recorded_manifest)
+
+
+def test_the_manifest_names_every_key_it_holds():
+    data = recorded("manifest.json")
+    data["counts"]["unexpected"] = 1
+    with pytest.raises(ValidationError, match="unexpected"):
+        Manifest.model_validate(data)
