@@ -5,7 +5,7 @@ the job runs. Finalize reads only this directory, so whatever reached staging su
 `resume` can skip it.
 
     _staging/
-      job.json                   the job spec + input fingerprint (what `resume` re-reads)
+      job.json                   the job state: spec, input fingerprint, fitted args (what `resume` re-reads)
       requests/part-*.parquet    validated requests, the engines' work list
       pending/part-*.parquet     on resume: the requests that still have no staged row
       results/*.parquet          finished result rows, each part sorted by custom_id
@@ -35,9 +35,11 @@ from typing import Any, Protocol, TypeVar
 
 import pyarrow as pa
 import pyarrow.parquet as pq
+from pydantic import ValidationError
 
 from pipeline.config import StorageConfig
 from pipeline.io.locations import RetryPolicy, s3_filesystem, with_retries
+from pipeline.state import JobState
 
 T = TypeVar("T")
 
@@ -71,6 +73,10 @@ REQUEST_SCHEMA = pa.schema(
         ("model", pa.string()),
     ]
 )
+
+
+class JobStateError(ValueError):
+    """`_staging/job.json` holds no job state this version can read."""
 
 
 @dataclass
@@ -306,17 +312,26 @@ class StagingArea:
         self.files.delete_tree(self.root)
 
     # -- the job spec -----------------------------------------------------------------------------------------
-    def write_job(self, job: dict[str, Any]) -> None:
-        self.files.write_bytes(self.job_file, (json.dumps(job, indent=2, ensure_ascii=False) + "\n").encode())
+    def write_job(self, job: JobState) -> None:
+        data = job.model_dump(mode="json")
+        self.files.write_bytes(
+            self.job_file, (json.dumps(data, indent=2, ensure_ascii=False) + "\n").encode()
+        )
 
-    def read_job(self) -> dict[str, Any]:
+    def read_job(self) -> JobState:
+        """The job state; a JobStateError names the file when it is not one this version can read."""
         try:
             data = self.files.read_bytes(self.job_file)
         except FileNotFoundError:
             raise FileNotFoundError(
                 f"{self.files.url(self.job_file)} is missing: this is not a resumable nightshift job"
             ) from None
-        return json.loads(data)
+        try:
+            return JobState.model_validate_json(data)
+        except ValidationError as exc:
+            raise JobStateError(
+                f"{self.files.url(self.job_file)} is not a nightshift job state this version can resume: {exc}"
+            ) from None
 
     def discard_ingest(self) -> None:
         """Drop a partial validation pass (its work list, its error parts, its id buckets) so it can be redone

@@ -296,7 +296,7 @@ class EngineLaunch:
 
         staging = self.staging
         files = staging.pending_requests(finished)
-        self._fit = staging.read_job().get("fit")
+        self._fit = staging.read_job().fit
         plans = self._plans(config, spec)
         if len(self.models) > 1:
             work = {m: staging.requests_for_model(files, m) for m in self.models}

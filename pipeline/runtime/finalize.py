@@ -47,6 +47,7 @@ from pipeline.io.files import atomic_write_json
 from pipeline.io.locations import Location, RetryStats
 from pipeline.io.staging import STAGED_SCHEMA, LocalFiles, PartFiles, StagingArea
 from pipeline.io.writers import MANIFEST_NAME, OutputTarget, output_target, shard_encoder
+from pipeline.manifest import Manifest
 from pipeline.runtime.session import must_pin_to_driver
 from pipeline.stages.finalize import (
     assign_shards,
@@ -575,10 +576,17 @@ def write_outputs(
     }
 
 
-def commit(output: Path | str | OutputTarget, staging: StagingArea, manifest: dict[str, Any]) -> None:
+def commit(
+    output: Path | str | OutputTarget, staging: StagingArea, manifest: Manifest | dict[str, Any]
+) -> None:
     """The manifest is written last and atomically: its presence means every shard is complete. Then `_staging/`
-    goes (wherever it lives: OUTPUT, the bucket, or this machine's disk for an http(s):// output)."""
+    goes (wherever it lives: OUTPUT, the bucket, or this machine's disk for an http(s):// output).
+
+    A job's Manifest is written as its `model_dump(mode="json")`; a plain dict (finalize used on its own, without
+    a job) as it is."""
     target = _as_target(output)
+    if isinstance(manifest, Manifest):
+        manifest = manifest.model_dump(mode="json")
     if target.is_local:
         atomic_write_json(Path(target.location.path) / MANIFEST_NAME, manifest)
     else:

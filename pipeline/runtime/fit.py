@@ -48,6 +48,7 @@ from pipeline.json_codec import loads
 from pipeline.models import ResolvedModel
 from pipeline.planner import MAX_NUM_SEQS_CAP, requested_max_tokens, round_up
 from pipeline.protocol import ErrorCode, dumps, failed_request_record
+from pipeline.state import JobState
 
 log = structlog.get_logger(__name__)
 
@@ -529,26 +530,24 @@ def unfitted_max_num_seqs(config: JobConfig) -> int | None:
 # --- the job's fit ---------------------------------------------------------------------------------------------
 
 
-def fit_job(
-    config: JobConfig, model: ResolvedModel, staging: StagingArea, state: dict[str, Any]
-) -> JobConfig:
-    """The job's config with fitted engine args, deciding them once (kept in `state`, i.e. _staging/job.json).
+def fit_job(config: JobConfig, model: ResolvedModel, staging: StagingArea, state: JobState) -> JobConfig:
+    """The job's config with fitted engine args, deciding them once (kept in `state.fit`, i.e. _staging/job.json).
 
-    Uses the lengths ingest measured (state["lengths"]) when there are; else measures the work list here and
-    updates state["input"] for requests rejected as too long (valid → invalid). Writes the state.
+    Uses the lengths ingest measured (state.lengths) when there are; else measures the work list here and
+    updates state.input for requests rejected as too long (valid → invalid). Writes the state.
     """
-    if "fit" not in state:
+    if state.fit is None:
         # Measured by ingest on the workers (its aggregate is in the state): too-long requests are already error
         # records and out of the valid count. Otherwise (a job ingested without measuring) measured here.
-        measured = state.get("lengths")
-        lengths = Lengths.from_dict(measured) if measured is not None else None
-        state["fit"] = _decide(config, model, staging, state.get("job_id"), lengths)
+        lengths = Lengths.from_dict(state.lengths) if state.lengths is not None else None
+        fit = _decide(config, model, staging, state.job_id, lengths)
         if lengths is None:
-            rejected = state["fit"].get("context_length_exceeded", 0)
-            state["input"]["valid"] -= rejected
-            state["input"]["invalid"] += rejected
+            rejected = fit.get("context_length_exceeded", 0)
+            state.input.valid -= rejected
+            state.input.invalid += rejected
+        state.fit = fit
         staging.write_job(state)
-    return apply_fit(config, state["fit"])
+    return apply_fit(config, state.fit)
 
 
 def nothing_to_fit(config: JobConfig) -> bool:

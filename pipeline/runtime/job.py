@@ -32,8 +32,17 @@ from pipeline.config import JobConfig, StorageConfig, effective_pools, merge_ove
 from pipeline.engines.base import EngineSpec, engine_class
 from pipeline.io.locations import RetryStats
 from pipeline.io.readers import InputSource
-from pipeline.io.staging import StagingArea
+from pipeline.io.staging import JobStateError, StagingArea
 from pipeline.io.writers import OutputTarget, output_target
+from pipeline.manifest import (
+    DriverCost,
+    EngineReport,
+    Manifest,
+    Placement,
+    Recovery,
+    StorageRetries,
+    Throughput,
+)
 from pipeline.models import ResolvedModel, resolve_models
 from pipeline.observe.progress import JobCounters
 from pipeline.runtime.feed import EngineLaunch, EngineRun, models_summary
@@ -48,6 +57,7 @@ from pipeline.runtime.preflight import (
     output_problem,
 )
 from pipeline.runtime.session import start_ray
+from pipeline.state import IngestRecord, JobInput, JobState
 
 log = structlog.get_logger(__name__)
 
@@ -55,7 +65,7 @@ log = structlog.get_logger(__name__)
 @dataclass
 class JobOutcome:
     output: Path | str  # a local directory, or the s3:// / http(s):// URL
-    manifest: dict[str, Any]
+    manifest: dict[str, Any]  # manifest.json as written
     counters: JobCounters
     pools: dict[str, dict[str, float]] = field(default_factory=dict)
 
@@ -68,16 +78,14 @@ def engine_spec(config: JobConfig, model: ResolvedModel) -> EngineSpec:
     return EngineSpec(engine.backend, model.path, model.name, args)
 
 
-def _prepare(
-    config: JobConfig, resume: bool
-) -> tuple[InputSource, OutputTarget, StagingArea, dict[str, Any]]:
+def _prepare(config: JobConfig, resume: bool) -> tuple[InputSource, OutputTarget, StagingArea, JobState]:
     """Preflight, then either a fresh job spec or the stored one of the job being resumed."""
     source = check_input_source(config.input, config.storage)
     output = check_output_target(config.output, config.overwrite, config.storage, resume=resume)
     staging = output.staging_area()
     if resume and staging.exists():
         state = staging.read_job()
-        stored = state.get("input", {}).get("fingerprint")
+        stored = state.input.fingerprint if state.input else None
         if stored:
             current = source.fingerprint()
             if current != stored:
@@ -85,13 +93,13 @@ def _prepare(
                     f"input {config.input} changed since the job started ({stored} → {current}); resuming would "
                     "mix two inputs. Restore the original input, or start a new job in another OUTPUT."
                 )
-        log.info("resuming job", job_id=state["job_id"], output=str(output))
+        log.info("resuming job", job_id=state.job_id, output=str(output))
         return source, output, staging, state
     if resume:
         raise PreflightError(
             f"output {config.output} holds no unfinished job (no _staging/): nothing to resume"
         )
-    state = {"job_id": config.job_id or uuid.uuid4().hex[:16], "config": config.model_dump(mode="json")}
+    state = JobState(job_id=config.job_id or uuid.uuid4().hex[:16], config=config)
     return source, output, staging, state
 
 
@@ -120,7 +128,7 @@ def run_job(config: JobConfig, show_progress: bool = True, resume: bool = False)
     engine_class(spec.backend).check_spec(spec)
     for unused in config.engine.unused_settings():
         log.warning(unused)
-    job_id = state["job_id"]
+    job_id = state.job_id
 
     staging.create()
 
@@ -133,11 +141,11 @@ def run_job(config: JobConfig, show_progress: bool = True, resume: bool = False)
             handed_over.append(time.time())
 
     def prepare_work() -> JobConfig:
-        if not state.get("ingested"):
+        if not state.ingested:
             # A validation pass cut short is redone whole: it is cheap next to generation, and partial parts of it
             # could otherwise be staged twice.
             staging.discard_ingest()
-            state["model"] = model.model_dump()
+            state.model = model
             staging.write_job(state)
             # Each line goes to a model some pool serves (model_not_found otherwise); the model's task rejects a
             # route it cannot serve at validation (unsupported_task), before any engine.
@@ -153,28 +161,27 @@ def run_job(config: JobConfig, show_progress: bool = True, resume: bool = False)
                 reserve_cpus=launch is None,
                 on_requests=hand_over if streaming else None,
             )
-            state["input"] = {
-                "location": source.describe(),
-                "fingerprint": report.fingerprint,
-                "size_bytes": report.size_bytes,
-                "lines": report.lines,
-                "valid": report.valid,
-                "invalid": report.invalid,
-                "prefix_keyed": report.keyed,
-            }
+            state.input = JobInput(
+                location=source.describe(),
+                fingerprint=report.fingerprint,
+                size_bytes=report.size_bytes,
+                lines=report.lines,
+                valid=report.valid,
+                invalid=report.invalid,
+                prefix_keyed=report.keyed,
+            )
             if report.lengths is not None:
-                state["lengths"] = report.lengths.to_dict()
-            state["ingest"] = {
-                "nodes": report.nodes(),
-                "tasks_by_node": report.placement,
-                "seconds": {step: round(s, 3) for step, s in report.seconds.items()},
-                "range_bytes": report.range_bytes,
-                # Engines took requests while ingest ran (nothing was fitted to the input), and when it ended.
-                "streamed": streaming,
-                "finished_at": time.time(),
-                "first_work_handed_over_at": handed_over[0] if handed_over else None,
-            }
-            state["ingested"] = True
+                state.lengths = report.lengths.to_dict()
+            state.ingest = IngestRecord(
+                nodes=report.nodes(),
+                tasks_by_node=report.placement,
+                seconds={step: round(s, 3) for step, s in report.seconds.items()},
+                range_bytes=report.range_bytes,
+                streamed=streaming,
+                finished_at=time.time(),
+                first_work_handed_over_at=handed_over[0] if handed_over else None,
+            )
+            state.ingested = True
             staging.write_job(state)
         # Engine args fitted to the measured aggregate (runtime/fit.py; kept in state).
         return fit_job(config, model, staging, state)
@@ -185,7 +192,7 @@ def run_job(config: JobConfig, show_progress: bool = True, resume: bool = False)
     # When nothing is fitted to the input, they take requests while ingest still reads the rest (streaming).
     launch: EngineLaunch | None = None
     streaming = False
-    if not state.get("ingested"):
+    if not state.ingested:
         launch = EngineLaunch(config, spec, staging, job_id, pool_models, source.rows_at_most())
         if not resume and launch.can_stream and nothing_to_fit(config):
             settled = apply_fit(config, {})
@@ -195,30 +202,28 @@ def run_job(config: JobConfig, show_progress: bool = True, resume: bool = False)
     try:
         config = prepare_work()
         spec = engine_spec(config, model)
-        lines = state["input"]["lines"]
-        log.info(
-            "input validated", lines=lines, valid=state["input"]["valid"], invalid=state["input"]["invalid"]
-        )
+        lines = state.input.lines
+        log.info("input validated", lines=lines, valid=state.input.valid, invalid=state.input.invalid)
         counters = JobCounters(total=lines)
-        counters.add_invalid(state["input"]["invalid"])
+        counters.add_invalid(state.input.invalid)
         if streaming:
             assert launch is not None
-            launch.close_input(state["input"].get("prefix_keyed", 0), state.get("fit"))
+            launch.close_input(state.input.prefix_keyed, state.fit)
             run = launch.wait(counters, show_progress)
             # Requests that lost their custom_id to an earlier line may have run before that was known.
             dropped = settle_losers(staging, source)
             counters.done -= dropped
-            state["ingest"]["rows_dropped_after_running"] = dropped
+            state.ingest.rows_dropped_after_running = dropped
             finished: set[str] = set()
             pending = 0
         else:
             settle_losers(staging, source)  # a resumed job whose streamed run was cut short
             finished = set(staging.finished_ids())
             counters.done += len(finished)
-            pending = state["input"]["valid"] - len(finished)
+            pending = state.input.valid - len(finished)
         if pending > 0:
             launch = launch or EngineLaunch(config, spec, staging, job_id, pool_models, pending)
-            launch.feed(config, spec, finished, state["input"].get("prefix_keyed", 0))
+            launch.feed(config, spec, finished, state.input.prefix_keyed)
             run = launch.wait(counters, show_progress)
         elif launch is not None and not streaming:
             launch.cancel()
@@ -232,76 +237,76 @@ def run_job(config: JobConfig, show_progress: bool = True, resume: bool = False)
         output, staging, config.output_options.rows_per_shard, lines, format=config.output_options.format
     )
     # Where each stage's tasks ran (node id prefixes): ingest's steps, finalize's; engines are in engine.per_engine.
-    outputs["placement"] = {
-        "ingest": (state.get("ingest") or {}).get("tasks_by_node"),
-        **outputs["placement"],
-    }
+    placement = Placement(
+        ingest=state.ingest.tasks_by_node if state.ingest else None, **outputs.pop("placement")
+    )
     wall = time.monotonic() - t0
     engines = summarize_engines(run.snapshot)
     remedy = preemption_remedy(
         engines.get("num_preemptions", 0),
         engines.get("effective_args", {}),
-        (state.get("fit") or {}).get("longest_sequence"),
+        (state.fit or {}).get("longest_sequence"),
     )
     if remedy and not run.preemption_warned:
         log.warning(remedy)
-    manifest = {
-        "format_version": FORMAT_VERSION,
-        "nightshift_version": __version__,
-        "job_id": job_id,
-        "created_at": started_at.isoformat(),
-        "finished_at": dt.datetime.now(dt.timezone.utc).isoformat(),
-        "input": {k: state["input"][k] for k in ("location", "fingerprint", "size_bytes", "lines")},
-        "ingest": state.get("ingest"),  # where validation ran (Ray node ids), per step
-        "model": model.model_dump(),
+    manifest = Manifest(
+        format_version=FORMAT_VERSION,
+        nightshift_version=__version__,
+        job_id=job_id,
+        created_at=started_at,
+        finished_at=dt.datetime.now(dt.timezone.utc),
+        input=state.input.summary(),
+        ingest=state.ingest,  # where validation ran (Ray node ids), per step
+        model=model,
         # Rows answered and tokens, per served model (a job may serve one model per pool).
-        "models": models_summary(pool_models, run.pools),
-        "engine": {
-            "backend": spec.backend,
-            "args": engines.get("effective_args") or spec.args,
-            "sampling_defaults": engines.get("sampling_defaults", {}),
-            "engines": engines.get("engines", 0),
-            "kv_cache_tokens_per_engine": engines.get("kv_cache_tokens_per_engine"),
-            "in_flight": engines.get("in_flight"),
-            "per_engine": engines.get("per_engine"),
-            "kv_cache_usage_peak": engines.get("kv_cache_usage_peak"),
-            "cpu_cores": engines.get("cpu_cores") or None,
-            "first_ready_at": _iso(engines.get("first_ready_at")),  # engine start ends, generation begins
-            "fitted": state.get("fit"),
-        },
-        **outputs,
-        "wall_time_s": round(wall, 3),
-        "throughput": {
-            "rows_per_s": round(counters.done / wall, 2) if wall else 0.0,
-            "output_tokens_per_s": round(counters.completion_tokens / wall, 2) if wall else 0.0,
-        },
-        "preemptions": engines.get("num_preemptions", 0),
-        "preemption_warning": remedy,
-        "prefix_cache_hit_rate": engines.get("prefix_cache_hit_rate"),
-        "routing": run.routing,
-        "recovery": {
-            "resumed": bool(resume),
-            "rows_from_earlier_runs": len(finished),
-            "requests_retried_after_engine_failure": run.retried_requests,
-            "duplicate_deliveries_dropped": run.duplicates_dropped,
-            "leases": run.leases,
+        models=models_summary(pool_models, run.pools),
+        engine=EngineReport(
+            backend=spec.backend,
+            args=engines.get("effective_args") or spec.args,
+            sampling_defaults=engines.get("sampling_defaults", {}),
+            engines=engines.get("engines", 0),
+            kv_cache_tokens_per_engine=engines.get("kv_cache_tokens_per_engine"),
+            in_flight=engines.get("in_flight"),
+            per_engine=engines.get("per_engine"),
+            kv_cache_usage_peak=engines.get("kv_cache_usage_peak"),
+            cpu_cores=engines.get("cpu_cores") or None,
+            first_ready_at=_utc(engines.get("first_ready_at")),  # engine start ends, generation begins
+            fitted=state.fit,
+        ),
+        **outputs,  # counts, shards, tokens
+        placement=placement,
+        wall_time_s=round(wall, 3),
+        throughput=Throughput(
+            rows_per_s=round(counters.done / wall, 2) if wall else 0.0,
+            output_tokens_per_s=round(counters.completion_tokens / wall, 2) if wall else 0.0,
+        ),
+        preemptions=engines.get("num_preemptions", 0),
+        preemption_warning=remedy,
+        prefix_cache_hit_rate=engines.get("prefix_cache_hit_rate"),
+        routing=run.routing,
+        recovery=Recovery(
+            resumed=bool(resume),
+            rows_from_earlier_runs=len(finished),
+            requests_retried_after_engine_failure=run.retried_requests,
+            duplicate_deliveries_dropped=run.duplicates_dropped,
+            leases=run.leases,
             **run.recovery,
-        },
-        "pools": run.pools,
-        "storage": RetryStats.since(retries_before),
+        ),
+        pools=run.pools,
+        storage=StorageRetries(**RetryStats.since(retries_before)),
         # What coordinating cost this process (all its threads): the cluster does the per-row work, so this
         # should grow with files, chunks and shards, not with rows.
-        "driver": {
-            "cpu_s": round(time.process_time() - cpu0, 3),
-            "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
-        },
-    }
+        driver=DriverCost(
+            cpu_s=round(time.process_time() - cpu0, 3),
+            peak_rss_bytes=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+        ),
+    )
     commit(output, staging, manifest)
-    return JobOutcome(output.where, manifest, counters, run.pools)
+    return JobOutcome(output.where, manifest.model_dump(mode="json"), counters, run.pools)
 
 
-def _iso(epoch: float | None) -> str | None:
-    return dt.datetime.fromtimestamp(epoch, dt.timezone.utc).isoformat() if epoch else None
+def _utc(epoch: float | None) -> dt.datetime | None:
+    return dt.datetime.fromtimestamp(epoch, dt.timezone.utc) if epoch else None
 
 
 def load_resumable(output: str, storage: dict[str, Any] | None = None) -> JobConfig:
@@ -319,10 +324,9 @@ def load_resumable(output: str, storage: dict[str, Any] | None = None) -> JobCon
         state = staging.read_job()
     except PreflightError:
         raise
-    except FileNotFoundError as exc:
+    except (FileNotFoundError, JobStateError) as exc:
         raise PreflightError(str(exc)) from exc
     except Exception as exc:  # noqa: BLE001 - an unreachable or denied OUTPUT: say what to change
         raise PreflightError(output_problem(exc, output, reach, "resume from")) from exc
-    config = JobConfig.model_validate(state["config"])
-    config = merge_overrides(config, {f"storage.{k}": v for k, v in given.items()})
-    return config.model_copy(update={"output": output, "job_id": state["job_id"]})
+    config = merge_overrides(state.config, {f"storage.{k}": v for k, v in given.items()})
+    return config.model_copy(update={"output": output, "job_id": state.job_id})

@@ -19,6 +19,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from pipeline.config import JobConfig
+from pipeline.manifest import Manifest
 from pipeline.runtime.job import run_job
 from tests.conftest import chat_line, engine_staged_ids, once_settled, read_jsonl, write_lines
 from tests.failure_figures import record
@@ -150,6 +151,8 @@ def test_driver_killed_half_way_then_resume(tmp_path):
     manifest = json.loads((output / "manifest.json").read_text())
     assert manifest["recovery"]["resumed"] is True
     assert manifest["recovery"]["rows_from_earlier_runs"] == len(staged_before)
+    # Built from the job state read back from staging: still a complete manifest.
+    assert Manifest.model_validate(manifest).model_dump(mode="json") == manifest
 
     # The same job uninterrupted (same job id → same output ids): byte-identical shards.
     clean = tmp_path / "clean"

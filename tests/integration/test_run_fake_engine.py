@@ -9,6 +9,7 @@ import random
 import pytest
 
 from pipeline.config import JobConfig
+from pipeline.manifest import Manifest
 from pipeline.runtime.job import run_job
 from pipeline.runtime.preflight import PreflightError
 from tests.conftest import chat_line, completion_line, read_jsonl
@@ -116,6 +117,16 @@ def test_manifest_describes_the_output(finished):
     assert all(last < first for last, first in zip(lasts, firsts[1:], strict=False))
     assert manifest["tokens"]["completion"] == 2000 * 4
     assert manifest["pools"]["default"]["rows"] == 2000
+
+
+def test_manifest_is_a_valid_manifest_model_and_what_the_job_returned(finished):
+    """manifest.json is exactly `Manifest.model_dump(mode="json")`: every key is declared in the model, with its
+    type, and nothing is lost or added on the way through it."""
+    output, outcome, _ = finished
+    written = json.loads((output / "manifest.json").read_text())
+    manifest = Manifest.model_validate(written)
+    assert manifest.model_dump(mode="json") == written == outcome.manifest
+    assert manifest.recovery.resumed is False and manifest.engine.engines == 2
 
 
 def test_completed_output_is_refused_then_overwritten(finished, mixed_input):

@@ -23,6 +23,7 @@ from pipeline.runtime.finalize import commit, write_outputs
 from pipeline.runtime.job import load_resumable
 from pipeline.runtime.preflight import PreflightError, check_output_target
 from pipeline.runtime.work_queue import WorkQueue
+from pipeline.state import JobState
 from tests.conftest import chat_line, staged_rows
 from tests.integration.storage_fixtures import moto_s3  # noqa: F401
 
@@ -73,7 +74,8 @@ def test_parts_are_whole_objects_under_output_staging(moto_s3, storage, home):
     staging.create()
     assert not staging.exists()  # a prefix exists once something is in it
 
-    staging.write_job({"job_id": "j1", "ingested": False})
+    state = JobState(job_id="j1", config=JobConfig())
+    staging.write_job(state)
     staging.write_requests([request(f"q{i}", i) for i in range(5)])
     staging.write_rows("results", [result_row("b"), result_row("a")])
     staging.write_rows("errors", [error_row(7)], prefix="validate")
@@ -89,10 +91,7 @@ def test_parts_are_whole_objects_under_output_staging(moto_s3, storage, home):
     (result_key,) = [k for k in keys if "/results/" in k]
     part = pq.read_table(io.BytesIO(moto_s3.get(bucket, result_key)))  # a complete Parquet file on its own
     assert part.column("custom_id").to_pylist() == ["a", "b"]  # sorted within the part
-    assert json.loads(moto_s3.get(bucket, "runs/one/_staging/job.json")) == {
-        "job_id": "j1",
-        "ingested": False,
-    }
+    assert json.loads(moto_s3.get(bucket, "runs/one/_staging/job.json")) == state.model_dump(mode="json")
     assert all(
         p.is_relative_to(staging.files.cache_dir) for p in files_under(home)
     )  # locally: a read cache only
@@ -101,7 +100,8 @@ def test_parts_are_whole_objects_under_output_staging(moto_s3, storage, home):
 def test_another_machine_reads_what_this_one_staged(moto_s3, storage, home, tmp_path, monkeypatch):
     bucket, target = s3_target(moto_s3, storage)
     writer = target.staging_area()
-    writer.write_job({"job_id": "j2", "ingested": True})
+    state = JobState(job_id="j2", config=JobConfig(), ingested=True)
+    writer.write_job(state)
     writer.write_requests([request(f"q{i}", i) for i in range(7)])
     writer.write_rows("results", [result_row("m"), result_row("z")])
     writer.write_rows("results", [result_row("c")])
@@ -112,7 +112,7 @@ def test_another_machine_reads_what_this_one_staged(moto_s3, storage, home, tmp_
     monkeypatch.setenv("NIGHTSHIFT_HOME", str(tmp_path / "home-b"))  # a machine that never saw the job
     reader = output_target(f"s3://{bucket}/runs/one", storage).staging_area()
     assert reader.files.cache_dir != writer.files.cache_dir and not files_under(reader.files.cache_dir)
-    assert reader.exists() and reader.read_job() == {"job_id": "j2", "ingested": True}
+    assert reader.exists() and reader.read_job() == state
     assert reader.num_rows(reader.request_files()) == 7
     assert reader.count("results") == 3 and reader.count("errors") == 2
     assert [r.custom_id for r in staged_rows(reader, "results")] == ["c", "m", "z"]
@@ -234,7 +234,7 @@ def test_unfinished_job_in_the_bucket_is_refused_then_resumable(moto_s3, storage
     config = JobConfig.model_validate(
         {"input": str(local_in), "output": output, "storage": storage.model_dump(), "job_id": "jb"}
     )
-    target.staging_area().write_job({"job_id": "jb", "config": config.model_dump(mode="json")})
+    target.staging_area().write_job(JobState(job_id="jb", config=config))
 
     with pytest.raises(PreflightError, match=r"unfinished job \(_staging/\):") as info:
         check_output_target(output, overwrite=False, storage=storage)

@@ -21,6 +21,7 @@ from pipeline.runtime.fit import (
     fit_max_model_len,
     measure,
 )
+from pipeline.state import JobInput, JobState
 from pipeline.tokens import PromptCounter
 from tests.conftest import staged_rows
 
@@ -202,8 +203,9 @@ def fake_job(tmp_path: Path, **engine) -> JobConfig:
     )
 
 
-def fake_state(lines: int, valid: int) -> dict:
-    return {"job_id": "j", "input": {"lines": lines, "valid": valid, "invalid": lines - valid}}
+def fake_state(lines: int, valid: int) -> JobState:
+    counts = JobInput(fingerprint="sha256:00", lines=lines, valid=valid, invalid=lines - valid)
+    return JobState(job_id="j", config=JobConfig(), input=counts, ingested=True)
 
 
 def test_fit_job_with_the_fake_engine_fits_the_context_and_rejects_too_long_rows(tmp_path):
@@ -211,14 +213,14 @@ def test_fit_job_with_the_fake_engine_fits_the_context_and_rejects_too_long_rows
     staging = staged(tmp_path, [rows])
     state = fake_state(4, 3)
     config = fit_job(fake_job(tmp_path), MODEL, staging, state)
-    record = state["fit"]
+    record = state.fit
     # The fake counts words of "user: w w ...": 41 for b, + 4 output tokens (its output_tokens default).
     assert record["max_model_len"]["source"] == "fitted"
     assert record["max_model_len"]["value"] == 48 == config.engine.vllm.max_model_len
     assert record["measured"]["prompt_plus_max_tokens"]["max"] == 45
     assert record["context_length_exceeded"] == 1
-    assert state["input"]["valid"] == 2 and state["input"]["invalid"] == 2
-    assert staging.read_job()["fit"] == record  # kept for resume
+    assert state.input.valid == 2 and state.input.invalid == 2
+    assert staging.read_job().fit == record  # kept for resume
     assert request_ids(staging) == ["a", "b"]
 
     # Resume: the stored decision is applied as is, nothing is measured again.
@@ -233,7 +235,7 @@ def test_a_given_max_model_len_wins_and_is_checked_against_the_data(tmp_path):
     state = fake_state(3, 3)
     config = fit_job(fake_job(tmp_path, vllm={"max_model_len": 32}), MODEL, staging, state)
     assert config.engine.vllm.max_model_len == 32
-    record = state["fit"]
+    record = state.fit
     assert record["max_model_len"]["source"] == "given" and record["max_model_len"]["needed"] == 80
     assert record["context_length_exceeded"] == 1  # over the model's own limit: rejected whatever was given
     assert any("max_model_len 32 is less than these requests need (80" in w for w in record["warnings"])
@@ -250,13 +252,13 @@ def test_max_num_seqs_is_sized_for_what_the_requests_need_under_a_given_max_mode
     config = JobConfig.model_validate({"engine": {"vllm": {"max_model_len": 4096, "max_num_seqs": 64}}})
     state = fake_state(2, 2)
     fitted = fit_job(config, MODEL, staging, state)
-    seqs = state["fit"]["max_num_seqs"]["default"]
-    assert state["fit"]["longest_sequence"] == 80
+    seqs = state.fit["max_num_seqs"]["default"]
+    assert state.fit["longest_sequence"] == 80
     assert (seqs["sized_for_tokens"], seqs["fits"], seqs["source"]) == (80, 20, "given")
     assert fitted.engine.vllm.max_num_seqs == 64  # given: kept, with a warning naming the number that fits
     assert any(
         "max_num_seqs 64 is more than" in w and "lower --max-num-seqs to 20" in w
-        for w in state["fit"]["warnings"]
+        for w in state.fit["warnings"]
     )
 
     # Without max_num_seqs it is fitted; a chat without max_tokens could grow to the whole context instead.
@@ -264,7 +266,7 @@ def test_max_num_seqs_is_sized_for_what_the_requests_need_under_a_given_max_mode
     state = fake_state(3, 3)
     config = JobConfig.model_validate({"engine": {"vllm": {"max_model_len": 160}}})
     fitted = fit_job(config, MODEL, open_ended, state)
-    assert state["fit"]["longest_sequence"] is None
+    assert state.fit["longest_sequence"] is None
     assert fitted.engine.vllm.max_num_seqs == 10  # 100 blocks / 10 blocks of 160 tokens
 
 
@@ -273,7 +275,7 @@ def test_no_fit_turns_it_off(tmp_path):
     state = fake_state(2, 2)
     config = fit_job(fake_job(tmp_path, fit={"enabled": False}), MODEL, staging, state)
     assert config.engine.vllm.max_model_len is None
-    assert state["fit"] == {"enabled": False, "reason": "turned off (--no-fit / engine.fit.enabled: false)"}
+    assert state.fit == {"enabled": False, "reason": "turned off (--no-fit / engine.fit.enabled: false)"}
     assert request_ids(staging) == ["a", "huge"]
 
 
@@ -452,14 +454,11 @@ def test_fit_job_decides_from_the_lengths_ingest_measured_without_measuring_agai
     lengths = Lengths()
     lengths.add("a", [4], 20, False, 8192, at=(0, 1))
     lengths.too_long = 1
-    state = {**fake_state(3, 2), "lengths": lengths.to_dict()}
+    state = fake_state(3, 2).model_copy(update={"lengths": lengths.to_dict()})
     config = fit_job(fake_job(tmp_path), MODEL, staging, state)
-    record = state["fit"]
+    record = state.fit
     assert record["max_model_len"]["value"] == 32 == config.engine.vllm.max_model_len
     assert record["context_length_exceeded"] == 1 and record["measured"]["longest_request"] == "a"
     assert any("1 request(s) cannot run within the model's limit" in w for w in record["warnings"])
-    assert (state["input"]["valid"], state["input"]["invalid"]) == (
-        2,
-        1,
-    )  # ingest counted the rejection already
+    assert (state.input.valid, state.input.invalid) == (2, 1)  # ingest counted the rejection already
     assert request_ids(staging) == ["a", "huge"]  # nothing measured or dropped here

@@ -1,0 +1,210 @@
+"""`manifest.json`: the account of a committed job, written last (its presence is the commit marker).
+
+`Manifest.model_dump(mode="json")` is exactly what is written (runtime/finalize.py `commit`). Sections with a fixed
+shape are models; those whose keys are engines, pools, steps or a backend's own args are typed maps. `input` and
+`ingest` are the job state's own records (pipeline/state.py).
+
+A pure module (pydantic only, no Ray, no vLLM).
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, field_serializer
+
+from pipeline.models import ResolvedModel
+from pipeline.state import IngestRecord, InputSummary
+
+__all__ = [
+    "Counts",
+    "DriverCost",
+    "EngineReport",
+    "Manifest",
+    "Placement",
+    "Recovery",
+    "ServedModel",
+    "Shard",
+    "Shards",
+    "StorageRetries",
+    "Throughput",
+    "Tokens",
+]
+
+
+class _Section(BaseModel):
+    # Every key the manifest holds is declared here, with what it means: a key passed in that is not is an error,
+    # never silently written or dropped.
+    model_config = ConfigDict(extra="forbid", protected_namespaces=())
+
+
+class ServedModel(_Section):
+    """One model the job served (a job may serve one per pool)."""
+
+    path: str = Field(description="Where the engines loaded it from: a local directory or a hub id.")
+    task: str | None = Field(description="The task vLLM ran it for (generate, embed, …); None: the engine's.")
+    pools: list[str] = Field(description="The pools that served it.")
+    rows: int = Field(description="Rows its pools answered.")
+    prompt_tokens: int = Field(description="Prompt tokens of those rows.")
+    completion_tokens: int = Field(description="Completion tokens of those rows.")
+
+
+class EngineReport(_Section):
+    """The engines: backend, effective args and sampling defaults, capacity, and what they did."""
+
+    backend: str = Field(description="Engine backend (vllm, fake, …).")
+    args: dict[str, Any] = Field(
+        description="Effective engine args, as the first engine reported them (the spec's when none ran)."
+    )
+    sampling_defaults: dict[str, Any] = Field(
+        description="Every sampling default the engine applied, the model's generation_config included."
+    )
+    engines: int = Field(description="Engine actors that reported.")
+    kv_cache_tokens_per_engine: int | None = Field(description="KV cache capacity of one engine, in tokens.")
+    in_flight: dict[str, dict[str, Any]] | None = Field(
+        description="Per pool: the engine's max_num_seqs, the in-flight window its actors kept, and the peak of "
+        "requests inside the engine when reported."
+    )
+    per_engine: dict[str, dict[str, Any]] | None = Field(
+        description="Per engine actor: its pool and node, the rows and chunks it ran, and how busy it was."
+    )
+    kv_cache_usage_peak: float | None = Field(
+        description="Highest KV cache usage (0..1) any engine reported."
+    )
+    cpu_cores: list[list[int]] | None = Field(
+        description="CPU engines: the cores each one computed on; None where vLLM bound them itself."
+    )
+    first_ready_at: dt.datetime | None = Field(
+        description="When the first engine was ready (engine start ends, generation begins)."
+    )
+    fitted: dict[str, Any] | None = Field(
+        description="The engine args fitted to the data: what, from what and why (runtime/fit.py)."
+    )
+
+    @field_serializer("first_ready_at")
+    def _iso(self, value: dt.datetime | None) -> str | None:
+        return value.isoformat() if value else None
+
+
+class Counts(_Section):
+    """Rows, by outcome: total = succeeded + failed."""
+
+    total: int = Field(description="Input rows.")
+    succeeded: int = Field(description="Result rows.")
+    failed: int = Field(description="Error rows.")
+    by_error_code: dict[str, int] = Field(description="Error rows per error code, sorted by code.")
+
+
+class Shard(_Section):
+    """One output file."""
+
+    name: str = Field(description="File name in OUTPUT.")
+    rows: int = Field(description="Rows it holds.")
+    first_custom_id: str | None = Field(description="Its first custom_id (None: an empty shard, or no id).")
+    last_custom_id: str | None = Field(description="Its last custom_id.")
+    bytes: int = Field(description="File size.")
+    sha256: str = Field(description="sha256 of the file's bytes, hex.")
+
+
+class Shards(_Section):
+    results: list[Shard] = Field(description="Result shards, in custom_id order.")
+    errors: list[Shard] = Field(description="Error shards, in source-position order.")
+
+
+class Tokens(_Section):
+    prompt: int = Field(description="Prompt tokens of every row written.")
+    completion: int = Field(description="Completion tokens of every row written.")
+
+
+class Placement(_Section):
+    """Where each stage's tasks ran (the engines' nodes are in engine.per_engine)."""
+
+    ingest: dict[str, dict[str, int]] | None = Field(
+        description="Per ingest step: Ray node id → tasks it ran."
+    )
+    finalize: dict[str, int] = Field(
+        description="Node id prefix (8 characters, or `driver`) → finalize tasks it ran, this attempt only."
+    )
+
+
+class Throughput(_Section):
+    rows_per_s: float = Field(description="Rows finished by engines in this run, per second of wall time.")
+    output_tokens_per_s: float = Field(description="Completion tokens per second of wall time.")
+
+
+class Recovery(_Section):
+    """Resume, retries, and engines lost: what the job did to finish every row exactly once."""
+
+    resumed: bool = Field(description="This run continued an interrupted job.")
+    rows_from_earlier_runs: int = Field(description="Rows already staged when this run started.")
+    requests_retried_after_engine_failure: int = Field(
+        description="Requests started more than once because an engine died."
+    )
+    duplicate_deliveries_dropped: int = Field(
+        description="Chunks that ran twice (their engine died after staging them) whose second copy was dropped."
+    )
+    leases: dict[str, int] = Field(
+        description="Work-queue leases: chunks and rows issued, reissued after an engine died, duplicate acks."
+    )
+    engine_restarts: int = Field(description="Engine actors Ray restarted.")
+    engines_lost: dict[str, dict[str, Any]] = Field(
+        description="Per engine that died with work in flight: its node, the cause, the rows it had in flight "
+        "and where they ran again."
+    )
+
+
+class StorageRetries(_Section):
+    retries: int = Field(description="Storage requests retried after transient errors (driver and tasks).")
+    by_operation: dict[str, int] = Field(description="Retries per operation (GET, PUT, LIST, …).")
+
+
+class DriverCost(_Section):
+    """What coordinating cost the driver process (all its threads): it grows with files, chunks and shards, not
+    with rows."""
+
+    cpu_s: float = Field(description="CPU seconds of the driver process.")
+    peak_rss_bytes: int = Field(description="Peak resident memory of the driver process.")
+
+
+class Manifest(_Section):
+    """`manifest.json`. Keys in the order they are written."""
+
+    format_version: int = Field(description="Version of this manifest's format.")
+    nightshift_version: str = Field(description="The nightshift version that committed the job.")
+    job_id: str = Field(description="Job identity (kept across resume).")
+    created_at: dt.datetime = Field(description="When this run of the job started (UTC).")
+    finished_at: dt.datetime = Field(description="When the output was committed (UTC).")
+    input: InputSummary = Field(description="The input: location, fingerprint, size and line count.")
+    ingest: IngestRecord | None = Field(
+        description="Where validation ran (Ray node ids) and its steps' times."
+    )
+    model: ResolvedModel = Field(description="The job's own model: name, path, revision, source, task.")
+    models: dict[str, ServedModel] = Field(
+        description="Per served model name: rows answered and tokens (a job may serve one model per pool)."
+    )
+    engine: EngineReport = Field(description="The engines: backend, effective args, sampling defaults, fit.")
+    counts: Counts = Field(description="Rows by outcome and error code.")
+    shards: Shards = Field(description="Every output file: name, rows, first/last custom_id, sha256.")
+    tokens: Tokens = Field(description="Token totals of the rows written.")
+    placement: Placement = Field(description="Where ingest's and finalize's tasks ran.")
+    wall_time_s: float = Field(description="Wall time of this run, in seconds.")
+    throughput: Throughput = Field(description="Rows and output tokens per second of wall time.")
+    preemptions: int = Field(description="Sequences the engines preempted (KV cache full).")
+    preemption_warning: str | None = Field(
+        description="With preemptions: the settings that would have avoided them."
+    )
+    prefix_cache_hit_rate: float | None = Field(description="Prefix-cache hits / queries over all engines.")
+    routing: dict[str, Any] = Field(
+        description="Prefix-aware routing: whether it was used, rows per engine, rows routed, stolen, unkeyed."
+    )
+    recovery: Recovery = Field(description="Resume, retries and engines lost.")
+    pools: dict[str, dict[str, Any]] = Field(
+        description="Per pool: rows, tokens, engines, CPUs per engine, time to first and last result, tok/s."
+    )
+    storage: StorageRetries = Field(description="Storage retries made by this run.")
+    driver: DriverCost = Field(description="What coordinating cost the driver process.")
+
+    @field_serializer("created_at", "finished_at")
+    def _iso(self, value: dt.datetime) -> str:
+        return value.isoformat()
