@@ -135,6 +135,12 @@ class LocalFiles:
     def url(self, path: str) -> str:
         return path
 
+    def arrow_filesystem(self) -> Any:
+        """The same storage for readers that take a pyarrow filesystem (Ray Data)."""
+        import pyarrow.fs
+
+        return pyarrow.fs.LocalFileSystem()
+
     def makedirs(self, path: str) -> None:
         os.makedirs(path, exist_ok=True)
 
@@ -195,6 +201,12 @@ class ObjectStoreFiles:
 
     def url(self, path: str) -> str:
         return f"s3://{path}"
+
+    def arrow_filesystem(self) -> Any:
+        """The same bucket for readers that take a pyarrow filesystem (Ray Data): paths stay `bucket/key`."""
+        import pyarrow.fs
+
+        return pyarrow.fs.PyFileSystem(pyarrow.fs.FSSpecHandler(self.fs))
 
     def _call(self, op: str, path: str, fn: Callable[[], T]) -> T:
         return with_retries(fn, f"{op} {self.url(path)}", self.policy)
@@ -442,12 +454,19 @@ class StagingArea:
         target = f"{self._dir(kind)}/{name or self._next_name(prefix or kind)}"
         self.files.write_parquet(table.sort_by(keys), target)
 
+    def engine_parts(self) -> list[str]:
+        """The parts engines staged (results and engine-side errors), not those of ingest's error records."""
+        return [
+            part
+            for kind in ("results", "errors")
+            for part in self.parts(kind)
+            if not _name(part).startswith(f"{INGEST_PREFIX}-")
+        ]
+
     def finished_ids(self) -> Iterator[str]:
         """custom_ids that already have their final row from an engine (results and engine-side errors)."""
-        yield from self.iter_column("results", "custom_id")
-        for part in self.parts("errors"):
-            if not _name(part).startswith(f"{INGEST_PREFIX}-"):
-                yield from self.read_part(part, ["custom_id"]).column("custom_id").to_pylist()
+        for part in self.engine_parts():
+            yield from self.read_part(part, ["custom_id"]).column("custom_id").to_pylist()
 
     def _dir(self, kind: str) -> str:
         return self.results_dir if kind == "results" else self.errors_dir

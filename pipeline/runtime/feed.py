@@ -290,12 +290,11 @@ class EngineLaunch:
         self.keyed_rows, self._fit = keyed_rows, fit
         ray.get([queue.close_input.remote() for queue in self.queues.values()])
 
-    def feed(self, config: JobConfig, spec: EngineSpec, finished: set[str], keyed_rows: int = 0) -> None:
-        """Hand the queues the work list (the requests without a staged row) and each pool its fitted plan."""
+    def feed(self, config: JobConfig, spec: EngineSpec, files: list[str], keyed_rows: int = 0) -> None:
+        """Hand the queues the work list (the request parts still to run) and each pool its fitted plan."""
         import ray
 
         staging = self.staging
-        files = staging.pending_requests(finished)
         self._fit = staging.read_job().fit
         plans = self._plans(config, spec)
         if len(self.models) > 1:

@@ -341,12 +341,7 @@ def _drop_loser_results(run: _InProcess | _RayTasks, job: IngestJob) -> int:
     staging = job.staging
     if not request_losers(staging).num_rows:
         return 0
-    engine_parts = [
-        part
-        for kind in ("results", "errors")
-        for part in staging.parts(kind)
-        if not part.rsplit("/", 1)[-1].startswith(f"{INGEST_PREFIX}-")
-    ]
+    engine_parts = staging.engine_parts()
     groups = [
         engine_parts[i : i + SETTLE_PARTS_PER_TASK]
         for i in range(0, len(engine_parts), SETTLE_PARTS_PER_TASK)

@@ -50,6 +50,7 @@ from pipeline.runtime.finalize import FORMAT_VERSION, commit, write_outputs
 from pipeline.runtime.fit import apply_fit, fit_job, measuring, nothing_to_fit
 from pipeline.runtime.ingest import ingest, settle_losers
 from pipeline.runtime.monitor import preemption_remedy, summarize_engines
+from pipeline.runtime.pending import PendingWork, pending_work
 from pipeline.runtime.preflight import (
     PreflightError,
     check_input_source,
@@ -214,16 +215,17 @@ def run_job(config: JobConfig, show_progress: bool = True, resume: bool = False)
             dropped = settle_losers(staging, source)
             counters.done -= dropped
             state.ingest.rows_dropped_after_running = dropped
-            finished: set[str] = set()
+            work = PendingWork([], 0)
             pending = 0
         else:
             settle_losers(staging, source)  # a resumed job whose streamed run was cut short
-            finished = set(staging.finished_ids())
-            counters.done += len(finished)
-            pending = state.input.valid - len(finished)
+            # On resume, the work list without what engines staged before (runtime/pending.py).
+            work = pending_work(staging, state.input.valid)
+            counters.done += work.finished_rows
+            pending = state.input.valid - work.finished_rows
         if pending > 0:
             launch = launch or EngineLaunch(config, spec, staging, job_id, pool_models, pending)
-            launch.feed(config, spec, finished, state.input.prefix_keyed)
+            launch.feed(config, spec, work.files, state.input.prefix_keyed)
             run = launch.wait(counters, show_progress)
         elif launch is not None and not streaming:
             launch.cancel()
@@ -286,7 +288,7 @@ def run_job(config: JobConfig, show_progress: bool = True, resume: bool = False)
         routing=run.routing,
         recovery=Recovery(
             resumed=bool(resume),
-            rows_from_earlier_runs=len(finished),
+            rows_from_earlier_runs=work.finished_rows,
             requests_retried_after_engine_failure=run.retried_requests,
             duplicate_deliveries_dropped=run.duplicates_dropped,
             leases=run.leases,
