@@ -34,7 +34,7 @@ run: install
 	@echo "results: $(OUT)/results-*.jsonl   errors: $(OUT)/errors-*.jsonl   manifest: $(OUT)/manifest.json"
 
 test: install
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q --durations=25
 
 test-fast: install
 	$(PY) -m pytest -q -m "not slow"
