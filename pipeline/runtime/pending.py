@@ -59,7 +59,7 @@ def _anti_join(staging: StagingArea, done_parts: list[str]) -> list[str]:
     fs = staging.files.arrow_filesystem()
     rows = staging.num_rows(requests)
     work = ray.data.read_parquet(requests, filesystem=fs)
-    done = ray.data.read_parquet(done_parts, filesystem=fs, columns=["custom_id"])
+    done = ray.data.read_parquet(done_parts, filesystem=fs).select_columns(["custom_id"])
     left = work.join(
         done,
         join_type="left_anti",
