@@ -17,7 +17,7 @@ owns yet (it claims them); requests without a key; keys it already took over fro
 engine's keys (it steals, so no engine idles while work remains: the key with the most rows waiting, where one more
 prefill of its prompt pays best). Chunks are prefix-homogeneous where the window allows.
 
-Engines start before their work is known: a queue made with `WorkQueue.waiting()` holds no work list yet, and each
+Engines start before their work is known: a queue made with `planned=False` holds no work list yet, and each
 engine asks it for its pool's plan (`engine_plan`: the engine args fitted to the measured input, the chunk size)
 while ingest and fitting still run — the engine's process and imports overlap them. `start_work` hands over the work
 list and the plans at once. The work list may also still be growing (`add_files` while ingest stages it, then
@@ -109,11 +109,6 @@ class WorkQueue:
         self.progress_totals = Progress()
         self._plans = plans or {}
         self._planned = planned
-
-    @classmethod
-    def waiting(cls, **options: Any) -> WorkQueue:
-        """A queue whose work list and engine plans come later (`start_work`)."""
-        return cls([], input_closed=False, planned=False, **options)
 
     # -- the window ------------------------------------------------------------------------------------------------
     def _read_batch(self) -> pa.RecordBatch | None:

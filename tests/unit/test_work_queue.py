@@ -229,3 +229,33 @@ def test_chunks_shrink_near_the_end_so_engines_finish_together(tmp_path):
     assert (
         min(sizes[:-1]) >= 100 // 16
     )  # never below a sixteenth of a chunk (but for what is left at the end)
+
+
+def test_engines_wait_for_their_plan_then_take_the_work_handed_over(tmp_path):
+    """Engines start before ingest: each waits in `engine_plan` until `start_work` brings the fitted plans and the
+    work list; a pool without a plan keeps its own spec (None)."""
+    queue = WorkQueue([], input_closed=False, planned=False)
+
+    async def go() -> tuple[object, object, list[str]]:
+        asking = asyncio.ensure_future(queue.engine_plan("gpu"))
+        other = asyncio.ensure_future(queue.engine_plan("cpu"))
+        await asyncio.sleep(0.05)
+        assert not asking.done()  # nothing decided yet
+        await queue.start_work(_work_list(tmp_path, [None] * 5), {"gpu": "the gpu plan"}, rows=5)
+        ids = []
+        while (lease := await queue.lease("e", "t", 10)) is not None:
+            ids += lease[3].column("custom_id").to_pylist()
+        return await asking, await other, ids
+
+    plan, other, ids = asyncio.run(go())
+    assert plan == "the gpu plan" and other is None and len(ids) == 5
+
+
+def test_no_work_ends_every_ticket_before_any_engine_is_built():
+    queue = WorkQueue([], input_closed=False, planned=False)
+
+    async def go() -> object:
+        await queue.start_work([], {})
+        return await queue.lease("e", "t", 10)
+
+    assert asyncio.run(go()) is None
