@@ -77,6 +77,42 @@ def engine_staged_ids(output: Path) -> set[str]:
     return ids
 
 
+def kill_driver_half_way(command: list[str], output: Path, rows: int) -> set[str]:
+    """Start a `nightshift` driver, SIGKILL it once engines have staged half of `rows` ids under `output`, and return
+    the staged ids once staging has settled (the dead driver's engines may stage a last chunk)."""
+    import signal
+    import subprocess
+
+    driver = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 300
+    while len(engine_staged_ids(output)) < rows // 2:
+        assert driver.poll() is None, driver.stderr.read()[-2000:]
+        assert time.monotonic() < deadline, "the job never got half way"
+        time.sleep(0.2)
+    driver.send_signal(signal.SIGKILL)
+    driver.wait()
+    return once_settled(lambda: engine_staged_ids(output))
+
+
+def nightshift_ok(*args: str) -> None:
+    """Run `python -m pipeline ARGS` to completion; fail with its stderr unless it exits 0."""
+    import subprocess
+    import sys
+
+    done = subprocess.run(
+        [sys.executable, "-m", "pipeline", *args], capture_output=True, text=True, timeout=600
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+
+
+def assert_same_shards(one: Path, other: Path) -> None:
+    """The two outputs hold the same shard files, byte for byte."""
+    names = sorted(p.name for p in one.glob("*-of-*.jsonl"))
+    assert names == sorted(p.name for p in other.glob("*-of-*.jsonl"))
+    for name in names:
+        assert (one / name).read_bytes() == (other / name).read_bytes(), name
+
+
 def once_settled(read, quiet_s: float = 3.0, timeout_s: float = 60.0):
     """What `read()` returns once it has not changed for `quiet_s` seconds (or when `timeout_s` is up): what staging
     holds after a driver is killed. Engines stage their own chunks, and the ones running when their driver died may

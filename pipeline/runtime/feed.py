@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import time
 import uuid
+from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -266,7 +267,7 @@ class EngineLaunch:
         engines = sum(plan.max_engines for plan in plans.values())
         # Whether rows share prompts is known only once they are read: routing is on wherever it could pay.
         self.route = config.routing.prefix_aware and engines > 1
-        window = min(65536, max(8192, 4 * sum(p.max_engines * p.chunk_rows for p in plans.values())))
+        window = _lookahead(plans.values())
         (queue,) = self.queues.values()
         ray.get(
             queue.start_work.remote(
@@ -307,9 +308,7 @@ class EngineLaunch:
             mine = [plan for name, plan in plans.items() if self.model_of[name] == model]
             routed = config.routing.prefix_aware and keyed_rows > 0 and sum(p.max_engines for p in mine) > 1
             self.route |= routed
-            # The queue looks ahead a few chunks per engine to find rows of each engine's prompts; bounded, since
-            # a million-row job must not be read into memory.
-            window = min(65536, max(8192, 4 * sum(p.max_engines * p.chunk_rows for p in mine)))
+            window = _lookahead(mine)
             paths = work[model]
             calls.append(
                 queue.start_work.remote(
@@ -411,6 +410,12 @@ class EngineLaunch:
                 chunks=run.duplicates_dropped,
             )
         return run
+
+
+def _lookahead(plans: Iterable[FeedPlan]) -> int:
+    """How far a queue reads ahead to find rows of each engine's prompts: a few chunks per engine, bounded, since a
+    million-row job must not be read into memory."""
+    return min(65536, max(8192, 4 * sum(p.max_engines * p.chunk_rows for p in plans)))
 
 
 def pool_spec(

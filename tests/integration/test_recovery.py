@@ -21,7 +21,15 @@ import pytest
 from pipeline.config import JobConfig
 from pipeline.manifest import Manifest
 from pipeline.runtime.job import run_job
-from tests.conftest import chat_line, engine_staged_ids, once_settled, read_jsonl, write_lines
+from tests.conftest import (
+    assert_same_shards,
+    chat_line,
+    kill_driver_half_way,
+    nightshift_ok,
+    once_settled,
+    read_jsonl,
+    write_lines,
+)
 from tests.failure_figures import record
 from tests.integration.storage_fixtures import moto_s3  # noqa: F401
 
@@ -117,26 +125,12 @@ def test_driver_killed_half_way_then_resume(tmp_path):
         str(config),
         "--no-progress",
     ]
-    driver = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    deadline = time.monotonic() + 300
-    while len(engine_staged_ids(output)) < n // 2:
-        assert driver.poll() is None, driver.stderr.read()[-2000:]
-        assert time.monotonic() < deadline, "the job never got half way"
-        time.sleep(0.2)
-    driver.send_signal(signal.SIGKILL)
-    driver.wait()
+    staged_before = kill_driver_half_way(cmd, output, n)
     assert not (output / "manifest.json").exists()
-    staged_before = once_settled(lambda: engine_staged_ids(output))
     calls_before = len(calls.read_text().split())
     assert n // 2 <= len(staged_before) < n
 
-    resumed = subprocess.run(
-        [sys.executable, "-m", "pipeline", "resume", str(output), "--no-progress"],
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    nightshift_ok("resume", str(output), "--no-progress")
     recomputed = set(calls.read_text().split()[calls_before:]) & staged_before
     record(
         "driver SIGKILLed half way, then `resume`",
@@ -156,17 +150,8 @@ def test_driver_killed_half_way_then_resume(tmp_path):
 
     # The same job uninterrupted (same job id → same output ids): byte-identical shards.
     clean = tmp_path / "clean"
-    uninterrupted = subprocess.run(
-        [sys.executable, "-m", "pipeline", "run", str(path), str(clean), "-c", str(config), "--no-progress"],
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert uninterrupted.returncode == 0, uninterrupted.stderr[-3000:]
-    names = sorted(p.name for p in clean.glob("*-of-*.jsonl"))
-    assert names == sorted(p.name for p in output.glob("*-of-*.jsonl"))
-    for name in names:
-        assert (clean / name).read_bytes() == (output / name).read_bytes(), name
+    nightshift_ok("run", str(path), str(clean), "-c", str(config), "--no-progress")
+    assert_same_shards(clean, output)
 
 
 def test_resume_refuses_a_changed_input(tmp_path):

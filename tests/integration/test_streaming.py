@@ -6,17 +6,21 @@ duplicate_custom_id error record, and the winner's answer must be the one in the
 from __future__ import annotations
 
 import json
-import signal
-import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 
 from pipeline.config import JobConfig
 from pipeline.runtime.job import run_job
-from tests.conftest import chat_line, engine_staged_ids, once_settled, read_jsonl, write_lines
+from tests.conftest import (
+    assert_same_shards,
+    chat_line,
+    kill_driver_half_way,
+    nightshift_ok,
+    read_jsonl,
+    write_lines,
+)
 
 pytestmark = pytest.mark.usefixtures("local_ray")
 
@@ -149,24 +153,10 @@ def test_a_streamed_job_killed_half_way_resumes_exactly_once(tmp_path):
         str(config),
         "--no-progress",
     ]
-    driver = subprocess.Popen(run, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    deadline = time.monotonic() + 300
-    while len(engine_staged_ids(output)) < n // 2:
-        assert driver.poll() is None, driver.stderr.read()[-2000:]
-        assert time.monotonic() < deadline, "the job never got half way"
-        time.sleep(0.2)
-    driver.send_signal(signal.SIGKILL)
-    driver.wait()
-    staged_before = once_settled(lambda: engine_staged_ids(output))
+    staged_before = kill_driver_half_way(run, output, n)
     assert len(staged_before) < n
 
-    resumed = subprocess.run(
-        [sys.executable, "-m", "pipeline", "resume", str(output), "--no-progress"],
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    nightshift_ok("resume", str(output), "--no-progress")
     results = read_jsonl(output.glob("results-*.jsonl"))
     errors = read_jsonl(output.glob("errors-*.jsonl"))
     assert len(results) + len(errors) == n
@@ -174,15 +164,6 @@ def test_a_streamed_job_killed_half_way_resumes_exactly_once(tmp_path):
     assert [e["error"]["code"] for e in errors] == ["duplicate_custom_id"] * len(range(100, n, 200))
 
     clean = tmp_path / "clean"
-    uninterrupted = subprocess.run(
-        [sys.executable, "-m", "pipeline", "run", str(path), str(clean), "-c", str(config), "--no-progress"],
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert uninterrupted.returncode == 0, uninterrupted.stderr[-3000:]
+    nightshift_ok("run", str(path), str(clean), "-c", str(config), "--no-progress")
     assert json.loads((clean / "manifest.json").read_text())["ingest"]["streamed"] is True
-    names = sorted(p.name for p in clean.glob("*-of-*.jsonl"))
-    assert names == sorted(p.name for p in output.glob("*-of-*.jsonl"))
-    for name in names:
-        assert (clean / name).read_bytes() == (output / name).read_bytes(), name
+    assert_same_shards(clean, output)
