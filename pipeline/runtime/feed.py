@@ -219,6 +219,7 @@ class EngineLaunch:
                     files_on=staging.files,
                     input_closed=False,
                     planned=False,
+                    monitor=self.monitor,
                     run_id=f"{run_id}{i}" if len(self.models) > 1 else run_id,
                 )
             )

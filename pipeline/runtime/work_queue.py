@@ -60,6 +60,7 @@ class WorkQueue:
         shrink_tail: bool = True,
         plans: dict[str, Any] | None = None,
         planned: bool = True,
+        monitor: Any = None,
     ) -> None:
         """`files_on`: the staging area's storage (`pipeline.io.staging.PartFiles`); default: local paths.
         `route`: group by prefix key and give each key an owner; `window_rows`: how far ahead the queue reads to
@@ -68,7 +69,9 @@ class WorkQueue:
         come (`add_files`) until `close_input` — engines start while the input is still being staged. `plans`: per
         pool, what its engines run with (an object with `spec` and `chunk_rows`); a pool without one keeps the spec
         its engines were made with. `planned=False`: not decided yet — engines wait in `engine_plan` until
-        `start_work`."""
+        `start_work`. `monitor`: the job's JobMonitor, told which engine finished which chunk as each ack lands
+        (told here, not by the engine: an engine lost with its node right after its ack would leave the monitor
+        counting rows as in flight that never run again)."""
         self._open = files_on.parquet if files_on is not None else pq.ParquetFile
         self._files = list(files)
         self._input_closed = input_closed
@@ -108,6 +111,7 @@ class WorkQueue:
         self.routing = {"keys": 0, "rows_routed": 0, "rows_stolen": 0, "rows_unkeyed": 0}
         self.progress_totals = Progress()
         self._plans = plans or {}
+        self._monitor = monitor
         self._planned = planned
 
     # -- the window ------------------------------------------------------------------------------------------------
@@ -364,6 +368,8 @@ class WorkQueue:
                 self.duplicate_acks += 1
                 return False
             self.progress_totals.add(pool, staged)
+            if self._monitor is not None:
+                self._monitor.finished.remote(lease.taker, lease.table.num_rows, chunk_id)
             self._changed.notify_all()
             return True
 

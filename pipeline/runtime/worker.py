@@ -376,9 +376,7 @@ class EngineWorker:
             self.activity.end(table.num_rows)
         # Staging is file or object-store I/O: off the event loop, which keeps feeding the engine meanwhile.
         staged = await asyncio.to_thread(self.sink.stage, name, finished)
-        await self.queue.ack.remote(chunk, self.pool, staged)
-        if self.monitor is not None:
-            self.monitor.finished.remote(self.actor_id, table.num_rows, chunk)
+        await self.queue.ack.remote(chunk, self.pool, staged)  # the queue tells the monitor
         # Reports are rate-limited, but the last one before the engine goes idle must go out: the manifest's
         # engine numbers (prefix-cache hits, preemptions) are read from the monitor when the job ends.
         self._report(force=self._in_flight == 0)

@@ -192,6 +192,44 @@ def test_chunks_of_a_ticket_that_starts_again_come_back_with_their_id_and_name(t
     assert stats["leases_open"] == 0
 
 
+class _Direct:
+    """A local object called the way an actor handle is (`handle.method.remote(...)`)."""
+
+    def __init__(self, target) -> None:
+        self._target = target
+
+    def __getattr__(self, name):
+        method = getattr(self._target, name)
+        return type("Method", (), {"remote": staticmethod(method)})
+
+
+def test_the_monitor_learns_a_chunk_finished_when_its_ack_lands_not_when_the_engine_says_so(tmp_path):
+    # An engine lost with its node right after its ack must not leave the monitor counting that chunk as in
+    # flight: it never runs again. The queue, which survives, tells the monitor.
+    from pipeline.runtime.monitor import JobMonitor
+
+    monitor = JobMonitor()
+    queue = _queue(_work_list(tmp_path, [None] * 30), monitor=_Direct(monitor))
+
+    async def go():
+        leases = [await queue.lease("e1", "pool/0", 10) for _ in range(3)]
+        for chunk, _, attempt, table in leases:
+            monitor.begin(chunk, "e1", table.num_rows, attempt)
+        assert await queue.ack(leases[0][0], "pool", _staged(leases[0][3]))
+        assert await queue.ack(leases[1][0], "pool", _staged(leases[1][3]))
+        # e1 is lost now, with the third chunk in flight: it runs again on e2.
+        assert await queue.ticket_started("pool/0") == 1
+        again = await queue.lease("e2", "pool/1", 10)
+        monitor.begin(again[0], "e2", again[3].num_rows, again[2])
+        assert await queue.ack(again[0], "pool", _staged(again[3]))
+
+    asyncio.run(go())
+    work = monitor.work()
+    assert (work["e1"]["begun"], work["e1"]["finished"], work["e1"]["in_flight"]) == (30, 20, 10)
+    assert work["e1"]["rerun_on"] == {"e2": 10}
+    assert (work["e2"]["finished"], work["e2"]["in_flight"]) == (10, 0)
+
+
 def test_engines_wait_for_a_work_list_that_is_still_being_staged(tmp_path):
     first = _work_list(tmp_path, [None] * 4, "first")
     later = _work_list(tmp_path, [None] * 6, "later")
