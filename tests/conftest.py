@@ -6,6 +6,7 @@ import json
 import re
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -150,3 +151,15 @@ def pytest_terminal_summary(terminalreporter):
         terminalreporter.write_sep("-", "failure figures (rows lost and duplicated must be 0)")
         for line in summary_lines():
             terminalreporter.write_line(line)
+
+
+class as_actor:  # noqa: N801 - reads as a function at the call site
+    """A local object called the way a Ray actor handle is (`handle.method.remote(...)`), for unit tests of code
+    that talks to actors: the call runs in place (an async method's coroutine is what the caller awaits)."""
+
+    def __init__(self, target: Any) -> None:
+        self._target = target
+
+    def __getattr__(self, name: str) -> Any:
+        method = getattr(self._target, name)
+        return type("Method", (), {"remote": staticmethod(method)})

@@ -32,6 +32,7 @@ from pipeline.io.staging import STAGED_SCHEMA
 from pipeline.json_codec import loads
 from pipeline.protocol import ErrorCode, dumps, result_record
 from pipeline.runtime.sink import ChunkSink
+from pipeline.runtime.window import ChunkSlots, EngineWindow
 
 log = structlog.get_logger(__name__)
 
@@ -150,6 +151,11 @@ def _actor_context() -> tuple[str | None, bool]:
         return None, False
 
 
+# Rows an engine may hold (leased, not yet staged) over rows it has yet to run: finished rows wait for their chunk's
+# slowest request; past this, one very long request holds up the engine's feed rather than its memory.
+HOLD_FACTOR = 4
+
+
 class EngineWorker:
     """One engine per actor, started lazily inside the actor's event loop (vLLM binds its tasks to that loop)."""
 
@@ -178,7 +184,9 @@ class EngineWorker:
         # (on a GPU only the engine knows how many sequences its KV cache holds).
         self._max_in_flight_given = max_in_flight
         self.window: int | None = max_in_flight
-        self._slots: asyncio.Semaphore | None = None
+        self._window: EngineWindow | None = (
+            None  # created in the actor's event loop, once the engine is built
+        )
         self._in_flight = 0
         self._solo = False
         self._last_report = 0.0
@@ -272,11 +280,17 @@ class EngineWorker:
         # Created lazily: asyncio primitives bind to the actor's event loop, which does not exist in __init__.
         if self._gate is None:
             self._gate = asyncio.Condition()
-            if self.window:
-                self._slots = asyncio.Semaphore(self.window)
+            self._window = EngineWindow(self.window)
         return self._gate
 
-    async def _run_normal(self, engine: Engine, requests: list[EngineRequest]) -> list[EngineResult]:
+    def _engine_window(self) -> EngineWindow:
+        self._conditions()
+        assert self._window is not None
+        return self._window
+
+    async def _run_normal(
+        self, engine: Engine, requests: list[EngineRequest], slots: ChunkSlots
+    ) -> list[EngineResult]:
         """Run a chunk's ordinary requests together, at most `max_in_flight` inside the engine at once.
 
         The chunk is admitted as a whole (one wait, not one per row): it waits only while a request runs alone."""
@@ -285,7 +299,7 @@ class EngineWorker:
             await gate.wait_for(lambda: not self._solo)
             self._in_flight += len(requests)
         try:
-            return await self._or_die(engine.generate_all(requests, self._slots))
+            return await self._or_die(engine.generate_all(requests, slots))  # type: ignore[arg-type]
         finally:
             async with gate:
                 self._in_flight -= len(requests)
@@ -355,10 +369,14 @@ class EngineWorker:
         plan = await self._plan(chunk, attempt, ids)
         normal = [n for n, r in enumerate(requests) if plan.get(r.custom_id, "normal") == "normal"]
         suspects = [n for n, r in enumerate(requests) if plan.get(r.custom_id, "normal") != "normal"]
-        outcomes = await asyncio.gather(
-            self._run_normal(engine, [requests[n] for n in normal]),
-            *(self._run_alone(engine, requests[n], plan[requests[n].custom_id]) for n in suspects),
-        )
+        slots = self._engine_window().for_chunk()
+        try:
+            outcomes = await asyncio.gather(
+                self._run_normal(engine, [requests[n] for n in normal], slots),
+                *(self._run_alone(engine, requests[n], plan[requests[n].custom_id]) for n in suspects),
+            )
+        finally:
+            slots.settle(len(requests))
         # Realigned by position, not by id: a chunk may hold two lines with one custom_id (while ingest streams,
         # a duplicate runs before it is known to be one), and each row must keep its own answer.
         results: list[EngineResult] = [None] * len(requests)  # type: ignore[list-item]
@@ -403,23 +421,32 @@ class EngineWorker:
         if first is None:
             return 0
         await self._engine()
+        window = self._engine_window()
+        # Topped up by rows the engine has yet to run (see runtime/window.py); rows held in all, finished ones
+        # waiting for their chunk's slowest request included, keep a ceiling of HOLD_FACTOR times that.
+        to_run_cap = (self.window or self.chunk_rows) + self.chunk_rows
+        hold_cap = HOLD_FACTOR * to_run_cap
         asking: asyncio.Future | None = asyncio.get_running_loop().create_future()
         asking.set_result(first)
+        topping_up: asyncio.Future | None = None
         exhausted = False
         chunks = 0
         while True:
-            if (
-                asking is None
-                and not exhausted
-                and holding < (self.window or self.chunk_rows) + self.chunk_rows
-            ):
+            may_ask = asking is None and not exhausted and holding < hold_cap
+            if may_ask and window.to_run < to_run_cap:
                 asking = asyncio.ensure_future(self._lease(ticket))
-            waiting = set(running) | ({asking} if asking is not None else set())
-            if not waiting:
+            elif may_ask and topping_up is None:
+                topping_up = asyncio.ensure_future(window.drops_below(to_run_cap))
+            waiting = set(running) | {f for f in (asking, topping_up) if f is not None}
+            if not running and asking is None:
+                if topping_up is not None:
+                    topping_up.cancel()
                 return chunks
             done, _ = await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
             for task in done:
-                if task is asking:
+                if task is topping_up:
+                    topping_up = None
+                elif task is asking:
                     asking = None
                     lease = task.result()
                     if lease is None:
@@ -427,6 +454,7 @@ class EngineWorker:
                         continue
                     chunk, name, attempt, table = lease
                     holding += table.num_rows
+                    window.leased(table.num_rows)
                     running[asyncio.ensure_future(self._run_lease(chunk, name, attempt, table))] = (
                         table.num_rows
                     )

@@ -9,6 +9,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from pipeline.runtime.work_queue import WorkQueue
+from tests.conftest import as_actor
 
 
 def _queue(files, **options) -> WorkQueue:
@@ -192,24 +193,13 @@ def test_chunks_of_a_ticket_that_starts_again_come_back_with_their_id_and_name(t
     assert stats["leases_open"] == 0
 
 
-class _Direct:
-    """A local object called the way an actor handle is (`handle.method.remote(...)`)."""
-
-    def __init__(self, target) -> None:
-        self._target = target
-
-    def __getattr__(self, name):
-        method = getattr(self._target, name)
-        return type("Method", (), {"remote": staticmethod(method)})
-
-
 def test_the_monitor_learns_a_chunk_finished_when_its_ack_lands_not_when_the_engine_says_so(tmp_path):
     # An engine lost with its node right after its ack must not leave the monitor counting that chunk as in
     # flight: it never runs again. The queue, which survives, tells the monitor.
     from pipeline.runtime.monitor import JobMonitor
 
     monitor = JobMonitor()
-    queue = _queue(_work_list(tmp_path, [None] * 30), monitor=_Direct(monitor))
+    queue = _queue(_work_list(tmp_path, [None] * 30), monitor=as_actor(monitor))
 
     async def go():
         leases = [await queue.lease("e1", "pool/0", 10) for _ in range(3)]
