@@ -71,6 +71,10 @@ REQUEST_SCHEMA = pa.schema(
         # The served model the request runs on (its body's `model`): a job with one model per pool sends each
         # request only to the pools serving its model.
         ("model", pa.string()),
+        # The output tokens the request asks for at most (its max_tokens, or the like), null when it sets none:
+        # the work queue hands the job's last requests out longest first, so the job does not end waiting on a
+        # long one that started last.
+        ("output_budget", pa.int64()),
     ]
 )
 

@@ -272,7 +272,7 @@ class EngineLaunch:
         (queue,) = self.queues.values()
         ray.get(
             queue.start_work.remote(
-                [], plans, route=self.route, window_rows=window, rows=0, input_closed=False
+                [], plans, route=self.route, window_rows=window, rows=0, input_closed=False, tail_rows=window
             )
         )
         self._fed = True
@@ -318,6 +318,7 @@ class EngineLaunch:
                     route=routed,
                     window_rows=window,
                     rows=staging.num_rows(paths),
+                    tail_rows=window,
                 )
             )
         ray.get(calls)
@@ -415,7 +416,8 @@ class EngineLaunch:
 
 def _lookahead(plans: Iterable[FeedPlan]) -> int:
     """How far a queue reads ahead to find rows of each engine's prompts: a few chunks per engine, bounded, since a
-    million-row job must not be read into memory."""
+    million-row job must not be read into memory. Also how many of the job's last rows it hands out longest first:
+    several times what the engines hold at once, so the long ones among them start well before the end."""
     return min(65536, max(8192, 4 * sum(p.max_engines * p.chunk_rows for p in plans)))
 
 

@@ -179,7 +179,7 @@ class _PieceOutput:
         self.piece = piece
         self.stats = stats
         self.ids = IdRows(piece.index, job.buckets)
-        self.requests: list[tuple[str, str, str, int, str, str | None, str | None]] = []
+        self.requests: list[tuple[str, str, str, int, str, str | None, str | None, int | None]] = []
         self.errors: list[StagedRow] = []
         self._seq = {"part": 0, INGEST_PREFIX: 0}
 
@@ -189,7 +189,10 @@ class _PieceOutput:
 
     def request(self, request: ValidRequest, body: str, key: str | None) -> None:
         model = request.body.get("model")  # the served model it runs on (a pool serving that model takes it)
-        self.requests.append((request.custom_id, request.url, body, request.line, request.source, key, model))
+        budget = requested_max_tokens(request.body)
+        self.requests.append(
+            (request.custom_id, request.url, body, request.line, request.source, key, model, budget)
+        )
         self.stats.valid += 1
         if len(self.requests) >= self.job.part_rows:
             self.flush_requests()

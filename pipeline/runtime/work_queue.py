@@ -61,6 +61,7 @@ class WorkQueue:
         plans: dict[str, Any] | None = None,
         planned: bool = True,
         monitor: Any = None,
+        tail_rows: int = 0,
     ) -> None:
         """`files_on`: the staging area's storage (`pipeline.io.staging.PartFiles`); default: local paths.
         `route`: group by prefix key and give each key an owner; `window_rows`: how far ahead the queue reads to
@@ -71,7 +72,8 @@ class WorkQueue:
         its engines were made with. `planned=False`: not decided yet — engines wait in `engine_plan` until
         `start_work`. `monitor`: the job's JobMonitor, told which engine finished which chunk as each ack lands
         (told here, not by the engine: an engine lost with its node right after its ack would leave the monitor
-        counting rows as in flight that never run again)."""
+        counting rows as in flight that never run again). `tail_rows`: once no more than this many rows are left to hand out
+        (and the work list is complete), they are handed out longest output budget first (see `_order_the_tail`)."""
         self._open = files_on.parquet if files_on is not None else pq.ParquetFile
         self._files = list(files)
         self._input_closed = input_closed
@@ -113,6 +115,8 @@ class WorkQueue:
         self._plans = plans or {}
         self._monitor = monitor
         self._planned = planned
+        self._tail_rows = tail_rows
+        self._tail_ordered = False
 
     # -- the window ------------------------------------------------------------------------------------------------
     def _read_batch(self) -> pa.RecordBatch | None:
@@ -237,9 +241,45 @@ class WorkQueue:
                 return key, "stolen"
         return max(self._counts, key=self._counts.__getitem__), "stolen"
 
+    def _order_the_tail(self) -> None:
+        """The last rows of the job, longest output budget first (within each prefix key): a long generation
+        handed out last would run on alone after every other request has finished, the job's tail. Rows without
+        a budget may run to the model's context and go first. Done once, when everything left to hand out fits
+        `tail_rows`: it is read into one batch (bounded memory), ordered, and grouped again by key."""
+        self._tail_ordered = True
+        while self._read_more():
+            pass
+        if not self._window:
+            return
+        keys = list(self._segments)
+        ranges, pieces = [], []
+        for key in keys:
+            start = sum(len(rows) for _, rows in pieces)
+            pieces.extend(self._segments[key])
+            ranges.append((key, start, sum(len(rows) for _, rows in pieces)))
+        table = self._chunk(pieces)  # every row left, grouped by key; the read batches are released
+        if "output_budget" not in table.schema.names:  # a work list staged before budgets were recorded
+            budgets = np.zeros(table.num_rows)
+        else:
+            budget = table.column("output_budget")
+            budgets = pc.fill_null(budget, np.iinfo(np.int64).max).to_numpy().astype(np.float64)
+        bid = self._next_batch
+        self._next_batch += 1
+        self._batches[bid] = [table.combine_chunks().to_batches()[0], table.num_rows]
+        for key, start, end in ranges:
+            order = start + np.argsort(-budgets[start:end], kind="stable")
+            self._segments[key] = deque([(bid, order)])
+
     def _fill(self, taker: str, rows: int) -> list[tuple[int, np.ndarray]]:
         pieces: list[tuple[int, np.ndarray]] = []
         wanted = rows
+        if (
+            self._tail_rows
+            and not self._tail_ordered
+            and self._input_closed
+            and self._total_rows - self._new_rows_out <= self._tail_rows
+        ):
+            self._order_the_tail()
         while wanted > 0:
             # Top the window up (routing looks ahead for rows of the taker's keys); without routing this reads
             # only when the window cannot fill the chunk.
@@ -281,13 +321,15 @@ class WorkQueue:
         window_rows: int = 32768,
         rows: int | None = None,
         input_closed: bool = True,
+        tail_rows: int = 0,
     ) -> None:
         """The work list (or its first files, with `input_closed=False`) and each pool's plan, decided once ingest
         and fitting are done; engines waiting in `engine_plan` go on. `rows`: the work list's row count when the
         caller knows it (else read from each part's metadata). No files and closed: nothing to do, and every
-        engine's ticket ends without building its engine."""
+        engine's ticket ends without building its engine. `tail_rows`: see the constructor."""
         async with self._condition():
             self._plans = plans
+            self._tail_rows = tail_rows
             self._planned = True
             self._route = route
             self._window_rows = window_rows if route else 0

@@ -287,3 +287,56 @@ def test_no_work_ends_every_ticket_before_any_engine_is_built():
         return await queue.lease("e", "t", 10)
 
     assert asyncio.run(go()) is None
+
+
+def _budgeted_work_list(tmp_path, budgets: list[int | None], keys: list[str | None]) -> list[str]:
+    path = tmp_path / "budgeted.parquet"
+    ids = [f"r-{i:05d}" for i in range(len(budgets))]
+    table = pa.table(
+        {
+            "custom_id": ids,
+            "prefix_key": pa.array(keys, pa.string()),
+            "output_budget": pa.array(budgets, pa.int64()),
+        }
+    )
+    pq.write_table(table, path, row_group_size=7)  # the tail spans several read batches
+    return [str(path)]
+
+
+def _lease_all(queue: WorkQueue, rows: int) -> list[list[str]]:
+    async def go():
+        chunks = []
+        while (lease := await queue.lease(f"e{len(chunks) % 2}", f"t{len(chunks) % 2}", rows)) is not None:
+            chunks.append(lease[3].column("custom_id").to_pylist())
+        return chunks
+
+    return asyncio.run(go())
+
+
+def test_the_last_rows_go_out_longest_budget_first_and_none_is_lost(tmp_path):
+    # 60 rows; the last 24 handed out are ordered by budget, descending, a request without one (it may run to the
+    # model's context) first; before that, input order.
+    budgets = [(i * 37) % 500 + 1 for i in range(60)]
+    budgets[50] = None
+    queue = _queue(_budgeted_work_list(tmp_path, budgets, [None] * 60), read_rows=5, tail_rows=24)
+    served = [i for chunk in _lease_all(queue, 6) for i in chunk]
+    assert sorted(served) == [f"r-{i:05d}" for i in range(60)]
+    head, tail = served[:36], served[36:]
+    assert head == [f"r-{i:05d}" for i in range(36)]
+    rank = {f"r-{i:05d}": float("inf") if b is None else b for i, b in enumerate(budgets)}
+    assert [rank[i] for i in tail] == sorted((rank[i] for i in tail), reverse=True)
+    assert tail[0] == "r-00050"
+
+
+def test_ordering_the_tail_keeps_each_prefix_key_with_its_engine(tmp_path):
+    keys = ["a" if i % 2 else "b" for i in range(40)]
+    budgets = [(i * 13) % 97 for i in range(40)]
+    queue = _queue(_budgeted_work_list(tmp_path, budgets, keys), route=True, window_rows=8, tail_rows=40)
+    chunks = _lease_all(queue, 5)
+    assert sorted(i for c in chunks for i in c) == [f"r-{i:05d}" for i in range(40)]
+    key_of = {f"r-{i:05d}": k for i, k in enumerate(keys)}
+    budget_of = {f"r-{i:05d}": b for i, b in enumerate(budgets)}
+    for key in "ab":
+        rows = [i for c in chunks for i in c if key_of[i] == key]
+        assert [budget_of[i] for i in rows] == sorted((budget_of[i] for i in rows), reverse=True)
+    assert all(len({key_of[i] for i in c}) == 1 for c in chunks)  # a chunk is still one key's rows
