@@ -122,6 +122,16 @@ def test_ingest_counts(tmp_path: Path, staging: StagingArea):
     assert [e["error"]["line"] for e in read_errors(staging)] == [2, 4]
 
 
+def test_the_work_list_records_each_requests_output_budget(tmp_path: Path, staging: StagingArea):
+    # The queue hands the job's last rows out longest first by it; a request that sets none may run to the context.
+    path = tmp_path / "in.jsonl"
+    lines = [chat("a", max_tokens=40), chat("b"), chat("c", max_completion_tokens=7, max_tokens=99)]
+    path.write_text("\n".join([*lines, completion("d", max_tokens=3)]) + "\n")
+    ingest(path, MODEL, staging)
+    budgets = {r["custom_id"]: r["output_budget"] for r in read_requests(staging)}
+    assert budgets == {"a": 40, "b": None, "c": 7, "d": 3}
+
+
 def test_ingest_crlf_and_unicode(tmp_path: Path, staging: StagingArea):
     path = tmp_path / "in.jsonl"
     data = (chat("ключ") + "\r\n\r\n" + chat("😀", max_tokens=2) + "\r\n").encode("utf-8")
