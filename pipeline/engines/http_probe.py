@@ -72,8 +72,9 @@ def probe_server(
     concurrency: int | None = None,
     timeout_s: float = PROBE_TIMEOUT_S,
 ) -> ServerInfo:
-    """Probe one server (its base URL, without /v1); raise ValueError, saying what to change, when it does not
+    """Probe one server (its base URL; a trailing /v1 is dropped); raise ValueError, saying what to change, when it does not
     answer /v1/models as an OpenAI-compatible server does."""
+    base_url = endpoint_base(base_url)
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     info = ServerInfo(endpoint=base_url)
     with httpx.Client(base_url=base_url, headers=headers, timeout=timeout_s) as client:
