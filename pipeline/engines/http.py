@@ -65,7 +65,8 @@ class HttpEngine(Engine):
             raise ValueError(f"an http engine sends to one server, got endpoints {endpoints}")
         self.base_url = endpoint_base(endpoints[0])
         self.given_concurrency = spec.args.get("concurrency")
-        self.concurrency = int(self.given_concurrency or DEFAULT_CONCURRENCY)
+        # Requests in flight on the server: as given, else what the server tells at start (its slots).
+        self.limit = int(self.given_concurrency or DEFAULT_CONCURRENCY)
         self.policy = RetryPolicy(
             max_retries=int(spec.args.get("max_retries", 6)),
             backoff_s=float(spec.args.get("backoff_s", 0.5)),
@@ -109,9 +110,9 @@ class HttpEngine(Engine):
         self.server = await asyncio.to_thread(
             probe_server, self.base_url, self.spec.api_key, self.given_concurrency
         )
-        self.concurrency = default_concurrency(self.server, self.given_concurrency, DEFAULT_CONCURRENCY)
+        self.limit = default_concurrency(self.server, self.given_concurrency, DEFAULT_CONCURRENCY)
         # One connection per request in flight, kept alive between requests.
-        limits = httpx.Limits(max_connections=self.concurrency, max_keepalive_connections=self.concurrency)
+        limits = httpx.Limits(max_connections=self.limit, max_keepalive_connections=self.limit)
         timeout = httpx.Timeout(
             float(self.spec.args.get("timeout_s", 600.0)),
             connect=float(self.spec.args.get("connect_timeout_s", 10.0)),
@@ -120,7 +121,7 @@ class HttpEngine(Engine):
         self._client = httpx.AsyncClient(
             base_url=self.base_url, headers=headers, limits=limits, timeout=timeout
         )
-        self._slots = asyncio.Semaphore(self.concurrency)
+        self._slots = asyncio.Semaphore(self.limit)
 
     async def generate(self, request: EngineRequest) -> EngineResult:
         assert self._client is not None and self._slots is not None, "start() first"
@@ -150,7 +151,7 @@ class HttpEngine(Engine):
         return EngineResult(request.custom_id, status, body, error_code_for(status, body["error"]["message"]))
 
     def effective_args(self) -> dict[str, Any]:
-        return {**self.spec.args, "endpoints": [self.base_url], "concurrency": self.concurrency}
+        return {**self.spec.args, "endpoints": [self.base_url], "concurrency": self.limit}
 
     def sampling_defaults(self) -> dict[str, Any]:
         return dict(SERVER_SAMPLING)
