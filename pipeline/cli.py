@@ -62,6 +62,10 @@ FLAG_FOR_KEY = {
     "engine.vllm.generation_config": "--generation-config",
     "engine.vllm.override_generation_config": "--override-generation-config",
     "engine.max_in_flight": "--max-in-flight",
+    "engine.http.endpoints": "--endpoint",
+    "engine.http.concurrency": "--concurrency",
+    "engine.http.api_key": "--api-key",
+    "engine.http.timeout_s": "--request-timeout",
     "engine.fit.enabled": "--fit/--no-fit",
     "engine.fit.default_max_tokens": "--default-max-tokens",
     "overwrite": "--overwrite",
@@ -115,7 +119,32 @@ def run(
     served_model_name: Annotated[
         str | None, typer.Option(help="Name request bodies must use as `model`.")
     ] = None,
-    engine: Annotated[str | None, typer.Option(help="Engine backend: vllm or fake.")] = None,
+    engine: Annotated[
+        str | None,
+        typer.Option(help="Engine backend: vllm (in-process), http (OpenAI-compatible servers) or fake."),
+    ] = None,
+    endpoint: Annotated[
+        list[str] | None,
+        typer.Option(
+            help="http: an OpenAI-compatible server's base URL (repeat for several; one pool each, all pulling "
+            "from one queue)."
+        ),
+    ] = None,
+    concurrency: Annotated[
+        int | None,
+        typer.Option(
+            help="http: requests in flight per endpoint. Default: a llama.cpp server's slots, else 64."
+        ),
+    ] = None,
+    api_key: Annotated[
+        str | None,
+        typer.Option(
+            help="http: bearer token for the servers (never written to OUTPUT; default: $NIGHTSHIFT_API_KEY)."
+        ),
+    ] = None,
+    request_timeout: Annotated[
+        float | None, typer.Option(help="http: seconds one response may take (default 600).")
+    ] = None,
     format: Annotated[str | None, typer.Option("--format", help="Output format: jsonl or parquet.")] = None,
     rows_per_shard: Annotated[int | None, typer.Option(help="Result rows per output shard.")] = None,
     address: Annotated[
@@ -269,6 +298,10 @@ def run(
             "engine.vllm.seed": seed,
             "engine.vllm.cpu_kvcache_space_gib": cpu_kvcache_space,
             "engine.max_in_flight": max_in_flight,
+            "engine.http.endpoints": endpoint or None,
+            "engine.http.concurrency": concurrency,
+            "engine.http.api_key": api_key,
+            "engine.http.timeout_s": request_timeout,
             "engine.fit.enabled": fit,
             "engine.fit.default_max_tokens": default_max_tokens,
             "routing.prefix_aware": prefix_routing,
@@ -350,8 +383,9 @@ def _check_environment(job: JobConfig) -> None:
     import structlog
 
     from pipeline.doctor import describe, failures, job_checks
+    from pipeline.engines.base import backend
 
-    if job.engine.backend != "vllm":
+    if not backend(job.engine.backend).runs_vllm:
         return
     findings = job_checks(job)
     for warning in (f for f in findings if f.status == "warn"):

@@ -6,11 +6,23 @@ Engine-arg names are vLLM's own, so what users know from `vllm serve` carries ov
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    SecretStr,
+    ValidationError,
+    field_serializer,
+    field_validator,
+    model_validator,
+)
+
+from pipeline.engines.base import BACKEND_NAMES, backend
 
 
 class ConfigError(ValueError):
@@ -161,6 +173,72 @@ class FakeEngineArgs(_Strict):
     )
 
 
+# Requests in flight per endpoint when neither given nor told by the server (llama.cpp's /props tells its slots).
+DEFAULT_HTTP_CONCURRENCY = 64
+# Ray CPUs an http engine actor reserves: it waits on the network, and the CPUs are ingest's and finalize's.
+HTTP_CPUS_PER_ENGINE = 0.5
+_ENDPOINT = re.compile(r"^https?://[^/\s]+(/\S*)?$")
+
+
+class HttpEngineArgs(_Strict):
+    """The http backend: each request POSTed to an OpenAI-compatible server (vllm serve, SGLang, llama.cpp's
+    llama-server, Ollama, TGI). The servers' own engine args and sampling defaults apply."""
+
+    endpoints: list[str] = Field(
+        default_factory=list,
+        description="Base URLs of the servers, e.g. http://10.0.0.5:8000 (a trailing /v1 is fine). Each endpoint "
+        "is a pool of its own; all of them pull from the job's one work queue, so a faster server takes more.",
+    )
+    concurrency: int | None = Field(
+        default=None,
+        ge=1,
+        description="Requests in flight per endpoint. Default: the slots a llama.cpp server reports (/props), "
+        f"else {DEFAULT_HTTP_CONCURRENCY}. Sending one request at a time leaves a batching server mostly idle.",
+    )
+    api_key: SecretStr | None = Field(
+        default=None,
+        description="Bearer token sent to every endpoint. Never written to OUTPUT (neither the checkpoint nor "
+        "the manifest): a resumed job reads it from the variable named by api_key_env.",
+    )
+    api_key_env: str | None = Field(
+        default="NIGHTSHIFT_API_KEY",
+        description="Environment variable (on the driver) holding the bearer token when api_key is not given.",
+    )
+    timeout_s: float = Field(
+        default=600.0, gt=0, description="Longest wait for one response (a long generation takes minutes)."
+    )
+    connect_timeout_s: float = Field(default=10.0, gt=0, description="Longest wait to connect to a server.")
+    max_retries: int = Field(
+        default=6,
+        ge=0,
+        le=50,
+        description="Retries of one request after a 429, a 5xx, a timeout or a dropped connection, with "
+        "exponential backoff and jitter (a Retry-After header wins). A 4xx other than 408/429 is the request's "
+        "own fault: never retried, it becomes the request's error record.",
+    )
+    backoff_s: float = Field(
+        default=0.5, ge=0, description="Delay before the first retry; doubles per retry."
+    )
+    backoff_max_s: float = Field(default=30.0, ge=0, description="Longest delay between two retries.")
+
+    @field_validator("endpoints")
+    @classmethod
+    def _urls(cls, value: list[str]) -> list[str]:
+        from pipeline.engines.http_probe import endpoint_base
+
+        for url in value:
+            if not _ENDPOINT.match(url):
+                raise ValueError(f"{url!r} is not an http(s):// URL (e.g. http://127.0.0.1:8000)")
+        if len({endpoint_base(u) for u in value}) != len(value):
+            raise ValueError(f"endpoints given twice: {value}")
+        return value
+
+    @field_serializer("api_key", when_used="json")
+    def _never_written(self, value: SecretStr | None) -> None:
+        # The job spec is stored in OUTPUT/_staging/ (and maybe a shared bucket): a token must not travel there.
+        return None
+
+
 class FitConfig(_Strict):
     """Fitting engine args to the data before the engines start (`nightshift plan --input`, applied)."""
 
@@ -183,11 +261,16 @@ class FitConfig(_Strict):
 class EngineConfig(_Strict):
     """Which engine backend runs the requests, and how."""
 
-    backend: Literal["vllm", "fake"] = Field(
-        default="vllm", description="Engine backend behind the engine seam."
+    backend: Literal[BACKEND_NAMES] = Field(  # type: ignore[valid-type] - the registry's names
+        default="vllm",
+        description="Engine backend behind the engine seam: vllm (in-process), http (OpenAI-compatible "
+        "servers) or fake (deterministic, for tests). See pipeline/engines/base.py BACKENDS.",
     )
     vllm: VllmEngineArgs = Field(
         default_factory=VllmEngineArgs, description="Arguments for the vLLM backend."
+    )
+    http: HttpEngineArgs = Field(
+        default_factory=HttpEngineArgs, description="Arguments for the http backend (servers, concurrency)."
     )
     fake: FakeEngineArgs = Field(
         default_factory=FakeEngineArgs, description="Arguments for the fake backend."
@@ -201,15 +284,34 @@ class EngineConfig(_Strict):
         description="Requests each engine keeps in flight. Default: 2 x max_num_seqs, so continuous batching stays full.",
     )
 
+    def args(self) -> BaseModel:
+        """This job's backend's own block (engine.vllm, engine.http or engine.fake)."""
+        return getattr(self, self.backend)
+
     def unused_settings(self) -> list[str]:
         """Settings given for a backend this job does not run: silently ignored, they would mislead (a config
-        file's `fake:` block without `backend: fake` runs the real engine)."""
-        if self.backend != "fake" and self.fake != FakeEngineArgs():
-            return [
-                f"engine.fake is set but the backend is {self.backend}: it is not used "
-                "(set engine.backend: fake, or --engine fake, to run the fake engine)"
-            ]
-        return []
+        file's `fake:` block without `backend: fake` runs the real engine). The vllm block also holds the flags
+        fitting reads (--max-model-len), so it is only unused where nothing is fitted."""
+        unused = []
+        for name in BACKEND_NAMES:
+            block = getattr(self, name)
+            if name == self.backend or block == type(block)():
+                continue
+            if name == "vllm" and backend(self.backend).fitting is not None:
+                continue
+            unused.append(
+                f"engine.{name} is set but the backend is {self.backend}: it is not used "
+                f"(set engine.backend: {name}, or --engine {name}, to run the {name} engine)"
+            )
+        return unused
+
+    @model_validator(mode="after")
+    def _http_needs_endpoints(self) -> EngineConfig:
+        if self.backend == "http" and not self.http.endpoints:
+            raise ValueError(
+                "the http backend needs at least one server: --endpoint URL (engine.http.endpoints)"
+            )
+        return self
 
 
 class ResourcesConfig(_Strict):
@@ -468,12 +570,39 @@ def effective_pools(config: JobConfig) -> list[PoolConfig]:
     names = [p.name for p in pools]
     if len(set(names)) != len(names):
         raise ConfigError(f"pool names must be unique, got {names}")
-    base = config.engine.vllm if config.engine.backend == "vllm" else config.engine.fake
+    if config.engine.backend == "http":
+        pools = _endpoint_pools(config, pools)
+    base = config.engine.args()
     for pool in pools:
         try:
             type(base).model_validate({**base.model_dump(), **pool.engine_overrides})
         except ValidationError as exc:
             raise ConfigError(f"pools[{pool.name}].engine_overrides: {format_validation_error(exc)}") from exc
+    return pools
+
+
+def _endpoint_pools(config: JobConfig, pools: list[PoolConfig]) -> list[PoolConfig]:
+    """http jobs: one pool per server, so each server has its own bound of requests in flight and all of them
+    pull from the one queue. Pools given in the config each name their server (engine_overrides.endpoints)."""
+    endpoints = config.engine.http.endpoints
+    if not config.pools:
+        cpus = config.resources.cpus_per_engine
+        return [
+            PoolConfig(
+                name=f"endpoint-{i}",
+                min_engines=config.resources.num_engines or 1,
+                cpus_per_engine=HTTP_CPUS_PER_ENGINE if cpus is None else cpus,
+                engine_overrides={"endpoints": [url]},
+            )
+            for i, url in enumerate(endpoints)
+        ]
+    for pool in pools:
+        own = pool.engine_overrides.get("endpoints", endpoints)
+        if not isinstance(own, list) or len(own) != 1:
+            raise ConfigError(
+                f"pools[{pool.name}]: an http pool sends to one server; give it engine_overrides: "
+                f"{{endpoints: [URL]}} (it would send to {own})"
+            )
     return pools
 
 

@@ -81,6 +81,11 @@ class EngineReport(_Section):
     fitted: dict[str, Any] | None = Field(
         description="The engine args fitted to the data: what, from what and why (runtime/fit.py)."
     )
+    probed: dict[str, Any] | None = Field(
+        default=None,
+        description="What the backend told of itself before any work: for http, each server's identity (its "
+        "/v1/models, kind and version, server and version headers, slots) and the warnings it raised.",
+    )
 
     @field_serializer("first_ready_at")
     def _iso(self, value: dt.datetime | None) -> str | None:

@@ -79,7 +79,9 @@ class ResolvedModel(BaseModel):
     name: str  # the served model name: requests' `model` field must match it
     path: str  # what vLLM is given: a local directory, or a hub id it resolves from the local HF cache
     revision: str | None  # None for a hub id: only vLLM knows which snapshot it picks
-    source: Literal["embedded", "local-dir", "hub-id"]
+    source: Literal[
+        "embedded", "local-dir", "hub-id", "server"
+    ]  # server: named by the http backend's servers
     # The task vLLM runs the model for ("generate", "embed", "classify", ...); None when its files do not tell
     # (a hub id that is not cached): then the engine decides, and answers a route it cannot serve with an error.
     task: str | None = None

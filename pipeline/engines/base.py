@@ -1,4 +1,4 @@
-"""The engine seam: the one interface every backend (vllm, fake, later http) implements.
+"""The engine seam: the one interface every backend (vllm, http, fake) implements, and the registry of backends.
 
 An engine takes one request at a time through `generate`; callers get continuous batching by keeping many
 `generate` coroutines in flight at once (the runtime keeps about 2 x max_num_seqs per engine). Engines know nothing
@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import asyncio
 import importlib
+import re
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 from pipeline.protocol import ErrorCode
 
@@ -64,6 +65,23 @@ class EngineSpec:
     # The cores the runtime claimed for a CPU engine on its node (no other engine computes on them); None: the
     # backend binds its threads as it would on its own.
     cpu_cores: tuple[int, ...] | None = None
+    # A bearer token for the backend's servers (http). Kept out of `args`, which are logged and written to the
+    # manifest; repr=False keeps it out of logs of the spec itself.
+    api_key: str | None = field(default=None, repr=False)
+
+
+# vLLM words its context-length rejections several ways (renderer, sampling-param fitting); all mean the same.
+_CONTEXT_LENGTH = re.compile(
+    r"maximum context length|exceeds model's maximum|context length \(|longer than the maximum model length",
+    re.IGNORECASE,
+)
+
+
+def error_code_for(status_code: int, message: str) -> ErrorCode:
+    """The stable error code of a request an engine (or a server) rejected with this status and message."""
+    if _CONTEXT_LENGTH.search(message):
+        return ErrorCode.CONTEXT_LENGTH_EXCEEDED
+    return ErrorCode.INVALID_REQUEST if status_code < 500 else ErrorCode.ENGINE_ERROR
 
 
 def unexpected_error_result(custom_id: str, exc: BaseException) -> EngineResult:
@@ -101,6 +119,19 @@ class Engine(ABC):
         engine's time model); None when only running tells (real engines). The runtime sizes work chunks by it:
         per-chunk overhead is fixed, so a fast engine gets large chunks and a slow one small, frequent ones."""
         return None
+
+    @classmethod
+    def concurrency(cls, args: dict[str, Any]) -> int | None:
+        """Requests one engine runs at once with these args (vLLM's max_num_seqs), or None when only the started
+        engine knows. The runtime keeps about twice that inside the engine, so its batch stays full."""
+        value = args.get("max_num_seqs") or args.get("max_concurrency")
+        return int(value) if value else None
+
+    @classmethod
+    def probe(cls, spec: EngineSpec) -> dict[str, Any]:
+        """What the driver learns about the backend before any work (e.g. each server's identity), for the
+        manifest; raise ValueError, saying what to change, when it cannot serve the job."""
+        return {}
 
     @classmethod
     def preload(cls) -> None:
@@ -166,19 +197,59 @@ class Engine(ABC):
         """Synchronous last-resort cleanup (actor teardown): stop child processes, free memory."""
 
 
-# Backend name -> "module:Class"; imported only when used, so `nightshift --help` never imports vLLM.
-BACKENDS: dict[str, str] = {
-    "vllm": "pipeline.engines.vllm_engine:VllmEngine",
-    "fake": "pipeline.engines.fake:FakeEngine",
+@dataclass(frozen=True)
+class Backend:
+    """One engine backend: what the rest of nightshift needs to know about it, in one place.
+
+    Its args are the job config's `engine.<name>` block (pipeline/config.py); what its engines do at run time
+    (how many requests they run at once, how their death shows, which resources they compute on) are classmethods
+    of its engine class. Adding a backend is one entry here, one engine module and one config block."""
+
+    name: str
+    engine: str  # "module:Class", imported only when used, so `nightshift --help` never imports vLLM
+    # What fitting can know before any engine starts (runtime/fit.py): "tokenizer+kv" — the model's own tokenizer
+    # and chat template, and the KV cache the hardware holds (max_model_len and max_num_seqs are fitted);
+    # "word-count" — the fake's own token count (max_model_len is fitted); None — nothing: the engine args are
+    # someone else's (a server's), so fitting is skipped.
+    fitting: Literal["tokenizer+kv", "word-count"] | None
+    # Where the model comes from: "local" — a directory, hub id or embedded model the engine loads itself;
+    # "server" — the backend's servers serve their own, named by their /v1/models.
+    model_source: Literal["local", "server"]
+    # Runs vLLM in this job's processes: `run` makes doctor's install checks first.
+    runs_vllm: bool
+    no_fit_reason: str | None = None  # why fitting is skipped, for the manifest (fitting None)
+
+    @property
+    def fits_max_num_seqs(self) -> bool:
+        return self.fitting == "tokenizer+kv"
+
+
+BACKENDS: dict[str, Backend] = {
+    "vllm": Backend(
+        "vllm", "pipeline.engines.vllm_engine:VllmEngine", "tokenizer+kv", "local", runs_vllm=True
+    ),
+    "http": Backend(
+        "http",
+        "pipeline.engines.http:HttpEngine",
+        None,
+        "server",
+        runs_vllm=False,
+        no_fit_reason="the http backend sends requests to servers whose engine args are their own",
+    ),
+    "fake": Backend("fake", "pipeline.engines.fake:FakeEngine", "word-count", "local", runs_vllm=False),
 }
+BACKEND_NAMES: tuple[str, ...] = tuple(BACKENDS)
 
 
-def engine_class(backend: str) -> type[Engine]:
+def backend(name: str) -> Backend:
     try:
-        target = BACKENDS[backend]
+        return BACKENDS[name]
     except KeyError:
-        raise ValueError(f"unknown engine backend {backend!r}; choose one of {sorted(BACKENDS)}") from None
-    module_name, class_name = target.split(":")
+        raise ValueError(f"unknown engine backend {name!r}; choose one of {sorted(BACKENDS)}") from None
+
+
+def engine_class(name: str) -> type[Engine]:
+    module_name, class_name = backend(name).engine.split(":")
     return getattr(importlib.import_module(module_name), class_name)
 
 

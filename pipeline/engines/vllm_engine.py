@@ -28,16 +28,17 @@ from typing import Any
 import structlog
 
 from pipeline.endpoints import ENDPOINTS, Endpoint, endpoint_for
-from pipeline.engines.base import Engine, EngineRequest, EngineResult, EngineSpec, EngineStats
+from pipeline.engines.base import (
+    Engine,
+    EngineRequest,
+    EngineResult,
+    EngineSpec,
+    EngineStats,
+    error_code_for,
+)
 from pipeline.protocol import ErrorCode
 
 log = structlog.get_logger(__name__)
-
-# vLLM words its context-length rejections several ways (renderer, sampling-param fitting); all mean the same.
-_CONTEXT_LENGTH = re.compile(
-    r"maximum context length|exceeds model's maximum|context length \(|longer than the maximum model length",
-    re.IGNORECASE,
-)
 
 _OMP_BIND = "VLLM_CPU_OMP_THREADS_BIND"
 
@@ -62,12 +63,6 @@ SERVING_OPTIONS = (
     "generation_config",
     "override_generation_config",
 )
-
-
-def error_code_for(status_code: int, message: str) -> ErrorCode:
-    if _CONTEXT_LENGTH.search(message):
-        return ErrorCode.CONTEXT_LENGTH_EXCEEDED
-    return ErrorCode.INVALID_REQUEST if status_code < 500 else ErrorCode.ENGINE_ERROR
 
 
 def _error_result(

@@ -71,7 +71,7 @@ class FeedPlan:
 
 def plan_feed(config: JobConfig, spec: EngineSpec, pool: PoolConfig) -> FeedPlan:
     spec = replace(spec, args={**spec.args, **pool.engine_overrides}, cpus=pool.cpus_per_engine)
-    known = spec.args.get("max_num_seqs") or spec.args.get("max_concurrency")
+    known = engine_class(spec.backend).concurrency(spec.args)
     in_flight = config.engine.max_in_flight or (2 * int(known) if known else None)
     # A chunk's rows are staged when all of them are done, so for a real engine chunks stay small — half the
     # in-flight window — and finished rows reach staging steadily. An engine that can say how fast it is gets

@@ -27,8 +27,9 @@ its prompt; the manifest says how many requests were budgeted that way.
 Everything decided is kept in `_staging/job.json` (a resumed job runs with the same values) and goes to the
 manifest as `engine.fitted`: what was fitted, from what, and why. Backends: vllm (tokenizer; KV capacity from the
 model config on CPU, or from num_gpu_blocks_override; on GPUs the capacity is known only once an engine starts, so
-max_num_seqs keeps its default there) and fake (its own word count; its concurrency is max_concurrency, not fitted).
-Other backends are not fitted.
+max_num_seqs keeps its default there) and fake (its own word count; its concurrency is max_concurrency, not fitted),
+by what their registry entry says fitting can know (engines/base.py `Backend.fitting`). A backend whose engine args
+are not nightshift's (http: the servers') is not fitted, and its requests are not measured.
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ from typing import Any
 import structlog
 
 from pipeline.config import DEFAULT_MAX_NUM_SEQS, JobConfig, effective_pools
+from pipeline.engines.base import backend
 from pipeline.io.staging import INGEST_PREFIX, StagedRow, StagingArea
 from pipeline.json_codec import loads
 from pipeline.models import ResolvedModel
@@ -201,9 +203,10 @@ def _own_requests(
     return counted
 
 
+# By what a backend's registry entry says fitting can know of it (engines/base.py Backend.fitting).
 _TARGETS: dict[str, Callable[[JobConfig, ResolvedModel], FitTarget | str]] = {
-    "vllm": _vllm_target,
-    "fake": _fake_target,
+    "tokenizer+kv": _vllm_target,
+    "word-count": _fake_target,
 }
 
 # Per process: what a worker built once serves every ingest task it runs (a tokenizer takes a second to load).
@@ -229,9 +232,10 @@ def tokenizers_loaded() -> int:
 
 def fit_target(config: JobConfig, model: ResolvedModel) -> FitTarget | str:
     """What fitting needs from the job's backend, or why it cannot be fitted; built once per process."""
-    builder = _TARGETS.get(config.engine.backend)
+    entry = backend(config.engine.backend)
+    builder = _TARGETS.get(entry.fitting or "")
     if builder is None:
-        return f"the {config.engine.backend} backend cannot count tokens"
+        return entry.no_fit_reason or f"the {entry.name} backend cannot count tokens"
     key = (builder, model.model_dump_json(), config.engine.model_dump_json())
     if key not in _FIT_TARGETS:
         _FIT_TARGETS[key] = builder(config, model)
@@ -555,10 +559,13 @@ def nothing_to_fit(config: JobConfig) -> bool:
     given — so engines may take requests while ingest still reads them (they run `apply_fit(config, {})`)."""
     if not config.engine.fit.enabled:
         return True
+    entry = backend(config.engine.backend)
+    if entry.fitting is None:
+        return True  # nothing of it can be fitted (a server's engine args are its own)
     if config.engine.vllm.max_model_len is None:
         return False
-    if config.engine.backend != "vllm":
-        return True  # only vLLM engines have max_num_seqs fitted
+    if not entry.fits_max_num_seqs:
+        return True
     given = config.engine.vllm.max_num_seqs
     return all(
         pool.engine_overrides.get("max_num_seqs", given) is not None for pool in effective_pools(config)
@@ -583,7 +590,8 @@ def apply_fit(config: JobConfig, record: dict[str, Any]) -> JobConfig:
                 pool["engine_overrides"]["max_num_seqs"] = seqs[pool["name"]]
     elif "default" in seqs:
         vllm["max_num_seqs"] = seqs["default"]
-    if config.engine.backend == "vllm" and vllm["max_num_seqs"] is None and not record.get("max_num_seqs"):
+    fits_seqs = backend(config.engine.backend).fits_max_num_seqs
+    if fits_seqs and vllm["max_num_seqs"] is None and not record.get("max_num_seqs"):
         vllm["max_num_seqs"] = unfitted_max_num_seqs(config)
     return JobConfig.model_validate(data)
 
@@ -598,6 +606,11 @@ def _decide(
     if not config.engine.fit.enabled:
         log.info("engine args not fitted (--no-fit)")
         return {"enabled": False, "reason": "turned off (--no-fit / engine.fit.enabled: false)"}
+    if backend(config.engine.backend).fitting is None:
+        # Not a failure: this backend's engine args are not nightshift's to fit (an http job's servers).
+        reason = backend(config.engine.backend).no_fit_reason
+        log.info("engine args not fitted", reason=reason)
+        return {"enabled": False, "reason": reason}
     target = fit_target(config, model)
     if isinstance(target, str):
         log.warning("engine args not fitted", reason=target)
@@ -669,7 +682,7 @@ def _decide(
         )
 
     record["max_num_seqs"] = {}
-    if config.engine.backend == "vllm":
+    if backend(config.engine.backend).fits_max_num_seqs:
         for name, (args, device) in pool_args.items():
             pool_context = args.get("max_model_len") or context
             sized_for = min(pool_context, bound) if bound else pool_context

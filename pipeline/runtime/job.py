@@ -18,6 +18,7 @@ requests that have no staged row yet.
 from __future__ import annotations
 
 import datetime as dt
+import os
 import resource
 import time
 import uuid
@@ -29,7 +30,7 @@ import structlog
 
 from pipeline import __version__
 from pipeline.config import JobConfig, StorageConfig, effective_pools, merge_overrides
-from pipeline.engines.base import EngineSpec, engine_class
+from pipeline.engines.base import EngineSpec, backend, engine_class
 from pipeline.io.locations import RetryStats
 from pipeline.io.readers import InputSource
 from pipeline.io.staging import JobStateError, StagingArea
@@ -71,12 +72,71 @@ class JobOutcome:
     pools: dict[str, dict[str, float]] = field(default_factory=dict)
 
 
-def engine_spec(config: JobConfig, model: ResolvedModel) -> EngineSpec:
+def engine_spec(config: JobConfig, model: ResolvedModel | None) -> EngineSpec:
+    """The job's engine spec: its backend's args (engine.<backend>); None for `model` before it is known (a server
+    backend's model is the one its servers name)."""
     engine = config.engine
-    args = engine.vllm.model_dump() if engine.backend == "vllm" else engine.fake.model_dump()
-    if engine.backend == "fake" and engine.vllm.max_model_len:
+    args = engine.args().model_dump()
+    # A fitted backend without a context arg of its own (the fake) takes the one fitting sets (--max-model-len).
+    if backend(engine.backend).fitting and "max_model_len" not in args and engine.vllm.max_model_len:
         args["max_model_len"] = engine.vllm.max_model_len
-    return EngineSpec(engine.backend, model.path, model.name, args)
+    # A token is kept out of the args, which are logged and written to the manifest.
+    secret = args.pop("api_key", None)
+    key_env = args.get("api_key_env")
+    api_key = secret.get_secret_value() if secret else (os.environ.get(key_env) if key_env else None)
+    return EngineSpec(
+        engine.backend, model.path if model else "", model.name if model else "", args, api_key=api_key
+    )
+
+
+def job_models(config: JobConfig) -> tuple[dict[str, ResolvedModel], dict[str, Any]]:
+    """The model of each pool (the first pool's is the job's own: the one fitting measures and the manifest names
+    first), and what the backend told of itself before any work (`Engine.probe`: an http job's servers)."""
+    pools = effective_pools(config)
+    if backend(config.engine.backend).model_source == "server":
+        probed = engine_class(config.engine.backend).probe(engine_spec(config, None))
+        return server_models(config, pools, probed.get("servers") or []), probed
+    models = resolve_models(
+        [
+            (
+                p.name,
+                p.model or config.model,
+                p.served_model_name or (None if p.model else config.served_model_name),
+            )
+            for p in pools
+        ],
+        config.engine.vllm.runner,
+    )
+    return models, {}
+
+
+def server_models(config: JobConfig, pools: list, servers: list[dict[str, Any]]) -> dict[str, ResolvedModel]:
+    """A server backend's model: the name every body's `model` must equal — --served-model-name or --model as
+    given, else the one model the servers serve — which every server must serve."""
+    name = config.served_model_name or config.model
+    if name is None:
+        served = {m for s in servers for m in s["models"]}
+        if len(served) != 1:
+            raise PreflightError(
+                f"the servers serve {sorted(served) or 'no model'}: pass --model NAME (the name requests use)"
+            )
+        name = served.pop()
+    for server in servers:
+        if name not in server["models"]:
+            raise PreflightError(
+                f"endpoint {server['endpoint']} does not serve {name!r} (it serves {server['models']}): pass "
+                "--model with one of those, or point --endpoint at a server of that model"
+            )
+    endpoints = [s["endpoint"] for s in servers]
+    versions = sorted({f"{s['kind']} {s['version']}" for s in servers if s.get("version")})
+    model = ResolvedModel(
+        name=name,
+        path=" ".join(endpoints),
+        revision=", ".join(versions) or None,
+        source="server",
+        task=None,  # the server answers a route its model cannot serve with its own error
+    )
+    return {p.name: model for p in pools}
 
 
 def _prepare(config: JobConfig, resume: bool) -> tuple[InputSource, OutputTarget, StagingArea, JobState]:
@@ -111,19 +171,12 @@ def run_job(config: JobConfig, show_progress: bool = True, resume: bool = False)
     cpu0 = time.process_time()
     retries_before = RetryStats.snapshot()
     source, output, staging, state = _prepare(config, resume)
-    # The model of each pool (a pool without one serves the job's); the first pool's is the job's own: the one
-    # fitting measures and the manifest names first.
-    pool_models = resolve_models(
-        [
-            (
-                p.name,
-                p.model or config.model,
-                p.served_model_name or (None if p.model else config.served_model_name),
-            )
-            for p in effective_pools(config)
-        ],
-        config.engine.vllm.runner,
-    )
+    # The model of each pool (a pool without one serves the job's); an http job's servers probed, before any work.
+    pool_models, probed = job_models(config)
+    for server in probed.get("servers") or []:
+        log.info("server", endpoint=server["endpoint"], kind=server["kind"], version=server["version"])
+        for warning in server["warnings"]:
+            log.warning(warning)
     model = next(iter(pool_models.values()))
     spec = engine_spec(config, model)
     engine_class(spec.backend).check_spec(spec)
@@ -274,6 +327,7 @@ def run_job(config: JobConfig, show_progress: bool = True, resume: bool = False)
             cpu_cores=engines.get("cpu_cores") or None,
             first_ready_at=_utc(engines.get("first_ready_at")),  # engine start ends, generation begins
             fitted=state.fit,
+            probed=probed or None,
         ),
         **outputs,  # counts, shards, tokens
         placement=placement,

@@ -125,8 +125,7 @@ class Activity:
 def in_flight_window(engine: Engine) -> int:
     """2 x the sequences the engine runs at once, as it reports them after starting (vLLM decides max_num_seqs
     itself when it was not given), so one batch waits inside while the next runs."""
-    args = engine.effective_args()
-    return 2 * int(args.get("max_num_seqs") or args.get("max_concurrency") or DEFAULT_MAX_NUM_SEQS)
+    return 2 * int(engine.concurrency(engine.effective_args()) or DEFAULT_MAX_NUM_SEQS)
 
 
 def _has_gpus() -> bool:

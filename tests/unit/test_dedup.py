@@ -191,7 +191,7 @@ def word_target(limit: int):
 
 @pytest.fixture
 def words(monkeypatch):
-    monkeypatch.setitem(fit._TARGETS, "fake", lambda config, model: word_target(100))
+    monkeypatch.setitem(fit._TARGETS, "word-count", lambda config, model: word_target(100))
     config = JobConfig.model_validate({"engine": {"backend": "fake"}})
     model = ResolvedModel(name=MODEL, path="/nowhere", revision=None, source="local-dir")
     spec = fit.measuring(config, model)

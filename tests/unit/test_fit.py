@@ -246,7 +246,7 @@ def test_max_num_seqs_is_sized_for_what_the_requests_need_under_a_given_max_mode
     from pipeline.runtime import fit as fit_module
 
     target = word_target(limit=8192, block=16, capacity=capacity(100))  # 1,600 tokens of KV
-    monkeypatch.setitem(fit_module._TARGETS, "vllm", lambda config, model: target)
+    monkeypatch.setitem(fit_module._TARGETS, "tokenizer+kv", lambda config, model: target)
     rows = [chat("a", 10, 1, max_tokens=20), chat("b", 70, 2, max_tokens=10)]  # b grows to 80 tokens
     staging = staged(tmp_path, [rows])
     config = JobConfig.model_validate({"engine": {"vllm": {"max_model_len": 4096, "max_num_seqs": 64}}})
