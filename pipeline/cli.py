@@ -72,6 +72,10 @@ FLAG_FOR_KEY = {
     "storage.s3_endpoint_url": "--s3-endpoint-url",
     "storage.s3_region": "--s3-region",
     "storage.retries": "--io-retries",
+    "observe.metrics_port": "--metrics-port",
+    "observe.report": "--report/--no-report",
+    "observe.gpu_hour_price": "--gpu-hour-price",
+    "observe.hosted_price": "--hosted-price",
 }
 
 
@@ -257,6 +261,27 @@ def run(
     ] = None,
     log_format: Annotated[str, typer.Option(help="Logs: console or json.")] = "console",
     progress: Annotated[bool, typer.Option("--progress/--no-progress", help="Live progress display.")] = True,
+    metrics_port: Annotated[
+        int | None, typer.Option(help="Serve Prometheus metrics of the running job on this port (/metrics).")
+    ] = None,
+    report: Annotated[
+        bool | None,
+        typer.Option("--report/--no-report", help="Write report.html beside manifest.json (default: on)."),
+    ] = None,
+    gpu_hour_price: Annotated[
+        list[str] | None,
+        typer.Option(
+            help="Price of one accelerator-hour (CPU engines: one node-hour), e.g. 2.5, or per pool: cuda=2.5 "
+            "(repeat). Gives the job's cost per 1M tokens."
+        ),
+    ] = None,
+    hosted_price: Annotated[
+        str | None,
+        typer.Option(
+            help="Hosted batch price to compare with: INPUT/OUTPUT USD per 1M tokens (e.g. 0.075/0.30) or a preset "
+            "(e.g. openai-gpt-4o-mini-batch; see pipeline/observe/data/hosted_prices.yaml)."
+        ),
+    ] = None,
 ) -> None:
     """Run a batch: INPUT (OpenAI Batch JSONL/Parquet) → OUTPUT/ (sorted result shards, error shards, manifest.json)."""
     from pipeline.observe.logs import configure_logging
@@ -309,6 +334,10 @@ def run(
             "storage.s3_endpoint_url": s3_endpoint_url,
             "storage.s3_region": s3_region,
             "storage.retries": io_retries,
+            "observe.metrics_port": metrics_port,
+            "observe.report": report,
+            "observe.gpu_hour_price": _gpu_hour_prices(gpu_hour_price),
+            "observe.hosted_price": hosted_price,
         }
         job = merge_overrides(load_job_config(config), overrides, labels=FLAG_FOR_KEY)
     except ConfigError as exc:
@@ -320,6 +349,17 @@ def run(
     except OSError as exc:
         _fail(f"config file {config} cannot be read ({exc.strerror or exc}): check its path and permissions")
     _run(job, progress, resume, token_file)
+
+
+def _gpu_hour_prices(values: list[str] | None) -> dict[str, float] | None:
+    from pipeline.observe.cost import parse_gpu_hour_prices
+
+    if not values:
+        return None
+    try:
+        return parse_gpu_hour_prices(values)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from exc
 
 
 def _json_option(value: str | None, flag: str) -> dict | None:

@@ -423,6 +423,47 @@ class PoolConfig(_Strict):
         return self
 
 
+class ObserveConfig(_Strict):
+    """What the job shows of itself while it runs and leaves behind: metrics, the report, its cost."""
+
+    metrics_port: int | None = Field(
+        default=None,
+        ge=1,
+        le=65535,
+        description="Serve Prometheus metrics of the running job on this port of the driver (/metrics).",
+    )
+    report: bool = Field(
+        default=True, description="Write report.html (charts, settings, cost) beside the manifest."
+    )
+    gpu_hour_price: dict[str, float] = Field(
+        default_factory=dict,
+        description="Price of one accelerator-hour per pool (on CPU engines: one node-hour); key '*' for every "
+        "pool. Gives the job's own cost per 1M tokens.",
+    )
+    hosted_price: str | None = Field(
+        default=None,
+        description="A hosted batch price to compare with: a preset (pipeline/observe/data/hosted_prices.yaml, "
+        "e.g. openai-gpt-4o-mini-batch) or INPUT/OUTPUT in USD per 1M tokens.",
+    )
+
+    @field_validator("gpu_hour_price")
+    @classmethod
+    def _prices(cls, value: dict[str, float]) -> dict[str, float]:
+        bad = {k: v for k, v in value.items() if v < 0}
+        if bad:
+            raise ValueError(f"prices must not be negative, got {bad}")
+        return value
+
+    @field_validator("hosted_price")
+    @classmethod
+    def _hosted(cls, value: str | None) -> str | None:
+        if value is not None:
+            from pipeline.observe.cost import parse_hosted_price
+
+            parse_hosted_price(value)
+        return value
+
+
 class OutputConfig(_Strict):
     """How results are written."""
 
@@ -538,6 +579,9 @@ class JobConfig(_Strict):
         default_factory=InputLimits, description="Bounds on one input line (length, JSON nesting, custom_id)."
     )
     overwrite: bool = Field(default=False, description="Replace a completed job already in OUTPUT.")
+    observe: ObserveConfig = Field(
+        default_factory=ObserveConfig, description="Metrics, the job report and its cost."
+    )
     pools: list[PoolConfig] = Field(
         default_factory=list,
         description="Accelerator pools; default: one pool 'default' sized by `resources`.",

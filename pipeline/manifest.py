@@ -18,7 +18,12 @@ from pipeline.models import ResolvedModel
 from pipeline.state import IngestRecord, InputSummary
 
 __all__ = [
+    "Cost",
     "Counts",
+    "Distribution",
+    "HostedPrice",
+    "PoolCost",
+    "RequestUsage",
     "DriverCost",
     "EngineReport",
     "Manifest",
@@ -172,6 +177,69 @@ class DriverCost(_Section):
     peak_rss_bytes: int = Field(description="Peak resident memory of the driver process.")
 
 
+class Distribution(_Section):
+    """One per-request quantity over the result rows (from log-spaced histograms: a percentile is read at its
+    bin's upper edge, at most ~4.4% above the exact value, never above the max)."""
+
+    count: int = Field(description="Rows measured.")
+    mean: float | None = Field(description="Mean (exact).")
+    p50: float | None = Field(description="Median.")
+    p90: float | None = Field(description="90th percentile.")
+    p99: float | None = Field(description="99th percentile.")
+    max: float | None = Field(description="Largest value (exact).")
+
+
+class RequestUsage(_Section):
+    """Per-request token usage and latency of the result rows; each row's own values are in Parquet output
+    (columns prompt_tokens, completion_tokens, queue_wait_s, engine_s)."""
+
+    prompt_tokens: Distribution | None = Field(description="Prompt tokens per request.")
+    completion_tokens: Distribution | None = Field(description="Completion tokens per request.")
+    queue_wait_s: Distribution | None = Field(
+        description="Seconds from the request's chunk reaching its engine actor until the request entered the "
+        "engine (engine start-up included for the first chunks)."
+    )
+    engine_s: Distribution | None = Field(description="Seconds inside the engine until the answer.")
+
+
+class PoolCost(_Section):
+    price_per_hour: float = Field(description="Price of one unit-hour (--gpu-hour-price).")
+    unit: str = Field(description="accelerator (engines x GPUs per engine) or node (CPU engines' nodes).")
+    units: float = Field(description="Units the pool held for this run.")
+    cost: float = Field(description="price_per_hour x units x wall hours.")
+
+
+class HostedPrice(_Section):
+    preset: str | None = Field(description="The preset named (observe/data/hosted_prices.yaml); None: given.")
+    input_per_1m: float = Field(description="USD per 1M input (prompt) tokens.")
+    output_per_1m: float = Field(description="USD per 1M output (completion) tokens.")
+
+
+class Cost(_Section):
+    """This run on owned hardware against a hosted batch API for the same tokens (observe/cost.py)."""
+
+    currency: str = Field(description="Currency of every price (USD).")
+    tokens: int = Field(description="Prompt + completion tokens of the job.")
+    rows: int = Field(description="Rows the job answered (results).")
+    wall_time_s: float = Field(description="Wall time the hardware was held for (this run).")
+    pools: dict[str, PoolCost] | None = Field(
+        default=None, description="Per priced pool: what it held and cost."
+    )
+    owned_cost: float | None = Field(default=None, description="Cost of this run on owned hardware.")
+    owned_per_1m_tokens: float | None = Field(default=None, description="owned_cost per 1M tokens.")
+    hosted: HostedPrice | None = Field(default=None, description="The hosted price compared with.")
+    hosted_cost: float | None = Field(default=None, description="The same tokens at the hosted price.")
+    hosted_per_1m_tokens: float | None = Field(default=None, description="hosted_cost per 1M tokens.")
+    startup_s: float | None = Field(
+        description="Fixed start-up measured in this run: seconds until the first engine was ready."
+    )
+    break_even_tokens: int | None = Field(
+        description="Tokens from which owned hardware costs less than hosted, start-up included; None: never "
+        "(or not both prices given)."
+    )
+    break_even_rows: int | None = Field(description="break_even_tokens in rows of this job's mix.")
+
+
 class Manifest(_Section):
     """`manifest.json`. Keys in the order they are written."""
 
@@ -209,6 +277,20 @@ class Manifest(_Section):
     )
     storage: StorageRetries = Field(description="Storage retries made by this run.")
     driver: DriverCost = Field(description="What coordinating cost the driver process.")
+    usage: RequestUsage | None = Field(
+        default=None, description="Per-request token usage and latency percentiles of the result rows."
+    )
+    stages: dict[str, dict[str, float | None]] | None = Field(
+        default=None,
+        description="Per stage (ingest, fit, engines, finalize): start and end, epoch seconds, across every run.",
+    )
+    cost: Cost | None = Field(
+        default=None,
+        description="Owned hardware against hosted batch (with --gpu-hour-price / --hosted-price).",
+    )
+    report: str | None = Field(
+        default=None, description="The job report's file name in OUTPUT (report.html)."
+    )
 
     @field_serializer("created_at", "finished_at")
     def _iso(self, value: dt.datetime) -> str:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import importlib
 import re
+import time
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -34,6 +35,10 @@ class EngineResult:
     error_code: ErrorCode | None = None
     prompt_tokens: int = 0
     completion_tokens: int = 0
+    # time.monotonic() in the engine's process when the request entered the engine and when its answer was back;
+    # None where a backend answers a chunk at once (the runtime then times the chunk).
+    started_at: float | None = None
+    finished_at: float | None = None
 
     @property
     def ok(self) -> bool:
@@ -173,9 +178,12 @@ class Engine(ABC):
 
         async def one(request: EngineRequest) -> EngineResult:
             if slots is None:
-                return await self.answer(request)
+                started = time.monotonic()
+                return _timed(await self.answer(request), started)
             async with slots:
-                return await self.answer(request)
+                # Timed from here: the wait for a slot is queueing, not the engine's time.
+                started = time.monotonic()
+                return _timed(await self.answer(request), started)
 
         return list(await asyncio.gather(*(one(request) for request in requests)))
 
@@ -195,6 +203,12 @@ class Engine(ABC):
 
     def shutdown(self) -> None:  # noqa: B027 - optional hook
         """Synchronous last-resort cleanup (actor teardown): stop child processes, free memory."""
+
+
+def _timed(result: EngineResult, started: float) -> EngineResult:
+    result.started_at = started if result.started_at is None else result.started_at
+    result.finished_at = time.monotonic() if result.finished_at is None else result.finished_at
+    return result
 
 
 @dataclass(frozen=True)

@@ -55,8 +55,16 @@ STAGED_SCHEMA = pa.schema(
         ("completion_tokens", pa.int64()),
         ("pool", pa.string()),
         ("record", pa.string()),  # the complete output line, JSON
+        # Per-request latency, measured in the engine actor (null for rows no engine ran: ingest's error records,
+        # and parts staged by a version that did not measure): seconds from the chunk's lease until the request
+        # entered the engine, and seconds inside the engine until its answer.
+        ("queue_wait_s", pa.float64()),
+        ("engine_s", pa.float64()),
     ]
 )
+
+# Columns added to STAGED_SCHEMA after jobs were already staged without them: read as nulls from older parts.
+LATER_STAGED_COLUMNS = ("queue_wait_s", "engine_s")
 
 REQUEST_SCHEMA = pa.schema(
     [
@@ -93,6 +101,8 @@ class StagedRow:
     completion_tokens: int
     pool: str
     record: str
+    queue_wait_s: float | None = None
+    engine_s: float | None = None
 
 
 def _is_part(name: str) -> bool:
@@ -449,7 +459,7 @@ class StagingArea:
         Arrow orders strings by their UTF-8 bytes, which is code point order: the same order as result_sort_key."""
         if not table.num_rows:
             return
-        table = table.select(STAGED_SCHEMA.names).cast(STAGED_SCHEMA)
+        table = with_later_columns(table).select(STAGED_SCHEMA.names).cast(STAGED_SCHEMA)
         keys = (
             [("custom_id", "ascending")]
             if kind == "results"
@@ -489,6 +499,15 @@ class StagingArea:
     def iter_column(self, kind: str, column: str) -> Iterator[Any]:
         for part in self.parts(kind):
             yield from self.read_part(part, [column]).column(column).to_pylist()
+
+
+def with_later_columns(table: pa.Table) -> pa.Table:
+    """`table` with the STAGED_SCHEMA columns added since it was written, as nulls (a part staged by an older
+    version, read on resume)."""
+    for name in LATER_STAGED_COLUMNS:
+        if name not in table.column_names:
+            table = table.append_column(STAGED_SCHEMA.field(name), pa.nulls(table.num_rows, pa.float64()))
+    return table
 
 
 def _name(path: str) -> str:

@@ -86,6 +86,10 @@ PARQUET_OUTPUT_SCHEMA = pa.schema(
         # score: one score per pair, in pair order; rerank: relevance scores, best first (as `ranking`)
         pa.field("scores", pa.list_(pa.float64())),
         pa.field("ranking", pa.list_(pa.int32())),  # rerank: document indexes, best first
+        # Per request, measured in the engine actor (null for lines no engine ran): seconds from its chunk's lease
+        # until it entered the engine, and seconds inside the engine.
+        pa.field("queue_wait_s", pa.float64()),
+        pa.field("engine_s", pa.float64()),
     ]
 )
 
@@ -96,7 +100,7 @@ def _dumps(value: Any, finite: bool) -> str | None:
     return None if value is None else json_codec.redumps(value, finite)
 
 
-def flatten_records(records: list[str]) -> pa.Table:
+def flatten_records(records: list[str], latency: dict[str, list] | None = None) -> pa.Table:
     """Output lines (JSON strings) → the Parquet output columns."""
     from pipeline.endpoints import endpoint_answering
 
@@ -122,6 +126,8 @@ def flatten_records(records: list[str]) -> pa.Table:
             if name == "content" and value is not None and not isinstance(value, str):
                 value = _dumps(value, fast)
             cols[name].append(value)
+    for name in ("queue_wait_s", "engine_s"):
+        cols[name] = (latency or {}).get(name) or [None] * len(records)
     return pa.table(cols, schema=PARQUET_OUTPUT_SCHEMA)
 
 
@@ -136,8 +142,13 @@ class ParquetEncoder:
 
     def write_table(self, table: pa.Table) -> None:
         for start in range(0, table.num_rows, WRITE_BATCH_ROWS):
-            records = table.column("record").slice(start, WRITE_BATCH_ROWS).to_pylist()
-            self._writer.write_table(flatten_records(records))
+            rows = table.slice(start, WRITE_BATCH_ROWS)
+            latency = {
+                name: rows.column(name).to_pylist()
+                for name in ("queue_wait_s", "engine_s")
+                if name in rows.column_names
+            }
+            self._writer.write_table(flatten_records(rows.column("record").to_pylist(), latency))
 
     def close(self) -> None:
         self._writer.close()

@@ -28,9 +28,13 @@ def summary_lines(manifest: dict[str, Any], output: Path) -> list[str]:
         lines.append(
             f"engine     {manifest.get('preemption_warning') or str(manifest['preemptions']) + ' preemptions'}"
         )
+    from pipeline.observe.cost import cost_lines
+
+    lines += cost_lines(manifest.get("cost"))
+    report = f", {manifest['report']}" if manifest.get("report") else ""
     lines.append(
         f"output     {output}/ ({len(shards['results'])} result shard(s), {len(shards['errors'])} error shard(s), "
-        "manifest.json)"
+        f"manifest.json{report})"
     )
     return lines
 

@@ -24,6 +24,7 @@ from pipeline.engines.base import EngineSpec, engine_class
 from pipeline.io.staging import StagingArea
 from pipeline.models import ResolvedModel
 from pipeline.observe.progress import JobCounters, ProgressDisplay
+from pipeline.observe.recorder import JobRecorder
 from pipeline.runtime.monitor import EngineWatch, summarize_recovery
 from pipeline.runtime.placement import place_pool
 from pipeline.runtime.preflight import PreflightError
@@ -354,8 +355,11 @@ class EngineLaunch:
             if actor is not None:
                 ray.kill(actor)
 
-    def wait(self, counters: JobCounters, show_progress: bool) -> EngineRun:
-        """Watch until every engine's ticket has ended; what the engine phase reports to the manifest."""
+    def wait(
+        self, counters: JobCounters, show_progress: bool, recorder: JobRecorder | None = None
+    ) -> EngineRun:
+        """Watch until every engine's ticket has ended; what the engine phase reports to the manifest. `recorder`
+        (observe/recorder.py) is handed each reading: the job's timeline and metrics."""
         import ray
 
         monitor, queues = self.monitor, list(self.queues.values())
@@ -375,13 +379,22 @@ class EngineLaunch:
             progress_pools.clear()
             progress_pools.update(latest["pools"])
 
+        def record(force: bool = False) -> None:
+            if recorder is not None:
+                retried = lambda: ray.get(monitor.retried_count.remote(), timeout=10)  # noqa: E731
+                recorder.sample(counters, progress_pools, watch.engines, retried, force=force)
+
         with ProgressDisplay(counters, enabled=show_progress, engines=watch.poll) as progress:
             while not self._running.wait(PROGRESS_POLL_S):
                 take_progress()
                 progress.update(pools=progress_pools)
+                record()
             self._running.result()
             take_progress()
             progress.update(force=True, pools=progress_pools)
+            watch.every_s = 0.0  # the engines' last reports, for the last sample
+            watch.poll()
+            record(force=True)
         run = EngineRun(pools={name: dict(stats) for name, stats in progress_pools.items()})
         reserved = {pool.name: pool.cpus_per_engine for pool in self.pools}
         snapshot = ray.get(monitor.snapshot.remote())

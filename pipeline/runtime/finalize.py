@@ -45,7 +45,7 @@ import structlog
 from pipeline.config import StorageConfig
 from pipeline.io.files import atomic_write_json
 from pipeline.io.locations import Location, RetryStats
-from pipeline.io.staging import STAGED_SCHEMA, LocalFiles, PartFiles, StagingArea
+from pipeline.io.staging import STAGED_SCHEMA, LocalFiles, PartFiles, StagingArea, with_later_columns
 from pipeline.io.writers import MANIFEST_NAME, OutputTarget, output_target, shard_encoder
 from pipeline.manifest import Manifest
 from pipeline.runtime.session import must_pin_to_driver
@@ -82,7 +82,19 @@ MAX_SAMPLE_PER_PART = 4096
 KEY_COLUMNS = {"results": ["custom_id"], "errors": ["source", "line"]}
 # The token columns ride along so each shard's task sums them: the manifest's totals (across resumes too) cost the
 # driver nothing.
-READ_COLUMNS = ["custom_id", "source", "line", "error_code", "prompt_tokens", "completion_tokens", "record"]
+# So do the latency columns: each shard's task histograms its rows' usage (observe/usage.py), and Parquet shards
+# carry them per request.
+READ_COLUMNS = [
+    "custom_id",
+    "source",
+    "line",
+    "error_code",
+    "prompt_tokens",
+    "completion_tokens",
+    "record",
+    "queue_wait_s",
+    "engine_s",
+]
 PIECE_OPTIONS = pa.ipc.IpcWriteOptions(compression="lz4")
 
 
@@ -153,7 +165,9 @@ class _Context:
                 part = self.files.parquet(path)
             else:
                 part = pq.ParquetFile(pa.BufferReader(self.files.read_bytes(path)))
-            return part.read(columns=columns, use_threads=False)
+            present = [c for c in columns if c in part.schema_arrow.names]
+            # A part staged before a column existed (a job resumed across versions) reads it as nulls.
+            return with_later_columns(part.read(columns=present, use_threads=False)).select(columns)
         with pa.ipc.open_stream(pa.py_buffer(self.files.read_bytes(path))) as reader:
             return reader.read_all().select(columns)
 
@@ -286,6 +300,10 @@ def _reduce_task(ctx: _Context, kind: str, shard: int, count: int, sources: list
             "completion": int(pc.sum(table.column("completion_tokens")).as_py() or 0),
         },
     }
+    if kind == "results":
+        from pipeline.observe.usage import usage_of
+
+        record["usage"] = usage_of(table)
     if kind == "errors":
         codes = pc.value_counts(table.column("error_code").drop_null()).to_pylist() if table.num_rows else []
         record["error_codes"] = {c["values"]: c["counts"] for c in codes}
@@ -557,6 +575,10 @@ def write_outputs(
     by_code: Counter[str] = Counter()
     for record in done["errors"].values():
         by_code.update(record.get("error_codes", {}))
+    from pipeline.observe.usage import merge
+
+    # Shards recorded by a version that did not histogram usage have none: the percentiles then cover the others.
+    usage = merge([record["usage"] for record in done["results"].values() if "usage" in record])
     tokens = {"prompt": 0, "completion": 0}
     for kind in KINDS:
         for record in done[kind].values():
@@ -571,6 +593,9 @@ def write_outputs(
         },
         "shards": shards,
         "tokens": tokens,
+        # Per-request usage of the result rows, as histograms (observe/usage.py): the manifest's percentiles and
+        # the report's length charts.
+        "usage_histograms": usage,
         # Which nodes ran finalize's tasks (a node id's first 8 characters, or "driver"), this attempt only.
         "placement": {"finalize": dict(sorted(tasks.placement.items()))},
     }

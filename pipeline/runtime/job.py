@@ -36,6 +36,7 @@ from pipeline.io.readers import InputSource
 from pipeline.io.staging import JobStateError, StagingArea
 from pipeline.io.writers import OutputTarget, output_target
 from pipeline.manifest import (
+    Cost,
     DriverCost,
     EngineReport,
     Manifest,
@@ -45,7 +46,10 @@ from pipeline.manifest import (
     Throughput,
 )
 from pipeline.models import ResolvedModel, resolve_models
+from pipeline.observe.cost import check_pools, job_cost, parse_hosted_price
 from pipeline.observe.progress import JobCounters
+from pipeline.observe.recorder import JobRecorder
+from pipeline.observe.report import request_usage, write_report
 from pipeline.runtime.feed import EngineLaunch, EngineRun, models_summary
 from pipeline.runtime.finalize import FORMAT_VERSION, commit, write_outputs
 from pipeline.runtime.fit import apply_fit, fit_job, measuring, nothing_to_fit
@@ -183,182 +187,262 @@ def run_job(config: JobConfig, show_progress: bool = True, resume: bool = False)
     for unused in config.engine.unused_settings():
         log.warning(unused)
     job_id = state.job_id
-
-    staging.create()
-
-    handed_over: list[float] = []  # when ingest handed the engines their first requests (streaming)
-
-    def hand_over(parts: list[str]) -> None:
-        assert launch is not None
-        launch.add_work(parts)
-        if not handed_over:
-            handed_over.append(time.time())
-
-    def prepare_work() -> JobConfig:
-        if not state.ingested:
-            # A validation pass cut short is redone whole: it is cheap next to generation, and partial parts of it
-            # could otherwise be staged twice.
-            staging.discard_ingest()
-            state.model = model
-            staging.write_job(state)
-            # Each line goes to a model some pool serves (model_not_found otherwise); the model's task rejects a
-            # route it cannot serve at validation (unsupported_task), before any engine.
-            served = {m.name: m.task for m in pool_models.values()}
-            # Validated and measured by tasks on the cluster; too-long prompts are error records already.
-            report = ingest(
-                source,
-                served,
-                staging,
-                job_id=job_id,
-                limits=config.limits,
-                measure=measuring(config, model),
-                reserve_cpus=launch is None,
-                on_requests=hand_over if streaming else None,
-            )
-            state.input = JobInput(
-                location=source.describe(),
-                fingerprint=report.fingerprint,
-                size_bytes=report.size_bytes,
-                lines=report.lines,
-                valid=report.valid,
-                invalid=report.invalid,
-                prefix_keyed=report.keyed,
-            )
-            if report.lengths is not None:
-                state.lengths = report.lengths.to_dict()
-            state.ingest = IngestRecord(
-                nodes=report.nodes(),
-                tasks_by_node=report.placement,
-                seconds={step: round(s, 3) for step, s in report.seconds.items()},
-                range_bytes=report.range_bytes,
-                streamed=streaming,
-                finished_at=time.time(),
-                first_work_handed_over_at=handed_over[0] if handed_over else None,
-            )
-            state.ingested = True
-            staging.write_job(state)
-        # Engine args fitted to the measured aggregate (runtime/fit.py; kept in state).
-        return fit_job(config, model, staging, state)
-
-    # Ingest runs as tasks on the cluster, so Ray starts first. On a fresh job the engines start right after it:
-    # their processes and imports overlap ingest and fitting, and they wait for the fitted args (runtime/feed.py).
-    start_ray(config.resources.address)
-    # When nothing is fitted to the input, they take requests while ingest still reads the rest (streaming).
-    launch: EngineLaunch | None = None
-    streaming = False
-    if not state.ingested:
-        launch = EngineLaunch(config, spec, staging, job_id, pool_models, source.rows_at_most())
-        if not resume and launch.can_stream and nothing_to_fit(config):
-            settled = apply_fit(config, {})
-            launch.stream(settled, engine_spec(settled, model))
-            streaming = True
-    run = EngineRun()
     try:
-        config = prepare_work()
-        spec = engine_spec(config, model)
-        lines = state.input.lines
-        log.info("input validated", lines=lines, valid=state.input.valid, invalid=state.input.invalid)
-        counters = JobCounters(total=lines)
-        counters.add_invalid(state.input.invalid)
-        if streaming:
-            assert launch is not None
-            launch.close_input(state.input.prefix_keyed, state.fit)
-            run = launch.wait(counters, show_progress)
-            # Requests that lost their custom_id to an earlier line may have run before that was known.
-            dropped = settle_losers(staging, source)
-            counters.done -= dropped
-            state.ingest.rows_dropped_after_running = dropped
-            work = PendingWork([], 0)
-            pending = 0
-        else:
-            settle_losers(staging, source)  # a resumed job whose streamed run was cut short
-            # On resume, the work list without what engines staged before (runtime/pending.py).
-            work = pending_work(staging, state.input.valid)
-            counters.done += work.finished_rows
-            pending = state.input.valid - work.finished_rows
-        if pending > 0:
-            launch = launch or EngineLaunch(config, spec, staging, job_id, pool_models, pending)
-            launch.feed(config, spec, work.files, state.input.prefix_keyed)
-            run = launch.wait(counters, show_progress)
-        elif launch is not None and not streaming:
-            launch.cancel()
-            launch.wait(counters, show_progress=False)
-    except BaseException:
-        if launch is not None:
-            launch.abort()
-        raise
+        check_pools(config.observe.gpu_hour_price, [p.name for p in effective_pools(config)])
+    except ValueError as exc:
+        raise PreflightError(str(exc)) from exc
 
-    outputs = write_outputs(
-        output, staging, config.output_options.rows_per_shard, lines, format=config.output_options.format
+    # The job's timeline (kept in staging) and, with --metrics-port, its /metrics: started before any work, so a
+    # port already taken stops the job here with what to change.
+    recorder = JobRecorder.for_staging(
+        staging, {"job_id": job_id, "model": model.name, "backend": spec.backend}
     )
-    # Where each stage's tasks ran (node id prefixes): ingest's steps, finalize's; engines are in engine.per_engine.
-    placement = Placement(
-        ingest=state.ingest.tasks_by_node if state.ingest else None, **outputs.pop("placement")
+    if config.observe.metrics_port is not None:
+        try:
+            port = recorder.serve_metrics(config.observe.metrics_port)
+        except OSError as exc:
+            raise PreflightError(
+                f"--metrics-port {config.observe.metrics_port}: cannot serve metrics there ({exc.strerror or exc}); "
+                "choose a free port"
+            ) from exc
+        log.info("metrics", url=f"http://0.0.0.0:{port}/metrics")
+    try:
+        staging.create()
+        recorder.run_started()
+
+        handed_over: list[float] = []  # when ingest handed the engines their first requests (streaming)
+
+        def hand_over(parts: list[str]) -> None:
+            assert launch is not None
+            launch.add_work(parts)
+            if not handed_over:
+                handed_over.append(time.time())
+
+        def prepare_work() -> JobConfig:
+            if not state.ingested:
+                # A validation pass cut short is redone whole: it is cheap next to generation, and partial parts of it
+                # could otherwise be staged twice.
+                staging.discard_ingest()
+                recorder.stage_started("ingest")
+                state.model = model
+                staging.write_job(state)
+                # Each line goes to a model some pool serves (model_not_found otherwise); the model's task rejects a
+                # route it cannot serve at validation (unsupported_task), before any engine.
+                served = {m.name: m.task for m in pool_models.values()}
+                # Validated and measured by tasks on the cluster; too-long prompts are error records already.
+                report = ingest(
+                    source,
+                    served,
+                    staging,
+                    job_id=job_id,
+                    limits=config.limits,
+                    measure=measuring(config, model),
+                    reserve_cpus=launch is None,
+                    on_requests=hand_over if streaming else None,
+                )
+                state.input = JobInput(
+                    location=source.describe(),
+                    fingerprint=report.fingerprint,
+                    size_bytes=report.size_bytes,
+                    lines=report.lines,
+                    valid=report.valid,
+                    invalid=report.invalid,
+                    prefix_keyed=report.keyed,
+                )
+                if report.lengths is not None:
+                    state.lengths = report.lengths.to_dict()
+                state.ingest = IngestRecord(
+                    nodes=report.nodes(),
+                    tasks_by_node=report.placement,
+                    seconds={step: round(s, 3) for step, s in report.seconds.items()},
+                    range_bytes=report.range_bytes,
+                    streamed=streaming,
+                    finished_at=time.time(),
+                    first_work_handed_over_at=handed_over[0] if handed_over else None,
+                )
+                state.ingested = True
+                staging.write_job(state)
+                recorder.stage_ended("ingest")
+            # Engine args fitted to the measured aggregate (runtime/fit.py; kept in state).
+            recorder.stage_started("fit")
+            fitted = fit_job(config, model, staging, state)
+            recorder.stage_ended("fit")
+            return fitted
+
+        # Ingest runs as tasks on the cluster, so Ray starts first. On a fresh job the engines start right after it:
+        # their processes and imports overlap ingest and fitting, and they wait for the fitted args (runtime/feed.py).
+        start_ray(config.resources.address)
+        # When nothing is fitted to the input, they take requests while ingest still reads the rest (streaming).
+        launch: EngineLaunch | None = None
+        streaming = False
+        if not state.ingested:
+            recorder.stage_started("engines")  # they start now, overlapping ingest and fitting
+            launch = EngineLaunch(config, spec, staging, job_id, pool_models, source.rows_at_most())
+            if not resume and launch.can_stream and nothing_to_fit(config):
+                settled = apply_fit(config, {})
+                launch.stream(settled, engine_spec(settled, model))
+                streaming = True
+        run = EngineRun()
+        try:
+            config = prepare_work()
+            spec = engine_spec(config, model)
+            lines = state.input.lines
+            log.info("input validated", lines=lines, valid=state.input.valid, invalid=state.input.invalid)
+            counters = JobCounters(total=lines)
+            counters.add_invalid(state.input.invalid)
+            if streaming:
+                assert launch is not None
+                launch.close_input(state.input.prefix_keyed, state.fit)
+                run = launch.wait(counters, show_progress, recorder)
+                # Requests that lost their custom_id to an earlier line may have run before that was known.
+                dropped = settle_losers(staging, source)
+                counters.done -= dropped
+                state.ingest.rows_dropped_after_running = dropped
+                work = PendingWork([], 0)
+                pending = 0
+            else:
+                settle_losers(staging, source)  # a resumed job whose streamed run was cut short
+                # On resume, the work list without what engines staged before (runtime/pending.py).
+                work = pending_work(staging, state.input.valid)
+                counters.done += work.finished_rows
+                pending = state.input.valid - work.finished_rows
+            if pending > 0:
+                if launch is None:
+                    recorder.stage_started("engines")
+                launch = launch or EngineLaunch(config, spec, staging, job_id, pool_models, pending)
+                launch.feed(config, spec, work.files, state.input.prefix_keyed)
+                run = launch.wait(counters, show_progress, recorder)
+            elif launch is not None and not streaming:
+                launch.cancel()
+                launch.wait(counters, show_progress=False)
+        except BaseException:
+            if launch is not None:
+                launch.abort()
+            raise
+        if launch is not None:
+            recorder.stage_ended("engines")
+
+        recorder.stage_started("finalize")
+        outputs = write_outputs(
+            output, staging, config.output_options.rows_per_shard, lines, format=config.output_options.format
+        )
+        usage_histograms = outputs.pop("usage_histograms")
+        usage = request_usage(usage_histograms)
+        # Where each stage's tasks ran (node id prefixes): ingest's steps, finalize's; engines are in engine.per_engine.
+        placement = Placement(
+            ingest=state.ingest.tasks_by_node if state.ingest else None, **outputs.pop("placement")
+        )
+        wall = time.monotonic() - t0
+        engines = summarize_engines(run.snapshot)
+        remedy = preemption_remedy(
+            engines.get("num_preemptions", 0),
+            engines.get("effective_args", {}),
+            (state.fit or {}).get("longest_sequence"),
+        )
+        if remedy and not run.preemption_warned:
+            log.warning(remedy)
+        manifest = Manifest(
+            format_version=FORMAT_VERSION,
+            nightshift_version=__version__,
+            job_id=job_id,
+            created_at=started_at,
+            finished_at=dt.datetime.now(dt.timezone.utc),
+            input=state.input.summary(),
+            ingest=state.ingest,  # where validation ran (Ray node ids), per step
+            model=model,
+            # Rows answered and tokens, per served model (a job may serve one model per pool).
+            models=models_summary(pool_models, run.pools),
+            engine=EngineReport(
+                backend=spec.backend,
+                args=engines.get("effective_args") or spec.args,
+                sampling_defaults=engines.get("sampling_defaults", {}),
+                engines=engines.get("engines", 0),
+                kv_cache_tokens_per_engine=engines.get("kv_cache_tokens_per_engine"),
+                in_flight=engines.get("in_flight"),
+                per_engine=engines.get("per_engine"),
+                kv_cache_usage_peak=engines.get("kv_cache_usage_peak"),
+                cpu_cores=engines.get("cpu_cores") or None,
+                first_ready_at=_utc(engines.get("first_ready_at")),  # engine start ends, generation begins
+                fitted=state.fit,
+                probed=probed or None,
+            ),
+            **outputs,  # counts, shards, tokens
+            placement=placement,
+            wall_time_s=round(wall, 3),
+            throughput=Throughput(
+                rows_per_s=round(counters.done / wall, 2) if wall else 0.0,
+                output_tokens_per_s=round(counters.completion_tokens / wall, 2) if wall else 0.0,
+            ),
+            preemptions=engines.get("num_preemptions", 0),
+            preemption_warning=remedy,
+            prefix_cache_hit_rate=engines.get("prefix_cache_hit_rate"),
+            routing=run.routing,
+            recovery=Recovery(
+                resumed=bool(resume),
+                rows_from_earlier_runs=work.finished_rows,
+                requests_retried_after_engine_failure=run.retried_requests,
+                duplicate_deliveries_dropped=run.duplicates_dropped,
+                leases=run.leases,
+                **run.recovery,
+            ),
+            pools=run.pools,
+            storage=StorageRetries(**RetryStats.since(retries_before)),
+            # What coordinating cost this process (all its threads): the cluster does the per-row work, so this
+            # should grow with files, chunks and shards, not with rows.
+            driver=DriverCost(
+                cpu_s=round(time.process_time() - cpu0, 3),
+                peak_rss_bytes=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+            ),
+            usage=usage,
+            cost=_cost(config, run, engines, wall, t0, outputs),
+        )
+        recorder.stage_ended("finalize")
+        manifest.stages = recorder.timeline.stages
+        if config.observe.report:
+            # Before the manifest: a committed job's report is complete; a report that fails costs the job nothing.
+            manifest.report = write_report(output, manifest, recorder.timeline, usage_histograms)
+        commit(output, staging, manifest)
+        return JobOutcome(output.where, manifest.model_dump(mode="json"), counters, run.pools)
+    finally:
+        recorder.close()
+
+
+def _cost(
+    config: JobConfig,
+    run: EngineRun,
+    engines: dict[str, Any],
+    wall: float,
+    t0: float,
+    outputs: dict[str, Any],
+) -> Cost | None:
+    """This run's cost against the hosted price (observe/cost.py), with --gpu-hour-price / --hosted-price."""
+    observe = config.observe
+    hosted = parse_hosted_price(observe.hosted_price) if observe.hosted_price else None
+    gpus = {p.name: p.gpus_per_engine or 0 for p in effective_pools(config)}
+    pools = {}
+    for name, stats in run.pools.items():
+        nodes = {
+            e.get("node_id") for e in (engines.get("per_engine") or {}).values() if e.get("pool") == name
+        }
+        pools[name] = {
+            "engines": stats.get("engines", 0),
+            "gpus_per_engine": gpus.get(name, 0),
+            "nodes": len(nodes),
+        }
+    ready = engines.get("first_ready_at")
+    # Start-up: from this run's start until the first engine could generate (ingest and model load included).
+    startup = ready - (time.time() - (time.monotonic() - t0)) if ready else None
+    cost = job_cost(
+        gpu_hour_price=observe.gpu_hour_price,
+        hosted=hosted,
+        pools=pools,
+        wall_s=wall,
+        startup_s=None if startup is None else max(0.0, startup),
+        prompt_tokens=outputs["tokens"]["prompt"],
+        completion_tokens=outputs["tokens"]["completion"],
+        rows=outputs["counts"]["succeeded"],
     )
-    wall = time.monotonic() - t0
-    engines = summarize_engines(run.snapshot)
-    remedy = preemption_remedy(
-        engines.get("num_preemptions", 0),
-        engines.get("effective_args", {}),
-        (state.fit or {}).get("longest_sequence"),
-    )
-    if remedy and not run.preemption_warned:
-        log.warning(remedy)
-    manifest = Manifest(
-        format_version=FORMAT_VERSION,
-        nightshift_version=__version__,
-        job_id=job_id,
-        created_at=started_at,
-        finished_at=dt.datetime.now(dt.timezone.utc),
-        input=state.input.summary(),
-        ingest=state.ingest,  # where validation ran (Ray node ids), per step
-        model=model,
-        # Rows answered and tokens, per served model (a job may serve one model per pool).
-        models=models_summary(pool_models, run.pools),
-        engine=EngineReport(
-            backend=spec.backend,
-            args=engines.get("effective_args") or spec.args,
-            sampling_defaults=engines.get("sampling_defaults", {}),
-            engines=engines.get("engines", 0),
-            kv_cache_tokens_per_engine=engines.get("kv_cache_tokens_per_engine"),
-            in_flight=engines.get("in_flight"),
-            per_engine=engines.get("per_engine"),
-            kv_cache_usage_peak=engines.get("kv_cache_usage_peak"),
-            cpu_cores=engines.get("cpu_cores") or None,
-            first_ready_at=_utc(engines.get("first_ready_at")),  # engine start ends, generation begins
-            fitted=state.fit,
-            probed=probed or None,
-        ),
-        **outputs,  # counts, shards, tokens
-        placement=placement,
-        wall_time_s=round(wall, 3),
-        throughput=Throughput(
-            rows_per_s=round(counters.done / wall, 2) if wall else 0.0,
-            output_tokens_per_s=round(counters.completion_tokens / wall, 2) if wall else 0.0,
-        ),
-        preemptions=engines.get("num_preemptions", 0),
-        preemption_warning=remedy,
-        prefix_cache_hit_rate=engines.get("prefix_cache_hit_rate"),
-        routing=run.routing,
-        recovery=Recovery(
-            resumed=bool(resume),
-            rows_from_earlier_runs=work.finished_rows,
-            requests_retried_after_engine_failure=run.retried_requests,
-            duplicate_deliveries_dropped=run.duplicates_dropped,
-            leases=run.leases,
-            **run.recovery,
-        ),
-        pools=run.pools,
-        storage=StorageRetries(**RetryStats.since(retries_before)),
-        # What coordinating cost this process (all its threads): the cluster does the per-row work, so this
-        # should grow with files, chunks and shards, not with rows.
-        driver=DriverCost(
-            cpu_s=round(time.process_time() - cpu0, 3),
-            peak_rss_bytes=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
-        ),
-    )
-    commit(output, staging, manifest)
-    return JobOutcome(output.where, manifest.model_dump(mode="json"), counters, run.pools)
+    return Cost.model_validate(cost) if cost else None
 
 
 def _utc(epoch: float | None) -> dt.datetime | None:

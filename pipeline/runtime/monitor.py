@@ -118,6 +118,10 @@ class JobMonitor:
     def solo_finished(self, custom_id: str) -> None:
         self._solo_running.discard(custom_id)
 
+    def retried_count(self) -> int:
+        """How many requests were started more than once (sampled live; `retries` is the full account)."""
+        return sum(1 for v in self._attempts.values() if v > 1)
+
     def retries(self) -> dict[str, int]:
         """Requests started more than once, and how often (a measure of recomputation after failures)."""
         return {k: v for k, v in self._attempts.items() if v > 1}
@@ -253,6 +257,7 @@ class EngineWatch:
         self.every_s = every_s
         self.longest_sequence = longest_sequence  # from fitting: makes the remedy exact
         self.summary: dict[str, Any] = {}
+        self.engines: dict[str, dict[str, Any]] = {}  # the engines' last raw reports (for the job's recorder)
         self.warned = False
         self._last = float("-inf")
         self._lock = threading.Lock()
@@ -273,7 +278,8 @@ class EngineWatch:
                 return self.summary
             self._last = now
             try:
-                self.summary = summarize_engines(self._snapshot())
+                self.engines = self._snapshot()
+                self.summary = summarize_engines(self.engines)
             except Exception as exc:  # noqa: BLE001 - a slow or restarting monitor must not stop the job
                 log.debug("engine stats unavailable", error=str(exc))
                 return self.summary

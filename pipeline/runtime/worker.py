@@ -57,10 +57,28 @@ def isolated_result(custom_id: str) -> EngineResult:
 
 
 def result_table(
-    results: list[EngineResult], lines: list[int], sources: list[str], pool: str, job_id: str | None = None
+    results: list[EngineResult],
+    lines: list[int],
+    sources: list[str],
+    pool: str,
+    job_id: str | None = None,
+    leased_at: float | None = None,
 ) -> pa.Table:
     """Finished results as staged rows (io.staging.STAGED_SCHEMA), built column by column: an Arrow table with
-    its schema given, so Ray Data need not infer types from Python values row by row."""
+    its schema given, so Ray Data need not infer types from Python values row by row.
+
+    `leased_at` (time.monotonic() when the chunk reached this engine actor) times each request: its queue wait
+    until it entered the engine, and its time inside. A result the backend did not time (a chunk answered at once,
+    a request run alone) counts the whole chunk as engine time."""
+    now = time.monotonic()
+    leased = now if leased_at is None else leased_at
+
+    def waited(r: EngineResult) -> float:
+        return round(max(0.0, (r.started_at if r.started_at is not None else leased) - leased), 6)
+
+    def inside(r: EngineResult) -> float:
+        start = r.started_at if r.started_at is not None else leased
+        return round(max(0.0, (r.finished_at if r.finished_at is not None else now) - start), 6)
 
     def record(result: EngineResult) -> str:
         seed = f"{job_id}:{result.custom_id}" if job_id else None
@@ -75,8 +93,16 @@ def result_table(
         "completion_tokens": [r.completion_tokens for r in results],
         "pool": [pool] * len(results),
         "record": [record(r) for r in results],
+        "queue_wait_s": [waited(r) for r in results],
+        "engine_s": [inside(r) for r in results],
     }
     return pa.table(columns, schema=STAGED_SCHEMA)
+
+
+def _total(table: pa.Table, column: str) -> int:
+    import pyarrow.compute as pc
+
+    return int(pc.sum(table.column(column)).as_py() or 0)
 
 
 class Activity:
@@ -89,6 +115,9 @@ class Activity:
         self.busy_s = 0.0
         self.rows = 0
         self.chunks = 0
+        # Tokens of the rows it finished: its own tok/s, per engine (the queue counts them per pool only).
+        self.prompt_tokens = 0
+        self.completion_tokens = 0
         self._running = 0
         self._since = 0.0
 
@@ -100,7 +129,7 @@ class Activity:
             self._since = now
         self._running += 1
 
-    def end(self, rows: int) -> None:
+    def end(self, rows: int, prompt_tokens: int = 0, completion_tokens: int = 0) -> None:
         now = time.time()
         self._running -= 1
         if not self._running:
@@ -108,6 +137,8 @@ class Activity:
         self.last = now
         self.rows += rows
         self.chunks += 1
+        self.prompt_tokens += prompt_tokens
+        self.completion_tokens += completion_tokens
 
     def as_dict(self) -> dict[str, Any]:
         busy = self.busy_s + (time.time() - self._since if self._running else 0.0)
@@ -115,6 +146,8 @@ class Activity:
         return {
             "rows": self.rows,
             "chunks": self.chunks,
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": self.completion_tokens,
             "first_request_at": self.first,
             "last_result_at": self.last,
             "busy_s": round(busy, 3),
@@ -264,6 +297,7 @@ class EngineWorker:
             info = {
                 "pool": self.pool,
                 "in_flight_window": self.window,
+                "requests_inside": self._in_flight,  # admitted into the engine now (running or waiting)
                 "activity": self.activity.as_dict(),
                 "pid": os.getpid(),
                 "node_id": self._node_id,
@@ -361,6 +395,7 @@ class EngineWorker:
 
     async def run_chunk(self, table: pa.Table, chunk: int = 0, attempt: int = 1) -> pa.Table:
         """One chunk of requests through the engine: its finished rows (io.staging.STAGED_SCHEMA)."""
+        leased_at = time.monotonic()
         engine = await self._engine()
         # Whole columns, not a dict per row: at a million rows per-row objects are the cost that shows.
         ids, urls, bodies = (table.column(name).to_pylist() for name in ("custom_id", "url", "body"))
@@ -383,14 +418,20 @@ class EngineWorker:
             results[n] = result
         lines = table.column("line").to_pylist()
         sources = table.column("source").to_pylist()
-        return result_table(results, lines, sources, self.pool, self.job_id)
+        return result_table(results, lines, sources, self.pool, self.job_id, leased_at)
 
     async def _run_lease(self, chunk: int, name: str, attempt: int, table: pa.Table) -> int:
         self.activity.begin()
+        finished = None
         try:
             finished = await self.run_chunk(table, chunk, attempt)
         finally:
-            self.activity.end(table.num_rows)
+            tokens = (
+                (_total(finished, "prompt_tokens"), _total(finished, "completion_tokens"))
+                if finished is not None
+                else (0, 0)
+            )
+            self.activity.end(table.num_rows, *tokens)
         # Staging is file or object-store I/O: off the event loop, which keeps feeding the engine meanwhile.
         staged = await asyncio.to_thread(self.sink.stage, name, finished)
         await self.queue.ack.remote(chunk, self.pool, staged)  # the queue tells the monitor
