@@ -417,6 +417,71 @@ def resume_command(
     _run(job, progress, resume=True, token_file=token_file)
 
 
+@app.command("status")
+def status_command(
+    output: Annotated[
+        str,
+        typer.Argument(
+            help="OUTPUT of a running, interrupted or finished job: a directory or s3://bucket/prefix."
+        ),
+    ],
+    as_json: Annotated[
+        bool, typer.Option("--json", help="The status as one JSON object, for scripts.")
+    ] = False,
+    watch: Annotated[
+        bool,
+        typer.Option(
+            "--watch", help="Redraw in place every few seconds until the job ends (Ctrl-C to leave)."
+        ),
+    ] = False,
+    every: Annotated[float, typer.Option(help="--watch: seconds between refreshes.", min=0.5)] = 2.0,
+    s3_endpoint_url: Annotated[
+        str | None,
+        typer.Option(help="S3-compatible endpoint. Default: AWS_ENDPOINT_URL_S3 / AWS_ENDPOINT_URL."),
+    ] = None,
+    s3_region: Annotated[str | None, typer.Option(help="S3 region. Default: AWS_REGION.")] = None,
+) -> None:
+    """Where a job stands, from its OUTPUT alone: state, rows, throughput, ETA, pools, errors by code."""
+    from pipeline.config import StorageConfig
+    from pipeline.io.staging import JobStateError
+    from pipeline.observe.status import NoJobError, job_status, render
+
+    if as_json and watch:
+        _fail("--json and --watch do not go together: --json prints once, for scripts")
+    storage = StorageConfig(s3_endpoint_url=s3_endpoint_url, s3_region=s3_region)
+
+    def read() -> dict:
+        try:
+            return job_status(output, storage)
+        except (NoJobError, JobStateError, FileNotFoundError) as exc:
+            _fail(str(exc))
+        except Exception as exc:  # noqa: BLE001 - an unreachable OUTPUT: say what failed in one line
+            _fail(f"cannot read {output}: {type(exc).__name__}: {exc}")
+
+    if as_json:
+        sys.stdout.write(json.dumps(read(), indent=2) + "\n")
+        return
+    from rich.console import Console
+
+    console = Console()
+    if not watch:
+        console.print(render(read()))
+        return
+    import time
+
+    from rich.live import Live
+
+    status = read()
+    try:
+        with Live(render(status), console=console, auto_refresh=False) as live:
+            while status["state"] == "running":
+                time.sleep(every)
+                status = read()
+                live.update(render(status), refresh=True)
+    except KeyboardInterrupt:
+        pass
+
+
 def _check_environment(job: JobConfig) -> None:
     """The fast checks of `nightshift doctor`, before Ray or an engine starts: a broken install stops here with
     its fix."""

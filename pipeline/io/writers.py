@@ -248,6 +248,10 @@ class OutputTarget(ABC):
     @abstractmethod
     def put_bytes(self, name: str, data: bytes) -> None: ...
 
+    def read_bytes(self, name: str) -> bytes:
+        """A file of a committed output (`nightshift status` reads the manifest)."""
+        raise NotImplementedError(f"{self.describe()}: reading back is not supported for this kind of output")
+
     def open_write(self, name: str) -> BinaryIO:
         spool = self.scratch_dir / "upload" / name
         return _SpoolUpload(spool, lambda path: self.put_file(path, name))  # type: ignore[return-value]
@@ -294,6 +298,9 @@ class LocalTarget(OutputTarget):
 
     def put_bytes(self, name: str, data: bytes) -> None:
         atomic_write_bytes(self.path / name, data)
+
+    def read_bytes(self, name: str) -> bytes:
+        return (self.path / name).read_bytes()
 
     def remove_previous_outputs(self) -> None:
         (self.path / MANIFEST_NAME).unlink(missing_ok=True)
@@ -358,6 +365,9 @@ class S3Target(OutputTarget):
 
     def put_bytes(self, name: str, data: bytes) -> None:
         self._call(f"PUT {name} to", lambda: self.fs.pipe_file(self._key(name), data))
+
+    def read_bytes(self, name: str) -> bytes:
+        return self._call(f"GET {name} from", lambda: self.fs.cat_file(self._key(name)))
 
     def list_names(self) -> list[str]:
         def listing() -> list[str]:

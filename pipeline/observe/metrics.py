@@ -5,7 +5,7 @@ reads: nothing here asks the cluster for anything, and a scrape costs no actor c
 counters (rate() gives tok/s over any window); what is true at an instant (in-flight requests, KV usage, the recent
 tok/s the progress bar shows) as gauges. Labels are bounded: `pool`, and `engine` (one per engine actor, a few per
 pool across restarts) — never a request's custom_id. `METRICS` lists every name exported; the Grafana dashboard
-(observe/grafana-dashboard.json) may use only these (tests/unit/test_metrics.py).
+(pipeline/observe/grafana-dashboard.json) may use only these (tests/unit/test_metrics.py).
 """
 
 from __future__ import annotations
