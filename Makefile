@@ -11,7 +11,7 @@ EXTRAS  := $(ENGINE),model,s3,serve,dev
 STAMP   := $(VENV)/.installed-$(ENGINE)-$(shell cksum pyproject.toml | cut -d' ' -f1)
 OUT     ?= out/example
 
-.PHONY: install run test test-fast lint bench clean
+.PHONY: install run test test-fast lint bench clean chromium
 
 install: $(STAMP)
 
@@ -33,8 +33,15 @@ run: install
 	$(VENV)/bin/nightshift run examples/chat.jsonl $(OUT) --overwrite
 	@echo "results: $(OUT)/results-*.jsonl   errors: $(OUT)/errors-*.jsonl   manifest: $(OUT)/manifest.json"
 
-test: install
+test: install chromium
 	$(PY) -m pytest -q --durations=25
+
+# The report test opens report.html in headless Chromium; installed here when missing and apt-get can (else the
+# test is skipped and says why).
+chromium:
+	@command -v chromium >/dev/null 2>&1 || (apt-get install -y chromium >/dev/null 2>&1 || \
+		(apt-get update >/dev/null 2>&1 && apt-get install -y chromium >/dev/null 2>&1) || \
+		echo "chromium could not be installed: the report screenshot test will be skipped")
 
 test-fast: install
 	$(PY) -m pytest -q -m "not slow"
