@@ -245,3 +245,14 @@ def test_fitting_counts_prompt_tokens_exactly_as_the_engine_does(job, embedded_m
         request = requests[record["custom_id"]]
         counted = counter.count(request["url"], request["body"])
         assert counted == [record["response"]["body"]["usage"]["prompt_tokens"]], record["custom_id"]
+
+
+def test_the_report_draws_every_chart_from_the_real_engine(job):
+    # The real engine reports its KV cache usage, so unlike the fake engine's report no chart is left a sentence.
+    from pipeline.observe.report import CHARTS
+    from tests.unit.test_observe import chart_svgs, drawn
+
+    _, output, _, _ = job
+    svgs = chart_svgs((output / "report.html").read_text())
+    assert sorted(svgs) == sorted(CHARTS)
+    assert all(drawn(svg) for svg in svgs.values())
