@@ -36,10 +36,16 @@ log = structlog.get_logger(__name__)
 STOP_GRACE_SECONDS = 30.0  # a job told to stop (SIGINT) gets this long to abort cleanly before SIGKILL
 
 
-def _die_with_parent() -> None:
+def _prepare_child() -> None:
+    libc = ctypes.CDLL("libc.so.6", use_errno=True)
     # PR_SET_PDEATHSIG: the kernel sends SIGTERM to the job when the thread that started it exits — here, the
     # batch's watcher thread, which lives exactly as long as the job is wanted.
-    ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)
+    libc.prctl(1, signal.SIGTERM)
+    # Ray's worker threads block SIGINT (and a process may ignore it), and both survive exec: undo them, so the
+    # job's Python turns our SIGINT into KeyboardInterrupt and aborts cleanly. (libc's signal(), because Python's
+    # refuses to run outside the main thread, which this forked thread is not.)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+    libc.signal(signal.SIGINT, 0)  # SIG_DFL
 
 
 class DataDir:
@@ -186,7 +192,7 @@ class BatchRunner:
                     stdin=subprocess.DEVNULL,
                     stdout=job_log,
                     stderr=job_log,
-                    preexec_fn=_die_with_parent,  # noqa: PLW1509 - prctl only; no locks taken
+                    preexec_fn=_prepare_child,  # noqa: PLW1509 - prctl only; no locks taken
                     env=_job_environment(),
                 )
             with self._lock:
