@@ -397,6 +397,12 @@ def resume_command(
         Path | None,
         typer.Option(help="File holding the Ray token of the job's cluster (as for `run --token-file`)."),
     ] = None,
+    address: Annotated[
+        str | None,
+        typer.Option(
+            help="Ray cluster to continue on; given, it replaces the job's (e.g. a restarted cluster)."
+        ),
+    ] = None,
     log_format: Annotated[str, typer.Option(help="Logs: console or json.")] = "console",
     progress: Annotated[bool, typer.Option("--progress/--no-progress", help="Live progress display.")] = True,
 ) -> None:
@@ -412,6 +418,7 @@ def resume_command(
     configure_logging(log_format)
     try:
         job = load_resumable(output, {"s3_endpoint_url": s3_endpoint_url, "s3_region": s3_region})
+        job = merge_overrides(job, {"resources.address": address}, FLAG_FOR_KEY)
     except (PreflightError, ConfigError) as exc:
         _fail(str(exc))
     _run(job, progress, resume=True, token_file=token_file)
@@ -480,6 +487,62 @@ def status_command(
                 live.update(render(status), refresh=True)
     except KeyboardInterrupt:
         pass
+
+
+@app.command()
+def serve(
+    host: Annotated[str | None, typer.Option(help="Address to listen on. Default: 127.0.0.1.")] = None,
+    port: Annotated[int | None, typer.Option(help="Port to listen on. Default: 8000.")] = None,
+    address: Annotated[
+        str | None, typer.Option(help="Ray cluster to join; default: start a local Ray.")
+    ] = None,
+    data_dir: Annotated[
+        Path | None,
+        typer.Option(help="Files, batch outputs and the SQLite state. Default: ./nightshift-data."),
+    ] = None,
+    config: Annotated[
+        Path | None,
+        typer.Option(
+            "--config", "-c", help="Server config YAML (limits, auth, the job every batch runs as)."
+        ),
+    ] = None,
+    api_keys_file: Annotated[
+        Path | None, typer.Option(help="File of API keys, one per line. Also: $NIGHTSHIFT_API_KEYS.")
+    ] = None,
+    no_auth: Annotated[
+        bool, typer.Option("--no-auth", help="Accept requests without a key (loopback only).")
+    ] = False,
+    log_format: Annotated[str, typer.Option(help="Logs: console or json.")] = "console",
+) -> None:
+    """The OpenAI Files + Batches API on Ray Serve: point the `openai` client's base_url at http://HOST:PORT/v1."""
+    from pipeline.observe.logs import configure_logging
+    from pipeline.server.auth import Keyring
+    from pipeline.server.settings import load_server_config
+
+    configure_logging(log_format)
+    try:
+        settings = load_server_config(
+            config,
+            {
+                "host": host,
+                "port": port,
+                "address": address,
+                "data_dir": str(data_dir) if data_dir else None,
+                "auth.keys_file": str(api_keys_file) if api_keys_file else None,
+                "auth.disabled": True if no_auth else None,
+            },
+        )
+        Keyring.load(settings.auth)  # keys are checked here, before Ray starts
+        settings.data_dir.mkdir(parents=True, exist_ok=True)
+    except ConfigError as exc:
+        _fail(str(exc))
+    except OSError as exc:
+        _fail(
+            f"--data-dir {data_dir}: cannot be created ({exc.strerror or exc}); choose a writable directory"
+        )
+    from pipeline.server.serving import serve_forever
+
+    serve_forever(settings.model_copy(update={"data_dir": settings.data_dir.resolve()}))
 
 
 def _check_environment(job: JobConfig) -> None:

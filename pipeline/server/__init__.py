@@ -1,0 +1,16 @@
+"""The OpenAI Files + Batches API, self-hosted (`nightshift serve`).
+
+    schemas.py   the wire objects (File, Batch, lists, errors) as pydantic models, OpenAI's field names and shapes
+    settings.py  the server's config (limits, auth, the job template every batch runs with), checked before start
+    store.py     files and batches in SQLite under the data dir (schema versioned, migrated on open)
+    auth.py      API keys (file or environment) and the owner each key maps to
+    uploads.py   multipart uploads parsed while they stream in, the size limit enforced on the way
+    runner.py    batches as jobs of the runtime: one `nightshift run`/`resume` process each, watched for counts,
+                 cancelled by signal, resumed after a restart
+    outputs.py   a batch's output and error files, streamed from its shards (or its checkpoint, if cut short)
+    routes.py    the FastAPI app: the endpoints, OpenAI's errors and status codes
+    app.py       the Ray Serve deployment wrapping that app, and the application import path for KubeRay
+
+Imports point downward: the server uses the runtime (through the `nightshift` CLI in a child process and the staging
+area's reader); nothing under pipeline/runtime knows this package exists.
+"""

@@ -1,0 +1,65 @@
+"""The Batch API as a Ray Serve application: one replica (the SQLite state and the batch runner live in it) whose
+ingress is the FastAPI app of routes.py.
+
+`nightshift serve` builds it with `build_app(config)`; KubeRay's RayService imports `pipeline.server.app:app_builder`
+with the server config as its args (see k8s/rayservice.yaml)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ray import serve
+
+from pipeline.server.routes import BatchService, create_app
+from pipeline.server.settings import ServerConfig
+
+APP_NAME = "nightshift"
+
+
+@serve.deployment(
+    name="BatchAPI",
+    # Exactly one replica: it owns the SQLite database and the batch processes. Serve restarts it if it dies, and
+    # the new one resumes the unfinished batches from their checkpoints.
+    num_replicas=1,
+    # The replica only coordinates; the cores are for the jobs' engines and tasks.
+    ray_actor_options={"num_cpus": 0},
+    max_ongoing_requests=256,
+    # A batch's job gets this long to stop cleanly (SIGINT) when the replica shuts down.
+    graceful_shutdown_timeout_s=20,
+)
+@serve.ingress()
+class BatchAPI:
+    def __init__(self, config_json: str) -> None:
+        import ray
+
+        config = ServerConfig.model_validate_json(config_json)
+        # The batches' jobs join the cluster this replica runs in.
+        self.service = BatchService(config, ray.get_runtime_context().gcs_address)
+        self.service.start()
+
+    def __serve_build_asgi_app__(self) -> Any:
+        return create_app(self.service)
+
+    def __del__(self) -> None:
+        service = getattr(self, "service", None)
+        if service is not None:
+            service.stop()
+
+
+def build_app(config: ServerConfig) -> serve.Application:
+    return BatchAPI.bind(config.model_dump_json())
+
+
+def app_builder(args: dict[str, Any]) -> serve.Application:
+    """Serve's application builder (`import_path: pipeline.server.app:app_builder`): `args` is a server config
+    (the keys of server.yaml), checked here, before any replica starts."""
+    from pydantic import ValidationError
+
+    from pipeline.config import ConfigError, format_validation_error
+
+    try:
+        config = ServerConfig.model_validate(args or {})
+    except ValidationError as exc:
+        raise ConfigError(f"server config: {format_validation_error(exc)}") from exc
+    config.check()
+    return build_app(config)

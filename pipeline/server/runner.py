@@ -1,0 +1,343 @@
+"""Batches run as jobs of the runtime, one child process each: `nightshift run` for a new batch, `nightshift
+resume` for one whose checkpoint exists (a restarted server), joined to the server's Ray cluster.
+
+Why a child process and not a thread of the API replica: a job's driver must be stoppable — a cancel or an expired
+window sends it SIGINT, and the job's own abort path releases its engines while every staged row stays on disk —
+and a thread cannot be stopped. The child dies with its parent (PR_SET_PDEATHSIG), so a killed server leaves no
+orphan driving its batch; the restarted server resumes it from the checkpoint.
+
+Counts are read from the job's checkpoint (`_staging/`: rows staged so far) while it runs, and from its manifest once
+it commits: request_counts are always rows that exist on disk.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections import Counter
+from pathlib import Path
+
+import structlog
+import yaml
+
+from pipeline.io.staging import StagingArea
+from pipeline.server import outputs
+from pipeline.server.schemas import FINAL_STATUSES, BatchError
+from pipeline.server.settings import ServerConfig
+from pipeline.server.store import Store, new_id
+
+log = structlog.get_logger(__name__)
+
+STOP_GRACE_SECONDS = 30.0  # a job told to stop (SIGINT) gets this long to abort cleanly before SIGKILL
+
+
+def _prepare_child() -> None:
+    libc = ctypes.CDLL("libc.so.6", use_errno=True)
+    # PR_SET_PDEATHSIG: the kernel sends SIGTERM to the job when the thread that started it exits — here, the
+    # batch's watcher thread, which lives exactly as long as the job is wanted.
+    libc.prctl(1, signal.SIGTERM)
+    # Ray's worker threads block SIGINT (and a process may ignore it), and both survive exec: undo them, so the
+    # job's Python turns our SIGINT into KeyboardInterrupt and aborts cleanly. (libc's signal(), because Python's
+    # refuses to run outside the main thread, which this forked thread is not.)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+    libc.signal(signal.SIGINT, 0)  # SIG_DFL
+
+
+class DataDir:
+    """Where everything lives under the data dir; every path is built from server-made ids only."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.database = root / "state.sqlite"
+        self.files = root / "files"
+        self.batches = root / "batches"
+        self.scratch = root / "tmp"
+
+    def create(self) -> None:
+        for d in (self.files, self.batches, self.scratch):
+            d.mkdir(parents=True, exist_ok=True)
+
+    def upload(self, file_id: str) -> Path:
+        return self.files / f"{file_id}.jsonl"
+
+    def batch(self, batch_id: str) -> Path:
+        return self.batches / batch_id
+
+    def output(self, batch_id: str) -> Path:
+        return self.batch(batch_id) / "output"
+
+
+class BatchRunner:
+    def __init__(self, config: ServerConfig, store: Store, data: DataDir, ray_address: str | None) -> None:
+        self.config = config
+        self.store = store
+        self.data = data
+        self.ray_address = ray_address
+        self._lock = threading.Condition()
+        self._queue: list[tuple[str, str]] = []  # (batch_id, owner), oldest first
+        self._running: dict[str, str] = {}  # batch_id -> owner
+        self._procs: dict[str, subprocess.Popen] = {}
+        self._cancel: set[str] = set()
+        self._stopping = False
+        self._scheduler = threading.Thread(target=self._schedule, name="batch-scheduler", daemon=True)
+
+    # -- lifecycle --------------------------------------------------------------------------------------------
+    def start(self) -> None:
+        """Pick up what a previous server left unfinished, then start taking batches."""
+        for batch, owner in self.store.unfinished_batches():
+            if batch.status == "cancelling":
+                # Its job stopped with the old server; what it staged is what finished.
+                self._finish_cut_short(batch.id, "cancelled")
+            else:
+                log.info("batch picked up after a restart", batch=batch.id, status=batch.status)
+                self._queue.append((batch.id, owner))
+        self._scheduler.start()
+
+    def stop(self) -> None:
+        """Server shutdown: stop the jobs without giving their batches a final status, so the next server
+        resumes them."""
+        with self._lock:
+            self._stopping = True
+            procs = list(self._procs.values())
+            self._lock.notify_all()
+        for proc in procs:
+            proc.send_signal(signal.SIGINT)
+
+    def submit(self, batch_id: str, owner: str) -> None:
+        with self._lock:
+            self._queue.append((batch_id, owner))
+            self._lock.notify_all()
+
+    def cancel(self, batch_id: str) -> None:
+        """Mark the batch cancelling (done by the caller) and stop its work: a queued batch never starts, a
+        running one's job gets SIGINT; both end `cancelled` with what finished."""
+        with self._lock:
+            queued = [q for q in self._queue if q[0] == batch_id]
+            for q in queued:
+                self._queue.remove(q)
+            self._cancel.add(batch_id)
+            proc = self._procs.get(batch_id)
+        if proc is not None:
+            proc.send_signal(signal.SIGINT)
+        elif queued:
+            self._finish_cut_short(batch_id, "cancelled")
+
+    # -- scheduling -------------------------------------------------------------------------------------------
+    def _next(self) -> tuple[str, str] | None:
+        """Fair order: the oldest queued batch of the owner with the fewest batches running."""
+        if not self._queue or len(self._running) >= self.config.limits.max_concurrent_batches:
+            return None
+        busy = Counter(self._running.values())
+        return min(self._queue, key=lambda q: (busy[q[1]], self._queue.index(q)))
+
+    def _schedule(self) -> None:
+        while True:
+            with self._lock:
+                while not self._stopping and (picked := self._next()) is None:
+                    self._lock.wait()
+                if self._stopping:
+                    return
+                self._queue.remove(picked)
+                self._running[picked[0]] = picked[1]
+            threading.Thread(
+                target=self._run, args=(picked[0],), name=f"batch-{picked[0]}", daemon=True
+            ).start()
+
+    # -- one batch --------------------------------------------------------------------------------------------
+    def _command(self, batch_id: str) -> list[str]:
+        out = self.data.output(batch_id)
+        common = ["--no-progress", *(["--address", self.ray_address] if self.ray_address else [])]
+        if (out / "_staging" / "job.json").is_file():
+            return [sys.executable, "-m", "pipeline", "resume", str(out), *common]
+        job = self.config.job.model_dump(mode="json", exclude_none=True)
+        batch = self.store.batch(batch_id)
+        assert batch is not None
+        job.update(
+            input=str(self.data.upload(batch.input_file_id)),
+            output=str(out),
+            job_id=batch_id,
+            overwrite=True,  # a first attempt cut short before its checkpoint existed may have left a directory
+        )
+        spec = self.data.batch(batch_id) / "job.yaml"
+        spec.write_text(yaml.safe_dump(job, sort_keys=False))
+        return [sys.executable, "-m", "pipeline", "run", "--config", str(spec), *common]
+
+    def _run(self, batch_id: str) -> None:
+        try:
+            self._drive(batch_id)
+        except Exception as exc:  # noqa: BLE001 - one batch's failure must not take the runner down
+            log.exception("batch runner failed", batch=batch_id)
+            self._fail(batch_id, "server_error", f"{type(exc).__name__}: {exc}")
+        finally:
+            with self._lock:
+                self._running.pop(batch_id, None)
+                self._procs.pop(batch_id, None)
+                self._lock.notify_all()
+
+    def _drive(self, batch_id: str) -> None:
+        out = self.data.output(batch_id)
+        self.data.batch(batch_id).mkdir(parents=True, exist_ok=True)
+        cut_short: str | None = None
+        rc = 0
+        if not outputs.committed(out):
+            log_path = self.data.batch(batch_id) / "job.log"
+            with open(log_path, "ab") as job_log:
+                proc = subprocess.Popen(
+                    self._command(batch_id),
+                    stdin=subprocess.DEVNULL,
+                    stdout=job_log,
+                    stderr=job_log,
+                    preexec_fn=_prepare_child,  # noqa: PLW1509 - prctl only; no locks taken
+                    env=_job_environment(),
+                )
+            with self._lock:
+                self._procs[batch_id] = proc
+                if self._stopping:
+                    proc.send_signal(signal.SIGINT)
+            stop_sent: float | None = None
+            while True:
+                try:
+                    rc = proc.wait(timeout=self.config.poll_seconds)
+                    break
+                except subprocess.TimeoutExpired:
+                    pass
+                self._observe(batch_id, out)
+                batch = self.store.batch(batch_id)
+                if cut_short is None and batch_id in self._cancel:
+                    cut_short = "cancelled"
+                if cut_short is None and batch and batch.expires_at and time.time() >= batch.expires_at:
+                    cut_short = "expired"
+                if (cut_short or self._stopping) and stop_sent is None:
+                    proc.send_signal(signal.SIGINT)
+                    stop_sent = time.monotonic()
+                if stop_sent is not None and time.monotonic() - stop_sent > STOP_GRACE_SECONDS:
+                    proc.kill()
+            if self._stopping:
+                return  # left unfinished on purpose: the next server resumes it
+            if batch_id in self._cancel:
+                cut_short = "cancelled"
+        if cut_short and not outputs.committed(out):
+            self._finish_cut_short(batch_id, cut_short)
+        elif outputs.committed(out):
+            self._finish(batch_id, "cancelled" if cut_short else "completed")
+        else:
+            self._fail(batch_id, "job_failed", _last_error(self.data.batch(batch_id) / "job.log", rc))
+
+    def _observe(self, batch_id: str, out: Path) -> None:
+        """Live counts and the status they imply, from the checkpoint."""
+        staging = StagingArea(out)
+        try:
+            state = staging.read_job()
+        except Exception:  # noqa: BLE001 - not written yet, or being replaced: next poll
+            return
+        if not state.ingested or state.input is None:
+            return
+        completed, failed = staging.count("results"), staging.count("errors")
+        now = int(time.time())
+        total = state.input.lines
+        self.store.update_batch(batch_id, total=total, completed=completed, failed=failed)
+        self.store.update_batch(batch_id, only_if=("validating",), status="in_progress", in_progress_at=now)
+        if completed + failed >= total:
+            self.store.update_batch(
+                batch_id, only_if=("in_progress",), status="finalizing", finalizing_at=now
+            )
+
+    def _register_files(self, batch_id: str) -> dict[str, str | None]:
+        out = self.data.output(batch_id)
+        owner = self.store.owner_of(batch_id)
+        ids: dict[str, str | None] = {"output_file_id": None, "error_file_id": None}
+        for kind, column, label in (
+            ("results", "output_file_id", "output"),
+            ("errors", "error_file_id", "error"),
+        ):
+            if outputs.output_rows(out, kind):
+                file_id = new_id("file-")
+                self.store.add_file(
+                    file_id,
+                    owner,
+                    f"{batch_id}_{label}.jsonl",
+                    "batch_output",
+                    outputs.output_bytes(out, kind),
+                    batch_id=batch_id,
+                    kind=kind,
+                )
+                ids[column] = file_id
+        return ids
+
+    def _finish(self, batch_id: str, status: str) -> None:
+        out = self.data.output(batch_id)
+        now = int(time.time())
+        completed, failed = outputs.output_rows(out, "results"), outputs.output_rows(out, "errors")
+        batch = self.store.batch(batch_id)
+        assert batch is not None
+        stamps = {"finalizing_at": batch.finalizing_at or now, "in_progress_at": batch.in_progress_at or now}
+        self.store.update_batch(
+            batch_id,
+            status=status,
+            total=completed + failed,
+            completed=completed,
+            failed=failed,
+            **stamps,
+            **{f"{status}_at": now},
+            **self._register_files(batch_id),
+        )
+        log.info("batch finished", batch=batch_id, status=status, completed=completed, failed=failed)
+
+    def _finish_cut_short(self, batch_id: str, status: str) -> None:
+        """Cancelled or expired before its output was committed: what the checkpoint holds is what finished."""
+        out = self.data.output(batch_id)
+        batch = self.store.batch(batch_id)
+        if batch is None or batch.status in FINAL_STATUSES:
+            return
+        completed, failed = outputs.output_rows(out, "results"), outputs.output_rows(out, "errors")
+        self.store.update_batch(
+            batch_id,
+            status=status,
+            completed=completed,
+            failed=failed,
+            **{f"{status}_at": int(time.time())},
+            **self._register_files(batch_id),
+        )
+        log.info("batch cut short", batch=batch_id, status=status, completed=completed, failed=failed)
+
+    def _fail(self, batch_id: str, code: str, message: str) -> None:
+        self.store.update_batch(
+            batch_id,
+            status="failed",
+            failed_at=int(time.time()),
+            errors=[BatchError(code=code, message=message)],
+        )
+
+
+def _job_environment() -> dict[str, str]:
+    """The job joins this cluster with the token this replica's Ray uses. A token given to the cluster (the
+    environment, or nightshift's head token) the job finds itself; a private local Ray (`nightshift serve` without
+    --address) keeps Ray's own default token file, which the job must be pointed at (nightshift does not read it
+    implicitly: see cluster/auth.py)."""
+    from cluster.auth import TOKEN_ENV, TOKEN_PATH_ENV, default_token_path
+
+    env = dict(os.environ)
+    ray_default = Path.home() / ".ray" / "auth_token"
+    if (
+        not (env.get(TOKEN_ENV) or env.get(TOKEN_PATH_ENV) or default_token_path().is_file())
+        and ray_default.is_file()
+    ):
+        env[TOKEN_PATH_ENV] = str(ray_default)
+    return env
+
+
+def _last_error(log_path: Path, rc: int) -> str:
+    """The job's own one-line reason (`error: …`, what `nightshift run` prints last), else its exit code."""
+    try:
+        lines = log_path.read_text(errors="replace").splitlines()
+    except OSError:
+        lines = []
+    for line in reversed(lines):
+        if line.startswith("error: "):
+            return line[len("error: ") :]
+    return f"the job exited with code {rc}"

@@ -1,0 +1,107 @@
+"""OpenAI's File and Batch objects, their lists and its error body, as pydantic models.
+
+Field names, optionality and statuses follow OpenAI's API reference, so the official `openai` client parses every
+answer unchanged."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+BatchStatus = Literal[
+    "validating", "failed", "in_progress", "finalizing", "completed", "expired", "cancelling", "cancelled"
+]
+# Statuses a batch never leaves.
+FINAL_STATUSES = frozenset({"failed", "completed", "expired", "cancelled"})
+
+
+class FileObject(BaseModel):
+    id: str
+    object: Literal["file"] = "file"
+    bytes: int
+    created_at: int
+    filename: str
+    purpose: str = Field(description="batch (uploaded input), batch_output (a batch's output or error file)")
+    status: Literal["uploaded", "processed", "error"] = "processed"
+    expires_at: int | None = None
+    status_details: str | None = None
+
+
+class FileDeleted(BaseModel):
+    id: str
+    object: Literal["file"] = "file"
+    deleted: bool = True
+
+
+class RequestCounts(BaseModel):
+    total: int = 0
+    completed: int = 0
+    failed: int = 0
+
+
+class BatchError(BaseModel):
+    code: str
+    message: str
+    param: str | None = None
+    line: int | None = None
+
+
+class BatchErrors(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[BatchError]
+
+
+class BatchObject(BaseModel):
+    id: str
+    object: Literal["batch"] = "batch"
+    endpoint: str
+    errors: BatchErrors | None = None
+    input_file_id: str
+    completion_window: str
+    status: BatchStatus
+    output_file_id: str | None = None
+    error_file_id: str | None = None
+    created_at: int
+    in_progress_at: int | None = None
+    expires_at: int | None = None
+    finalizing_at: int | None = None
+    completed_at: int | None = None
+    failed_at: int | None = None
+    expired_at: int | None = None
+    cancelling_at: int | None = None
+    cancelled_at: int | None = None
+    request_counts: RequestCounts = Field(default_factory=RequestCounts)
+    metadata: dict[str, str] | None = None
+
+
+class CreateBatchRequest(BaseModel):
+    """The body of POST /v1/batches; unknown keys are refused, as OpenAI does."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    input_file_id: str = Field(min_length=1, max_length=128)
+    endpoint: str
+    completion_window: str
+    # OpenAI: up to 16 pairs, keys up to 64 characters, values up to 512.
+    metadata: dict[str, str] | None = Field(default=None, max_length=16)
+    output_expires_after: dict[str, Any] | None = None
+
+
+class ListPage(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[Any]
+    first_id: str | None = None
+    last_id: str | None = None
+    has_more: bool = False
+
+
+class ErrorDetail(BaseModel):
+    message: str
+    type: str = "invalid_request_error"
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorBody(BaseModel):
+    error: ErrorDetail

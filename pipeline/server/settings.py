@@ -1,0 +1,127 @@
+"""The server's configuration (`--config server.yaml`, flags win): where state lives, the limits OpenAI applies by
+default, who may call it, and the job every batch runs as. Everything is checked before Ray or Serve starts."""
+
+from __future__ import annotations
+
+import ipaddress
+from pathlib import Path
+from typing import Annotated, Any
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints, ValidationError, field_validator
+
+from pipeline.config import ConfigError, JobConfig, format_validation_error
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class ServerLimits(_Strict):
+    max_requests_per_batch: int = Field(
+        default=50_000, ge=1, description="Lines one batch input may hold (OpenAI: 50,000)."
+    )
+    max_file_bytes: int = Field(
+        default=200 * 1024 * 1024,
+        ge=1,
+        description="Bytes one uploaded file may hold (OpenAI batch input: 200 MB).",
+    )
+    max_concurrent_batches: int = Field(
+        default=1,
+        ge=1,
+        description="Batches running at once; the rest wait their turn, one owner after another.",
+    )
+    completion_windows: list[Annotated[str, StringConstraints(pattern=r"^[1-9][0-9]{0,4}[mhd]$")]] = Field(
+        default_factory=lambda: ["24h"],
+        min_length=1,
+        description="completion_window values accepted, e.g. 24h, 90m, 7d (OpenAI: only 24h).",
+    )
+
+
+class AuthSettings(_Strict):
+    keys_file: Path | None = Field(default=None, description="File of API keys, one per line (# comments).")
+    keys_env: str = Field(
+        default="NIGHTSHIFT_API_KEYS", description="Environment variable holding API keys, comma-separated."
+    )
+    disabled: bool = Field(
+        default=False, description="No keys at all (--no-auth); allowed only when listening on loopback."
+    )
+
+
+class ServerConfig(_Strict):
+    host: str = Field(default="127.0.0.1", description="Address the HTTP API listens on.")
+    port: int = Field(default=8000, ge=1, le=65535, description="Port the HTTP API listens on.")
+    address: str | None = Field(default=None, description="Ray cluster to join; default: start a local Ray.")
+    data_dir: Path = Field(
+        default=Path("nightshift-data"), description="Files, batch outputs and the SQLite state live here."
+    )
+    auth: AuthSettings = Field(default_factory=AuthSettings, description="API keys.")
+    limits: ServerLimits = Field(default_factory=ServerLimits, description="Limits, OpenAI's by default.")
+    job: JobConfig = Field(
+        default_factory=JobConfig,
+        description="The job config every batch runs with (model, engine, resources …); input and output are the "
+        "batch's own.",
+    )
+    poll_seconds: float = Field(
+        default=1.0,
+        gt=0,
+        le=60,
+        description="How often a running batch's counts are read from its checkpoint.",
+    )
+
+    @field_validator("job")
+    @classmethod
+    def _no_paths(cls, job: JobConfig) -> JobConfig:
+        if job.input or job.output:
+            raise ValueError(
+                "job.input and job.output are each batch's own: remove them from the server config"
+            )
+        if job.output_options.format != "jsonl":
+            raise ValueError("output files are JSONL, as OpenAI's are: remove job.output_options.format")
+        return job
+
+    def check(self) -> None:
+        """What cannot be expressed per field: keys are required unless --no-auth on loopback."""
+        if self.auth.disabled and not is_loopback(self.host):
+            raise ConfigError(
+                f"--no-auth is allowed only on loopback; --host {self.host} is reachable from elsewhere: "
+                "give API keys (--api-keys-file or $NIGHTSHIFT_API_KEYS) or listen on 127.0.0.1"
+            )
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def load_server_config(path: Path | None, overrides: dict[str, Any]) -> ServerConfig:
+    """The YAML file (if any) with flags (dotted keys, None = not given) over it; one line per problem."""
+    data: dict[str, Any] = {}
+    if path is not None:
+        if not path.is_file():
+            raise ConfigError(f"server config {path} does not exist")
+        try:
+            data = yaml.safe_load(path.read_text()) or {}
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"server config {path} is not valid YAML: {exc}") from exc
+        if not isinstance(data, dict):
+            raise ConfigError(f"server config {path} must hold a mapping at the top level")
+    for dotted, value in overrides.items():
+        if value is None:
+            continue
+        node = data
+        *parents, leaf = dotted.split(".")
+        for key in parents:
+            node = node.setdefault(key, {})
+        node[leaf] = value
+    try:
+        config = ServerConfig.model_validate(data)
+    except ValidationError as exc:
+        where = f"server config {path}: " if path else ""
+        raise ConfigError(where + format_validation_error(exc)) from exc
+    config.check()
+    return config

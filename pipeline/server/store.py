@@ -1,0 +1,306 @@
+"""Files and batches in one SQLite database under the data dir: a real file that survives restarts.
+
+The schema is versioned with SQLite's `user_version`; opening a database runs the migrations it has not seen, in
+order, each in its own transaction. A database from a newer server is refused rather than guessed at.
+
+One connection behind a lock: the API's handlers and the batch runner's threads all go through it, and each call
+is a short statement, so contention is negligible next to the HTTP round trip."""
+
+from __future__ import annotations
+
+import json
+import secrets
+import sqlite3
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+from pipeline.server.schemas import BatchError, BatchErrors, BatchObject, FileObject, RequestCounts
+
+# Each entry moves the schema one version up; never edit one that has shipped, add the next.
+MIGRATIONS: list[str] = [
+    # 1: files (uploads and batch outputs) and batches.
+    """
+    CREATE TABLE files (
+        id TEXT PRIMARY KEY,
+        owner TEXT NOT NULL,
+        filename TEXT NOT NULL,
+        purpose TEXT NOT NULL,
+        bytes INTEGER NOT NULL,
+        created_at INTEGER NOT NULL,
+        lines INTEGER,               -- uploads: request lines counted while streaming in
+        batch_id TEXT,               -- batch_output: the batch it comes from
+        kind TEXT,                   -- batch_output: results or errors
+        deleted INTEGER NOT NULL DEFAULT 0
+    );
+    CREATE TABLE batches (
+        id TEXT PRIMARY KEY,
+        owner TEXT NOT NULL,
+        endpoint TEXT NOT NULL,
+        input_file_id TEXT NOT NULL,
+        completion_window TEXT NOT NULL,
+        status TEXT NOT NULL,
+        metadata TEXT,
+        errors TEXT,
+        output_file_id TEXT,
+        error_file_id TEXT,
+        total INTEGER NOT NULL DEFAULT 0,
+        completed INTEGER NOT NULL DEFAULT 0,
+        failed INTEGER NOT NULL DEFAULT 0,
+        created_at INTEGER NOT NULL,
+        in_progress_at INTEGER, expires_at INTEGER, finalizing_at INTEGER, completed_at INTEGER,
+        failed_at INTEGER, expired_at INTEGER, cancelling_at INTEGER, cancelled_at INTEGER
+    );
+    """,
+    # 2: listing is per owner, newest first; `seq` orders objects created in the same second.
+    """
+    ALTER TABLE files ADD COLUMN seq INTEGER NOT NULL DEFAULT 0;
+    ALTER TABLE batches ADD COLUMN seq INTEGER NOT NULL DEFAULT 0;
+    UPDATE files SET seq = rowid;
+    UPDATE batches SET seq = rowid;
+    CREATE INDEX files_by_owner ON files (owner, seq);
+    CREATE INDEX batches_by_owner ON batches (owner, seq);
+    """,
+]
+SCHEMA_VERSION = len(MIGRATIONS)
+
+_TIMESTAMPS = (
+    "in_progress_at",
+    "expires_at",
+    "finalizing_at",
+    "completed_at",
+    "failed_at",
+    "expired_at",
+    "cancelling_at",
+    "cancelled_at",
+)
+
+
+class StoreError(RuntimeError):
+    pass
+
+
+def new_id(prefix: str) -> str:
+    """An unguessable id: 96 random bits, as OpenAI's ids are opaque."""
+    return f"{prefix}{secrets.token_hex(12)}"
+
+
+def migrate(conn: sqlite3.Connection, path: Path | str) -> int:
+    """Bring the database to SCHEMA_VERSION; returns the version it had."""
+    found = conn.execute("PRAGMA user_version").fetchone()[0]
+    if found > SCHEMA_VERSION:
+        raise StoreError(
+            f"{path} has schema version {found}, newer than this server's {SCHEMA_VERSION}: run a newer nightshift"
+        )
+    for version in range(found, SCHEMA_VERSION):
+        # executescript commits first; the explicit BEGIN/COMMIT makes each migration all-or-nothing.
+        conn.executescript(f"BEGIN; {MIGRATIONS[version]} PRAGMA user_version = {version + 1}; COMMIT;")
+    return found
+
+
+class Store:
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self._conn = sqlite3.connect(path, check_same_thread=False, isolation_level=None)
+        self._conn.row_factory = sqlite3.Row
+        self._conn.execute("PRAGMA journal_mode=WAL")
+        self._lock = threading.Lock()
+        with self._lock:
+            migrate(self._conn, path)
+
+    def close(self) -> None:
+        with self._lock:
+            self._conn.close()
+
+    @contextmanager
+    def _tx(self) -> Iterator[sqlite3.Connection]:
+        with self._lock:
+            self._conn.execute("BEGIN IMMEDIATE")
+            try:
+                yield self._conn
+            except BaseException:
+                self._conn.execute("ROLLBACK")
+                raise
+            self._conn.execute("COMMIT")
+
+    def _one(self, sql: str, args: tuple) -> sqlite3.Row | None:
+        with self._lock:
+            return self._conn.execute(sql, args).fetchone()
+
+    def _all(self, sql: str, args: tuple) -> list[sqlite3.Row]:
+        with self._lock:
+            return self._conn.execute(sql, args).fetchall()
+
+    # -- files ------------------------------------------------------------------------------------------------
+    def add_file(
+        self,
+        file_id: str,
+        owner: str,
+        filename: str,
+        purpose: str,
+        size: int,
+        lines: int | None = None,
+        batch_id: str | None = None,
+        kind: str | None = None,
+    ) -> FileObject:
+        with self._tx() as db:
+            seq = db.execute("SELECT COALESCE(MAX(seq), 0) + 1 FROM files").fetchone()[0]
+            db.execute(
+                "INSERT INTO files (id, owner, filename, purpose, bytes, created_at, lines, batch_id, kind, seq)"
+                " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                (file_id, owner, filename, purpose, size, int(time.time()), lines, batch_id, kind, seq),
+            )
+        found = self.file_row(file_id, owner)
+        assert found is not None
+        return file_object(found)
+
+    def file_row(self, file_id: str, owner: str) -> sqlite3.Row | None:
+        """A file of this owner, or None: another owner's file is as absent as one that never existed."""
+        return self._one("SELECT * FROM files WHERE id = ? AND owner = ? AND deleted = 0", (file_id, owner))
+
+    def list_files(
+        self, owner: str, after: str | None, limit: int, purpose: str | None, ascending: bool
+    ) -> tuple[list[FileObject], bool]:
+        return self._page("files", owner, after, limit, ascending, purpose, file_object)
+
+    def delete_file(self, file_id: str, owner: str) -> bool:
+        with self._tx() as db:
+            cur = db.execute(
+                "UPDATE files SET deleted = 1 WHERE id = ? AND owner = ? AND deleted = 0", (file_id, owner)
+            )
+            return cur.rowcount == 1
+
+    def file_in_use(self, file_id: str) -> bool:
+        """Whether an unfinished batch reads this upload (its content must outlive a delete until then)."""
+        row = self._one(
+            "SELECT 1 FROM batches WHERE input_file_id = ? AND status NOT IN "
+            "('failed', 'completed', 'expired', 'cancelled') LIMIT 1",
+            (file_id,),
+        )
+        return row is not None
+
+    # -- batches ----------------------------------------------------------------------------------------------
+    def add_batch(
+        self,
+        batch_id: str,
+        owner: str,
+        endpoint: str,
+        input_file_id: str,
+        completion_window: str,
+        metadata: dict[str, str] | None,
+        total: int,
+        expires_at: int,
+    ) -> BatchObject:
+        with self._tx() as db:
+            seq = db.execute("SELECT COALESCE(MAX(seq), 0) + 1 FROM batches").fetchone()[0]
+            db.execute(
+                "INSERT INTO batches (id, owner, endpoint, input_file_id, completion_window, status, metadata,"
+                " total, created_at, expires_at, seq) VALUES (?, ?, ?, ?, ?, 'validating', ?, ?, ?, ?, ?)",
+                (
+                    batch_id,
+                    owner,
+                    endpoint,
+                    input_file_id,
+                    completion_window,
+                    json.dumps(metadata) if metadata is not None else None,
+                    total,
+                    int(time.time()),
+                    expires_at,
+                    seq,
+                ),
+            )
+        found = self.batch(batch_id, owner)
+        assert found is not None
+        return found
+
+    def batch(self, batch_id: str, owner: str | None = None) -> BatchObject | None:
+        """A batch of this owner (any owner's when None: the runner's own view)."""
+        if owner is None:
+            row = self._one("SELECT * FROM batches WHERE id = ?", (batch_id,))
+        else:
+            row = self._one("SELECT * FROM batches WHERE id = ? AND owner = ?", (batch_id, owner))
+        return batch_object(row) if row else None
+
+    def list_batches(self, owner: str, after: str | None, limit: int) -> tuple[list[BatchObject], bool]:
+        return self._page("batches", owner, after, limit, False, None, batch_object)
+
+    def unfinished_batches(self) -> list[tuple[BatchObject, str]]:
+        """Every batch not in a final status with its owner, oldest first (what a restarted server picks up)."""
+        rows = self._all(
+            "SELECT * FROM batches WHERE status NOT IN ('failed', 'completed', 'expired', 'cancelled') ORDER BY seq",
+            (),
+        )
+        return [(batch_object(r), r["owner"]) for r in rows]
+
+    def owner_of(self, batch_id: str) -> str:
+        row = self._one("SELECT owner FROM batches WHERE id = ?", (batch_id,))
+        assert row is not None
+        return row["owner"]
+
+    def update_batch(self, batch_id: str, *, only_if: tuple[str, ...] = (), **fields: Any) -> bool:
+        """Set fields of a batch; with `only_if`, only while its status is one of those (a status change that
+        lost a race — e.g. a job finishing as it is cancelled — changes nothing). Returns whether it applied."""
+        if "errors" in fields and fields["errors"] is not None:
+            fields["errors"] = json.dumps([e.model_dump() for e in fields["errors"]])
+        sets = ", ".join(f"{k} = ?" for k in fields)
+        sql = f"UPDATE batches SET {sets} WHERE id = ?"
+        args: list[Any] = [*fields.values(), batch_id]
+        if only_if:
+            sql += f" AND status IN ({', '.join('?' for _ in only_if)})"
+            args += list(only_if)
+        with self._tx() as db:
+            return db.execute(sql, args).rowcount == 1
+
+    def _page(self, table, owner, after, limit, ascending, purpose, convert):  # noqa: ANN001 - internal
+        where = ["owner = ?"]
+        args: list[Any] = [owner]
+        if table == "files":
+            where.append("deleted = 0")
+            if purpose:
+                where.append("purpose = ?")
+                args.append(purpose)
+        if after:
+            # A cursor is an id; another owner's id (or an unknown one) is no cursor at all: nothing follows it.
+            cursor = self._one(f"SELECT seq FROM {table} WHERE id = ? AND owner = ?", (after, owner))
+            if cursor is None:
+                return [], False
+            where.append(f"seq {'>' if ascending else '<'} ?")
+            args.append(cursor["seq"])
+        order = "ASC" if ascending else "DESC"
+        rows = self._all(
+            f"SELECT * FROM {table} WHERE {' AND '.join(where)} ORDER BY seq {order} LIMIT ?",
+            (*args, limit + 1),
+        )
+        return [convert(r) for r in rows[:limit]], len(rows) > limit
+
+
+def file_object(row: sqlite3.Row) -> FileObject:
+    return FileObject(
+        id=row["id"],
+        bytes=row["bytes"],
+        created_at=row["created_at"],
+        filename=row["filename"],
+        purpose=row["purpose"],
+    )
+
+
+def batch_object(row: sqlite3.Row) -> BatchObject:
+    errors = json.loads(row["errors"]) if row["errors"] else None
+    return BatchObject(
+        id=row["id"],
+        endpoint=row["endpoint"],
+        errors=BatchErrors(data=[BatchError(**e) for e in errors]) if errors else None,
+        input_file_id=row["input_file_id"],
+        completion_window=row["completion_window"],
+        status=row["status"],
+        output_file_id=row["output_file_id"],
+        error_file_id=row["error_file_id"],
+        created_at=row["created_at"],
+        request_counts=RequestCounts(total=row["total"], completed=row["completed"], failed=row["failed"]),
+        metadata=json.loads(row["metadata"]) if row["metadata"] else None,
+        **{k: row[k] for k in _TIMESTAMPS},
+    )

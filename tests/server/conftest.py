@@ -1,0 +1,112 @@
+"""One `nightshift serve` (fake engine, two API keys) shared by the server tests: Ray and Serve start once."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+KEY_A = "key-a-" + "0" * 20
+KEY_B = "key-b-" + "1" * 20
+MAX_FILE_BYTES = 256 * 1024
+
+# The fake engine with a time model: 4 sequences at once, 0.05 s per generated token, so a few hundred lines take
+# long enough for a cancel or a restart to land mid-batch.
+JOB = {
+    "engine": {
+        "backend": "fake",
+        "fake": {"output_tokens": 4, "decode_seconds_per_token": 0.05, "max_concurrency": 4},
+    },
+    "resources": {"num_engines": 1, "cpus_per_engine": 0.5},
+}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    """`nightshift serve` as a child process on a loopback port; restartable on the same data dir."""
+
+    def __init__(self, root: Path, job: dict) -> None:
+        self.root = root
+        self.port = free_port()
+        self.config = root / "server.yaml"
+        self.config.write_text(
+            yaml.safe_dump({"job": job, "limits": {"max_file_bytes": MAX_FILE_BYTES}, "poll_seconds": 0.5})
+        )
+        self.keys = root / "keys"
+        self.keys.write_text(f"# test keys\n{KEY_A}\n{KEY_B}\n")
+        self.proc: subprocess.Popen | None = None
+        self.starts: list[float] = []
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self.port}/v1"
+
+    def start(self) -> None:
+        log = open(self.root / "serve.log", "ab")  # noqa: SIM115 - the child owns it
+        env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
+        env.pop("NIGHTSHIFT_API_KEYS", None)
+        t0 = time.monotonic()
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "pipeline", "serve", "--port", str(self.port), "--data-dir",
+             str(self.root / "data"), "--config", str(self.config), "--api-keys-file", str(self.keys)],
+            stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True,
+        )  # fmt: skip
+        import httpx
+
+        deadline = time.monotonic() + 90
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited: {(self.root / 'serve.log').read_text()[-3000:]}")
+            try:
+                if httpx.get(f"{self.base_url}/batches", timeout=2).status_code == 401:
+                    self.starts.append(time.monotonic() - t0)
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        raise RuntimeError("server did not answer within 90 s")
+
+    def stop(self) -> None:
+        if self.proc is None:
+            return
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            self.proc.wait(60)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+        self.proc = None
+
+
+@pytest.fixture(scope="session")
+def server(tmp_path_factory):
+    srv = Server(tmp_path_factory.mktemp("server"), JOB)
+    srv.start()
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="session")
+def client_a(server):
+    import openai
+
+    return openai.OpenAI(base_url=server.base_url, api_key=KEY_A, max_retries=0)
+
+
+@pytest.fixture(scope="session")
+def client_b(server):
+    import openai
+
+    return openai.OpenAI(base_url=server.base_url, api_key=KEY_B, max_retries=0)

@@ -1,0 +1,211 @@
+"""The official `openai` client, unchanged, against `nightshift serve` on a loopback port (fake engine)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+import yaml
+
+from tests.conftest import chat_line, completion_line
+from tests.server.conftest import JOB, MAX_FILE_BYTES
+
+pytestmark = pytest.mark.timeout(180)
+
+FINAL = ("completed", "failed", "cancelled", "expired")
+
+
+def write_input(path: Path, rows: int, bad: bool = True) -> Path:
+    lines = [chat_line(f"req-{i:04d}", f"question {i}") for i in range(rows)]
+    if bad:
+        lines += ["{not json", completion_line("req-0001", "a duplicate custom_id")]
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def wait_for(client, batch_id: str, until, timeout: float = 120):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        batch = client.batches.retrieve(batch_id)
+        if until(batch):
+            return batch
+        time.sleep(0.3)
+    raise AssertionError(f"batch {batch_id} stuck at {batch.status} {batch.request_counts}")
+
+
+def lines_of(client, file_id: str | None) -> list[dict]:
+    if file_id is None:
+        return []
+    return [json.loads(x) for x in client.files.content(file_id).text.splitlines()]
+
+
+def comparable(row: dict) -> tuple:
+    """A row without its random ids: custom_id, status and body (fake bodies are deterministic)."""
+    response = row["response"]
+    if response is None:
+        return (row["custom_id"], None, row["error"]["code"], row["error"]["line"])
+    body = {k: v for k, v in response["body"].items() if k != "id"}
+    return (row["custom_id"], response["status_code"], json.dumps(body, sort_keys=True))
+
+
+def test_upload_create_poll_download_matches_nightshift_run(client_a, tmp_path):
+    source = write_input(tmp_path / "requests.jsonl", 40)
+    uploaded = client_a.files.create(file=source.open("rb"), purpose="batch")
+    assert uploaded.id.startswith("file-") and uploaded.bytes == source.stat().st_size
+    assert uploaded.filename == "requests.jsonl" and uploaded.purpose == "batch"
+    assert client_a.files.content(uploaded.id).content == source.read_bytes()
+
+    batch = client_a.batches.create(
+        input_file_id=uploaded.id,
+        endpoint="/v1/chat/completions",
+        completion_window="24h",
+        metadata={"project": "roundtrip"},
+    )
+    assert batch.status == "validating" and batch.metadata == {"project": "roundtrip"}
+    assert batch.expires_at == batch.created_at + 24 * 3600
+    done = wait_for(client_a, batch.id, lambda b: b.status in FINAL)
+    assert done.status == "completed", done.errors
+    counts = done.request_counts
+    assert (counts.total, counts.completed, counts.failed) == (42, 40, 2)
+    for stamp in ("in_progress_at", "finalizing_at", "completed_at"):
+        assert getattr(done, stamp) >= done.created_at
+    results, errors = lines_of(client_a, done.output_file_id), lines_of(client_a, done.error_file_id)
+    assert len(results) + len(errors) == 42  # accounting: input lines = result lines + error lines
+    assert client_a.files.retrieve(done.output_file_id).purpose == "batch_output"
+
+    # The same file through `nightshift run` with the same job config gives the same rows.
+    job = {**JOB, "input": str(source), "output": str(tmp_path / "out")}
+    (tmp_path / "job.yaml").write_text(yaml.safe_dump(job))
+    subprocess.run(
+        [sys.executable, "-m", "pipeline", "run", "--config", str(tmp_path / "job.yaml"), "--no-progress"],
+        check=True,
+        capture_output=True,
+    )
+    expected = [json.loads(x) for p in sorted((tmp_path / "out").glob("results-*.jsonl")) for x in p.open()]
+    expected_errors = [
+        json.loads(x) for p in sorted((tmp_path / "out").glob("errors-*.jsonl")) for x in p.open()
+    ]
+    assert [comparable(r) for r in results] == [comparable(r) for r in expected]
+    assert [comparable(r) for r in errors] == [comparable(r) for r in expected_errors]
+
+
+def test_lists_paginate_newest_first(client_a, tmp_path):
+    ids = [
+        client_a.files.create(
+            file=write_input(tmp_path / f"f{i}.jsonl", 2, bad=False).open("rb"), purpose="batch"
+        ).id
+        for i in range(3)
+    ]
+    first = client_a.files.list(limit=2)
+    assert [f.id for f in first.data] == ids[::-1][:2] and first.has_more
+    second = client_a.files.list(limit=2, after=first.data[-1].id)
+    assert second.data[0].id == ids[0]
+    # The client's auto-pagination walks every page of batches.
+    listed = [b.id for b in client_a.batches.list(limit=1)]
+    assert len(listed) == len(set(listed)) >= 1
+    created = sorted(client_a.batches.retrieve(i).created_at for i in listed)
+    assert created[::-1] == [client_a.batches.retrieve(i).created_at for i in listed]
+
+
+def test_another_key_sees_nothing_of_the_first(client_a, client_b, tmp_path):
+    uploaded = client_a.files.create(file=write_input(tmp_path / "a.jsonl", 2).open("rb"), purpose="batch")
+    batch = client_a.batches.create(
+        input_file_id=uploaded.id, endpoint="/v1/chat/completions", completion_window="24h"
+    )
+    for call in (
+        lambda: client_b.files.retrieve(uploaded.id),
+        lambda: client_b.files.content(uploaded.id),
+        lambda: client_b.files.delete(uploaded.id),
+        lambda: client_b.batches.retrieve(batch.id),
+        lambda: client_b.batches.cancel(batch.id),
+        lambda: client_b.batches.create(
+            input_file_id=uploaded.id, endpoint="/v1/chat/completions", completion_window="24h"
+        ),
+    ):
+        with pytest.raises(openai.NotFoundError):
+            call()
+    assert uploaded.id not in [f.id for f in client_b.files.list()]
+    assert batch.id not in [b.id for b in client_b.batches.list()]
+    wait_for(client_a, batch.id, lambda b: b.status in FINAL)
+
+
+def test_cancel_mid_run_keeps_what_finished(client_a, tmp_path):
+    # 400 lines at 4 sequences x 0.2 s each: about 20 s of work, cancelled once the first rows are staged.
+    uploaded = client_a.files.create(
+        file=write_input(tmp_path / "long.jsonl", 400).open("rb"), purpose="batch"
+    )
+    batch = client_a.batches.create(
+        input_file_id=uploaded.id, endpoint="/v1/chat/completions", completion_window="24h"
+    )
+    wait_for(client_a, batch.id, lambda b: b.request_counts.completed > 0)
+    cancelling = client_a.batches.cancel(batch.id)
+    assert cancelling.status in ("cancelling", "cancelled") and cancelling.cancelling_at
+    done = wait_for(client_a, batch.id, lambda b: b.status in FINAL, timeout=60)
+    assert done.status == "cancelled" and done.cancelled_at
+    counts = done.request_counts
+    assert counts.total == 402 and 0 < counts.completed < 400
+    results = lines_of(client_a, done.output_file_id)
+    errors = lines_of(client_a, done.error_file_id)
+    assert len(results) == counts.completed and len(errors) == counts.failed
+    assert len({r["custom_id"] for r in results}) == len(results)
+    with pytest.raises(openai.ConflictError):
+        client_a.batches.cancel(batch.id)
+
+
+def test_errors_are_openai_shaped(server, client_a, tmp_path):
+    url = server.base_url
+    missing = httpx.get(f"{url}/files")
+    assert missing.status_code == 401 and missing.json()["error"]["code"] == "invalid_api_key"
+    wrong = httpx.get(f"{url}/files", headers={"Authorization": "Bearer not-a-key-of-this-server"})
+    assert wrong.status_code == 401
+    auth = {"Authorization": f"Bearer {client_a.api_key}"}
+    bad_json = httpx.post(
+        f"{url}/batches", content=b"{nope", headers={**auth, "Content-Type": "application/json"}
+    )
+    assert bad_json.status_code == 400 and bad_json.json()["error"]["type"] == "invalid_request_error"
+    bad_multipart = httpx.post(
+        f"{url}/files",
+        content=b"--x\r\nnot a part",
+        headers={**auth, "Content-Type": "multipart/form-data; boundary=x"},
+    )
+    assert bad_multipart.status_code == 400 and "error" in bad_multipart.json()
+    with pytest.raises(openai.BadRequestError) as exc:
+        client_a.batches.create(input_file_id="file-x", endpoint="/v1/images", completion_window="24h")
+    assert exc.value.body["param"] == "endpoint"
+    with pytest.raises(openai.BadRequestError):
+        client_a.batches.create(
+            input_file_id="file-x", endpoint="/v1/chat/completions", completion_window="1h"
+        )
+    with pytest.raises(openai.NotFoundError):
+        client_a.batches.retrieve("batch_../../etc/passwd")
+    big = tmp_path / "big.jsonl"
+    big.write_bytes(b"x" * (MAX_FILE_BYTES + 1))
+    with pytest.raises(openai.APIStatusError) as exc:
+        client_a.files.create(file=big.open("rb"), purpose="batch")
+    assert exc.value.status_code == 413
+    assert not list((server.root / "data" / "tmp").iterdir())  # the refused upload left nothing behind
+
+
+def test_restart_mid_batch_completes(server, client_a, tmp_path):
+    """Last in this module: it stops the shared server and starts another on the same data dir and port."""
+    uploaded = client_a.files.create(
+        file=write_input(tmp_path / "restart.jsonl", 200).open("rb"), purpose="batch"
+    )
+    batch = client_a.batches.create(
+        input_file_id=uploaded.id, endpoint="/v1/chat/completions", completion_window="24h"
+    )
+    before = wait_for(client_a, batch.id, lambda b: b.request_counts.completed > 0).request_counts.completed
+    server.stop()
+    server.start()
+    done = wait_for(client_a, batch.id, lambda b: b.status in FINAL)
+    assert done.status == "completed", done.errors
+    assert (done.request_counts.completed, done.request_counts.failed) == (200, 2)
+    results = lines_of(client_a, done.output_file_id)
+    assert sorted(r["custom_id"] for r in results) == [f"req-{i:04d}" for i in range(200)]
+    assert 0 < before < 200
