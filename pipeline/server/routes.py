@@ -15,7 +15,8 @@ from typing import Annotated, Any
 
 from fastapi import Depends, FastAPI, Header, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -23,6 +24,7 @@ from pipeline.config import format_validation_error
 from pipeline.endpoints import SUPPORTED_URLS
 from pipeline.server import outputs
 from pipeline.server.auth import Keyring
+from pipeline.server.metrics import exposition
 from pipeline.server.runner import BatchRunner, DataDir
 from pipeline.server.schemas import (
     FINAL_STATUSES,
@@ -265,6 +267,16 @@ def create_app(service: BatchService) -> FastAPI:
     def list_batches(who: Owner, after: str | None = None, limit: int = 20) -> ListPage:
         data, more = service.store.list_batches(who, after, page_limit(limit))
         return _page(data, more)
+
+    @app.get("/metrics")
+    def metrics(who: Owner) -> Response:
+        """Prometheus: the caller's batches by status, and each unfinished one's job metrics (server/metrics.py)."""
+        body = exposition(
+            service.store.batch_status_counts(who),
+            service.store.unfinished_batches_of(who),
+            service.data.output,
+        )
+        return Response(body, media_type=CONTENT_TYPE_LATEST)
 
     @app.post("/v1/batches/{batch_id}/cancel")
     def cancel_batch(batch_id: str, who: Owner) -> BatchObject:

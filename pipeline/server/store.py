@@ -236,6 +236,20 @@ class Store:
         )
         return [(batch_object(r), r["owner"]) for r in rows]
 
+    def batch_status_counts(self, owner: str) -> dict[str, int]:
+        rows = self._all(
+            "SELECT status, COUNT(*) AS n FROM batches WHERE owner = ? GROUP BY status", (owner,)
+        )
+        return {r["status"]: r["n"] for r in rows}
+
+    def unfinished_batches_of(self, owner: str) -> list[BatchObject]:
+        rows = self._all(
+            "SELECT * FROM batches WHERE owner = ? AND status NOT IN ('failed', 'completed', 'expired', 'cancelled')"
+            " ORDER BY seq",
+            (owner,),
+        )
+        return [batch_object(r) for r in rows]
+
     def owner_of(self, batch_id: str) -> str:
         row = self._one("SELECT owner FROM batches WHERE id = ?", (batch_id,))
         assert row is not None
