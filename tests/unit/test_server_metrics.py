@@ -66,7 +66,9 @@ def test_metrics_are_the_callers_batches_labelled_by_batch(tmp_path, monkeypatch
     (rows,) = mine["nightshift_rows_done"].samples
     assert rows.labels == {"batch": running.id} and rows.value == 7
     (engine,) = mine["nightshift_engine_requests_in_flight"].samples
-    assert engine.labels == {"batch": running.id, "pool": "default", "engine": "default-1"} and engine.value == 2
+    assert (
+        engine.labels == {"batch": running.id, "pool": "default", "engine": "default-1"} and engine.value == 2
+    )
     # Only names a job's driver exports, plus the server's own.
     exported = {name.removesuffix("_total") for name in METRICS}
     assert set(mine) <= exported | {"nightshift_server_batches"}
