@@ -534,6 +534,16 @@ def serve(
     no_auth: Annotated[
         bool, typer.Option("--no-auth", help="Accept requests without a key (loopback only).")
     ] = False,
+    hours: Annotated[
+        str | None,
+        typer.Option(
+            help="Run batches only inside this daily window, HH:MM-HH:MM (may wrap midnight): running ones stop at "
+            "its end, finished rows kept, and resume at the next opening."
+        ),
+    ] = None,
+    timezone: Annotated[
+        str | None, typer.Option(help="--hours: the window's IANA timezone (default: local time).")
+    ] = None,
     log_format: Annotated[str, typer.Option(help="Logs: console or json.")] = "console",
 ) -> None:
     """The OpenAI Files + Batches API on Ray Serve: point the `openai` client's base_url at http://HOST:PORT/v1."""
@@ -552,6 +562,8 @@ def serve(
                 "data_dir": str(data_dir) if data_dir else None,
                 "auth.keys_file": str(api_keys_file) if api_keys_file else None,
                 "auth.disabled": True if no_auth else None,
+                "hours": hours,
+                "timezone": timezone,
             },
         )
         Keyring.load(settings.auth)  # keys are checked here, before Ray starts

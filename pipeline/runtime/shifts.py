@@ -55,6 +55,8 @@ class Clock(Protocol):
 class SystemClock:
     """The wall clock; the alarm is SIGALRM, so it interrupts the main thread wherever it waits, as SIGINT does."""
 
+    waits_in_real_time = True  # a waiter may as well block on its own condition until the opening
+
     def now(self) -> dt.datetime:
         return dt.datetime.now(dt.timezone.utc)
 
@@ -82,6 +84,8 @@ class SystemClock:
 
 class SkippingClock(SystemClock):
     """Tests only: starts at `start` and runs at the wall clock's pace, but waiting for a window jumps ahead."""
+
+    waits_in_real_time = False
 
     def __init__(self, start: dt.datetime) -> None:
         self._offset = start - dt.datetime.now(dt.timezone.utc)

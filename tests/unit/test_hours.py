@@ -250,3 +250,15 @@ def test_run_refuses_a_bad_window_before_anything_starts(tmp_path, args, problem
     result = CliRunner().invoke(app, ["run", str(source), str(tmp_path / "out"), "--engine", "fake", *args])
     assert result.exit_code != 0 and problem in result.output
     assert not (tmp_path / "out").exists()
+
+
+def test_the_server_config_checks_its_window():
+    from pipeline.config import ConfigError
+    from pipeline.server.settings import ServerConfig
+
+    assert ServerConfig(hours="22:00-06:00", timezone="UTC").window() == NIGHT
+    assert ServerConfig().window() is None
+    with pytest.raises(ConfigError, match="not a time of day"):
+        ServerConfig(hours="22:00-30:00").check()
+    with pytest.raises(ConfigError, match="give hours"):
+        ServerConfig(timezone="UTC").check()
