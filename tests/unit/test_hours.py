@@ -262,3 +262,30 @@ def test_the_server_config_checks_its_window():
         ServerConfig(hours="22:00-30:00").check()
     with pytest.raises(ConfigError, match="give hours"):
         ServerConfig(timezone="UTC").check()
+
+
+def test_the_runner_waits_for_the_window_and_expires_what_waited_too_long(tmp_path):
+    """The server's runner outside its window: nothing starts; a queued batch past its completion_window ends
+    `expired` (with nothing finished), one within it keeps waiting."""
+    import time
+
+    from pipeline.server.runner import BatchRunner, DataDir
+    from pipeline.server.settings import ServerConfig
+    from pipeline.server.store import Store
+
+    data = DataDir(tmp_path)
+    data.create()
+    store = Store(data.database)
+    now = int(time.time())
+    store.add_batch("batch_old", "owner", "/v1/chat/completions", "file-x", "24h", None, 3, now - 1)
+    store.add_batch("batch_new", "owner", "/v1/chat/completions", "file-x", "24h", None, 3, now + 3600)
+    runner = BatchRunner(ServerConfig(hours="22:00-06:00", timezone="UTC"), store, data, None)
+    runner.clock = FakeClock(at("2025-03-10 12:00"))  # closed until 22:00
+    assert runner._closed_until() == at("2025-03-10 22:00")
+    runner._queue[:] = [("batch_old", "owner"), ("batch_new", "owner")]
+    runner._expire_queued()
+    assert store.batch("batch_old").status == "expired" and store.batch("batch_old").expired_at
+    assert store.batch("batch_new").status == "validating"
+    assert runner._queue == [("batch_new", "owner")]
+    runner.clock.t = at("2025-03-10 22:30")
+    assert runner._closed_until() is None
