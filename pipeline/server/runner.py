@@ -304,6 +304,12 @@ class BatchRunner:
         if not state.ingested or state.input is None:
             return
         completed, failed = staging.count("results"), staging.count("errors")
+        # Staged rows are only ever added — until the commit deletes `_staging/` under a poll's feet (the final counts
+        # are then the manifest's): counts never go back.
+        batch = self.store.batch(batch_id)
+        if batch is not None:
+            completed = max(completed, batch.request_counts.completed)
+            failed = max(failed, batch.request_counts.failed)
         now = int(time.time())
         total = state.input.lines
         self.store.update_batch(batch_id, total=total, completed=completed, failed=failed)

@@ -49,9 +49,9 @@ def test_a_batch_paused_by_the_window_resumes_at_the_next_opening(windowed, tmp_
     assert current.status == "completed", (current.errors, seen[-5:])
     assert (current.request_counts.completed, current.request_counts.failed) == (200, 1)
     # Never reported as anything but in progress while paused, and its counts never went back.
-    assert {status for status, _ in seen} <= {"validating", "in_progress", "finalizing"}
+    assert {status for status, _ in seen} <= {"validating", "in_progress", "finalizing"}, seen
     completed = [n for _, n in seen]
-    assert completed == sorted(completed)
+    assert completed == sorted(completed), seen
     # The job was stopped by the window and resumed from its checkpoint (the batch's job log says so).
     job_log = (windowed.root / "data" / "batches" / batch.id / "job.log").read_text()
     assert "interrupted; finished rows are kept" in job_log and "resuming job" in job_log
