@@ -214,6 +214,8 @@ class ShiftJob:
             try:
                 return proc.wait()
             except KeyboardInterrupt:
+                if proc.poll() == 0:
+                    return 0  # the job committed just as the window closed: done, nothing to stop or resume
                 # The window closed (or Ctrl-C, which the child, in our process group, received too): let its
                 # abort path end it; what it staged is kept.
                 proc.send_signal(signal.SIGINT)
