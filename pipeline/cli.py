@@ -154,6 +154,17 @@ def run(
     address: Annotated[
         str | None, typer.Option(help="Ray cluster address; default: start a local Ray.")
     ] = None,
+    hours: Annotated[
+        str | None,
+        typer.Option(
+            help="Work only inside this daily window, HH:MM-HH:MM (may wrap midnight, e.g. 22:00-06:00): wait "
+            "for it to open; when it closes, stop as Ctrl-C does (finished rows kept) and resume at the next opening."
+        ),
+    ] = None,
+    timezone: Annotated[
+        str | None,
+        typer.Option(help="--hours: the window's IANA timezone (default: this machine's local time)."),
+    ] = None,
     token_file: Annotated[
         Path | None,
         typer.Option(
@@ -348,7 +359,7 @@ def run(
         )
     except OSError as exc:
         _fail(f"config file {config} cannot be read ({exc.strerror or exc}): check its path and permissions")
-    _run(job, progress, resume, token_file)
+    _run(job, progress, resume, token_file, _hours(hours, timezone))
 
 
 def _gpu_hour_prices(values: list[str] | None) -> dict[str, float] | None:
@@ -393,6 +404,17 @@ def resume_command(
     s3_region: Annotated[
         str | None, typer.Option(help="S3 region (default: AWS_REGION); given, it replaces the job's.")
     ] = None,
+    hours: Annotated[
+        str | None,
+        typer.Option(
+            help="Work only inside this daily window, HH:MM-HH:MM (may wrap midnight, e.g. 22:00-06:00): wait "
+            "for it to open; when it closes, stop as Ctrl-C does (finished rows kept) and resume at the next opening."
+        ),
+    ] = None,
+    timezone: Annotated[
+        str | None,
+        typer.Option(help="--hours: the window's IANA timezone (default: this machine's local time)."),
+    ] = None,
     token_file: Annotated[
         Path | None,
         typer.Option(help="File holding the Ray token of the job's cluster (as for `run --token-file`)."),
@@ -421,7 +443,7 @@ def resume_command(
         job = merge_overrides(job, {"resources.address": address}, FLAG_FOR_KEY)
     except (PreflightError, ConfigError) as exc:
         _fail(str(exc))
-    _run(job, progress, resume=True, token_file=token_file)
+    _run(job, progress, resume=True, token_file=token_file, hours=_hours(hours, timezone))
 
 
 @app.command("status")
@@ -512,6 +534,16 @@ def serve(
     no_auth: Annotated[
         bool, typer.Option("--no-auth", help="Accept requests without a key (loopback only).")
     ] = False,
+    hours: Annotated[
+        str | None,
+        typer.Option(
+            help="Run batches only inside this daily window, HH:MM-HH:MM (may wrap midnight): running ones stop at "
+            "its end, finished rows kept, and resume at the next opening."
+        ),
+    ] = None,
+    timezone: Annotated[
+        str | None, typer.Option(help="--hours: the window's IANA timezone (default: local time).")
+    ] = None,
     log_format: Annotated[str, typer.Option(help="Logs: console or json.")] = "console",
 ) -> None:
     """The OpenAI Files + Batches API on Ray Serve: point the `openai` client's base_url at http://HOST:PORT/v1."""
@@ -530,6 +562,8 @@ def serve(
                 "data_dir": str(data_dir) if data_dir else None,
                 "auth.keys_file": str(api_keys_file) if api_keys_file else None,
                 "auth.disabled": True if no_auth else None,
+                "hours": hours,
+                "timezone": timezone,
             },
         )
         Keyring.load(settings.auth)  # keys are checked here, before Ray starts
@@ -565,7 +599,42 @@ def _check_environment(job: JobConfig) -> None:
         _fail(describe(problems[-1]))
 
 
-def _run(job: JobConfig, progress: bool, resume: bool = False, token_file: Path | None = None) -> None:
+def _hours(hours: str | None, timezone: str | None):  # noqa: ANN202 - pipeline.hours.Hours | None
+    from pipeline.hours import Hours, HoursError
+
+    if hours is None:
+        if timezone is not None:
+            _fail("--timezone is the window's timezone: give --hours too")
+        return None
+    try:
+        return Hours.parse(hours, timezone)
+    except HoursError as exc:
+        _fail(str(exc))
+
+
+def _run_in_hours(job: JobConfig, progress: bool, resume: bool, hours, token_file: Path | None) -> None:  # noqa: ANN001
+    """The job inside the window (runtime/shifts.py), each shift a child `run`/`resume` that prints its own
+    errors and summary; this process waits, stops and resumes them, and exits as the last one did."""
+    from pipeline.runtime.shifts import ShiftJob, clock_from_environment, run_in_hours
+
+    flags = [] if progress else ["--no-progress"]
+    if token_file is not None:
+        flags += ["--token-file", str(token_file)]
+    try:
+        code = run_in_hours(hours, ShiftJob(job, resume, flags), clock_from_environment())
+    except KeyboardInterrupt:
+        _fail("interrupted; finished rows are kept in OUTPUT/_staging/", code=130)
+    if code != 0:
+        raise typer.Exit(code)
+
+
+def _run(
+    job: JobConfig,
+    progress: bool,
+    resume: bool = False,
+    token_file: Path | None = None,
+    hours=None,  # noqa: ANN001 - pipeline.hours.Hours | None
+) -> None:
     import structlog
 
     from cluster.auth import AuthError, driver_environment
@@ -576,6 +645,9 @@ def _run(job: JobConfig, progress: bool, resume: bool = False, token_file: Path 
     from pipeline.runtime.preflight import PreflightError
 
     _check_environment(job)
+    if hours is not None:
+        _run_in_hours(job, progress, resume, hours, token_file)
+        return
     try:
         # The cluster's token (or none) is checked here, in milliseconds, and handed to Ray the way Ray reads it.
         with driver_environment(job.resources.address, token_file) as warnings:

@@ -3,7 +3,9 @@
 An anti-join on custom_id, done by Ray Data over the staged parts (hash-partitioned across the cluster, written back
 as the pending work list under `_staging/pending/`), so the driver never holds the finished ids of a job that may
 have a hundred million: it reads only the parts' row counts. Where the staging directory is on the driver's disk and
-the cluster spans hosts (tasks elsewhere could not read it), the driver filters the work list itself.
+the cluster spans hosts (tasks elsewhere could not read it), the driver filters the work list itself; so it does
+for a small job (at most DRIVER_FILTER_ROWS requests), whose finished ids fit in a few MB while the join's fixed
+cost — its shuffle actors start — is seconds (20 s on a busy 2-core box), paid by every resume of a small batch.
 
 A fresh job has nothing finished: its work list is used as it is, with no Ray Data job at all.
 """
@@ -20,6 +22,7 @@ from pipeline.runtime.session import must_pin_to_driver
 log = structlog.get_logger(__name__)
 
 ROWS_PER_PARTITION = 1_000_000  # the join's partitions: each holds about this many ids at once
+DRIVER_FILTER_ROWS = 100_000  # a work list this small is filtered by the driver (a bounded set of ids)
 
 
 @dataclass(frozen=True)
@@ -36,7 +39,7 @@ def pending_work(staging: StagingArea, valid: int) -> PendingWork:
     finished_rows = staging.num_rows(done_parts)
     if finished_rows >= valid:
         return PendingWork([], finished_rows)
-    if _driver_only(staging):
+    if valid <= DRIVER_FILTER_ROWS or _driver_only(staging):
         return PendingWork(staging.pending_requests(set(staging.finished_ids())), finished_rows)
     return PendingWork(_anti_join(staging, done_parts), finished_rows)
 

@@ -6,6 +6,11 @@ window sends it SIGINT, and the job's own abort path releases its engines while 
 and a thread cannot be stopped. The child dies with its parent (PR_SET_PDEATHSIG), so a killed server leaves no
 orphan driving its batch; the restarted server resumes it from the checkpoint.
 
+With a night window (`hours`), batches start or resume only inside it; at its end a running batch's job gets the
+same SIGINT (a batch already finalizing is let finish), the batch stays `in_progress` with the counts of its
+checkpoint, and it goes back to the head of the queue to resume at the next opening. A batch whose
+completion_window passes meanwhile, queued or running, ends `expired` with what finished.
+
 Counts are read from the job's checkpoint (`_staging/`: rows staged so far) while it runs, and from its manifest once
 it commits: request_counts are always rows that exist on disk.
 """
@@ -26,6 +31,7 @@ import structlog
 import yaml
 
 from pipeline.io.staging import StagingArea
+from pipeline.runtime.shifts import SystemClock, clock_from_environment
 from pipeline.server import outputs
 from pipeline.server.schemas import FINAL_STATUSES, BatchError
 from pipeline.server.settings import ServerConfig
@@ -84,6 +90,8 @@ class BatchRunner:
         self._procs: dict[str, subprocess.Popen] = {}
         self._cancel: set[str] = set()
         self._stopping = False
+        self.hours = config.window()
+        self.clock = clock_from_environment() if self.hours else SystemClock()
         self._scheduler = threading.Thread(target=self._schedule, name="batch-scheduler", daemon=True)
 
     # -- lifecycle --------------------------------------------------------------------------------------------
@@ -135,13 +143,49 @@ class BatchRunner:
         busy = Counter(self._running.values())
         return min(self._queue, key=lambda q: (busy[q[1]], self._queue.index(q)))
 
+    def _closed_until(self):  # noqa: ANN202 - datetime | None
+        """None while work may run; else when the window opens next."""
+        if self.hours is None:
+            return None
+        now = self.clock.now()
+        return None if self.hours.is_open(now) else self.hours.next_open(now)
+
+    def _expire_queued(self) -> None:
+        """Queued batches (never started, or paused by the window) whose completion_window has passed."""
+        now = time.time()
+        for batch_id, owner in list(self._queue):
+            batch = self.store.batch(batch_id)
+            if batch is not None and batch.expires_at and now >= batch.expires_at:
+                self._queue.remove((batch_id, owner))
+                self._finish_cut_short(batch_id, "expired")
+
     def _schedule(self) -> None:
+        announced = None
         while True:
             with self._lock:
-                while not self._stopping and (picked := self._next()) is None:
-                    self._lock.wait()
-                if self._stopping:
-                    return
+                while True:
+                    if self._stopping:
+                        return
+                    self._expire_queued()
+                    opens = self._closed_until()
+                    if opens is None and (picked := self._next()) is not None:
+                        break
+                    if opens is not None and announced != opens:
+                        log.info(
+                            "outside the window: batches wait",
+                            hours=self.hours.describe(),
+                            opens_at=str(opens),
+                        )
+                        announced = opens
+                    if opens is not None and not self.clock.waits_in_real_time:
+                        self.clock.sleep_until(opens)  # a test clock: skip ahead to the opening
+                        continue
+                    # Wake for the opening, and now and then to expire queued batches.
+                    left = (opens - self.clock.now()).total_seconds() if opens is not None else None
+                    timeout = (
+                        min(max(left, 0.05), 30.0) if left is not None else (30.0 if self._queue else None)
+                    )
+                    self._lock.wait(timeout)
                 self._queue.remove(picked)
                 self._running[picked[0]] = picked[1]
             threading.Thread(
@@ -168,21 +212,26 @@ class BatchRunner:
         return [sys.executable, "-m", "pipeline", "run", "--config", str(spec), *common]
 
     def _run(self, batch_id: str) -> None:
+        paused = False
         try:
-            self._drive(batch_id)
+            paused = self._drive(batch_id)
         except Exception as exc:  # noqa: BLE001 - one batch's failure must not take the runner down
             log.exception("batch runner failed", batch=batch_id)
             self._fail(batch_id, "server_error", f"{type(exc).__name__}: {exc}")
         finally:
             with self._lock:
-                self._running.pop(batch_id, None)
+                owner = self._running.pop(batch_id, None)
                 self._procs.pop(batch_id, None)
+                if paused and owner is not None and not self._stopping:
+                    self._queue.insert(0, (batch_id, owner))  # first to resume at the next opening
                 self._lock.notify_all()
 
-    def _drive(self, batch_id: str) -> None:
+    def _drive(self, batch_id: str) -> bool:
+        """Run the batch's job to its end; True when the window's end paused it (it resumes at the next opening)."""
         out = self.data.output(batch_id)
         self.data.batch(batch_id).mkdir(parents=True, exist_ok=True)
         cut_short: str | None = None
+        paused = False
         rc = 0
         if not outputs.committed(out):
             log_path = self.data.batch(batch_id) / "job.log"
@@ -212,21 +261,38 @@ class BatchRunner:
                     cut_short = "cancelled"
                 if cut_short is None and batch and batch.expires_at and time.time() >= batch.expires_at:
                     cut_short = "expired"
-                if (cut_short or self._stopping) and stop_sent is None:
+                if (
+                    cut_short is None
+                    and not paused
+                    and self._closed_until() is not None
+                    and batch is not None
+                    and batch.status != "finalizing"  # nearly done: let it commit
+                ):
+                    paused = True
+                    log.info(
+                        "window closed: batch paused",
+                        batch=batch_id,
+                        completed=batch.request_counts.completed,
+                    )
+                if (cut_short or self._stopping or paused) and stop_sent is None:
                     proc.send_signal(signal.SIGINT)
                     stop_sent = time.monotonic()
                 if stop_sent is not None and time.monotonic() - stop_sent > STOP_GRACE_SECONDS:
                     proc.kill()
             if self._stopping:
-                return  # left unfinished on purpose: the next server resumes it
+                return False  # left unfinished on purpose: the next server resumes it
             if batch_id in self._cancel:
                 cut_short = "cancelled"
+            if paused and not cut_short and not outputs.committed(out):
+                self._observe(batch_id, out)  # the counts it keeps while it waits: rows on disk
+                return True
         if cut_short and not outputs.committed(out):
             self._finish_cut_short(batch_id, cut_short)
         elif outputs.committed(out):
             self._finish(batch_id, "cancelled" if cut_short else "completed")
         else:
             self._fail(batch_id, "job_failed", _last_error(self.data.batch(batch_id) / "job.log", rc))
+        return False
 
     def _observe(self, batch_id: str, out: Path) -> None:
         """Live counts and the status they imply, from the checkpoint."""
@@ -238,6 +304,12 @@ class BatchRunner:
         if not state.ingested or state.input is None:
             return
         completed, failed = staging.count("results"), staging.count("errors")
+        # Staged rows are only ever added — until the commit deletes `_staging/` under a poll's feet (the final counts
+        # are then the manifest's): counts never go back.
+        batch = self.store.batch(batch_id)
+        if batch is not None:
+            completed = max(completed, batch.request_counts.completed)
+            failed = max(failed, batch.request_counts.failed)
         now = int(time.time())
         total = state.input.lines
         self.store.update_batch(batch_id, total=total, completed=completed, failed=failed)

@@ -62,6 +62,15 @@ class ServerConfig(_Strict):
         description="The job config every batch runs with (model, engine, resources …); input and output are the "
         "batch's own.",
     )
+    hours: str | None = Field(
+        default=None,
+        description="Run batches only inside this daily window, HH:MM-HH:MM (may wrap midnight, e.g. 22:00-06:00): "
+        "batches start or resume only inside it, and running ones are stopped at its end (they stay in_progress, "
+        "their finished rows kept) and resume at the next opening.",
+    )
+    timezone: str | None = Field(
+        default=None, description="The window's IANA timezone (default: the server's local time)."
+    )
     poll_seconds: float = Field(
         default=1.0,
         gt=0,
@@ -80,8 +89,21 @@ class ServerConfig(_Strict):
             raise ValueError("output files are JSONL, as OpenAI's are: remove job.output_options.format")
         return job
 
+    def window(self):  # noqa: ANN201 - pipeline.hours.Hours | None
+        from pipeline.hours import Hours, HoursError
+
+        if self.hours is None:
+            if self.timezone is not None:
+                raise ConfigError("timezone is the window's timezone: give hours (--hours) too")
+            return None
+        try:
+            return Hours.parse(self.hours, self.timezone)
+        except HoursError as exc:
+            raise ConfigError(str(exc)) from exc
+
     def check(self) -> None:
-        """What cannot be expressed per field: keys are required unless --no-auth on loopback."""
+        """What cannot be expressed per field: keys are required unless --no-auth on loopback; a usable window."""
+        self.window()
         if self.auth.disabled and not is_loopback(self.host):
             raise ConfigError(
                 f"--no-auth is allowed only on loopback; --host {self.host} is reachable from elsewhere: "

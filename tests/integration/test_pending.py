@@ -1,5 +1,6 @@
 """A resumed job's work list: every request without a row an engine staged, listed by Ray Data's anti-join on the
-cluster (local staging and an s3:// OUTPUT), with the driver reading only row counts."""
+cluster (local staging and an s3:// OUTPUT), with the driver reading only row counts — or, for a small job, by the
+driver itself."""
 
 # ruff: noqa: F811 - pytest fixtures imported from storage_fixtures are re-bound as test arguments
 
@@ -12,6 +13,7 @@ import pytest
 from pipeline.config import StorageConfig
 from pipeline.io.staging import StagingArea
 from pipeline.io.writers import output_target
+from pipeline.runtime import pending
 from pipeline.runtime.pending import PendingWork, pending_work
 from tests.integration.storage_fixtures import moto_s3  # noqa: F401
 from tests.integration.test_staging_s3 import FAST_RETRIES, error_row, request, result_row
@@ -39,7 +41,13 @@ def _expected() -> list[str]:
     return [f"q{i:03d}" for i in range(200) if i % 3 and i != 7]
 
 
-def test_local_staging(tmp_path: Path):
+@pytest.fixture
+def join_on_the_cluster(monkeypatch):
+    """Even these 200 requests go through the cluster's anti-join, not the small-job path."""
+    monkeypatch.setattr(pending, "DRIVER_FILTER_ROWS", 0)
+
+
+def test_local_staging(tmp_path: Path, join_on_the_cluster):
     staging = output_target(str(tmp_path / "out"), StorageConfig()).staging_area()
     _staged_job(staging)
     work = pending_work(staging, 200)
@@ -50,7 +58,7 @@ def test_local_staging(tmp_path: Path):
     assert _ids(staging, again.files) == _expected() and not set(again.files) & set(work.files)
 
 
-def test_s3_staging(moto_s3, tmp_path: Path, monkeypatch):
+def test_s3_staging(moto_s3, tmp_path: Path, monkeypatch, join_on_the_cluster):
     monkeypatch.setenv("NIGHTSHIFT_HOME", str(tmp_path / "home"))
     storage = StorageConfig(s3_endpoint_url=moto_s3.url, **FAST_RETRIES)
     bucket = moto_s3.bucket("pending")
@@ -59,6 +67,15 @@ def test_s3_staging(moto_s3, tmp_path: Path, monkeypatch):
     work = pending_work(staging, 200)
     assert work.finished_rows == 68
     assert all(f.startswith(f"{bucket}/job/_staging/pending/") for f in work.files)
+    assert _ids(staging, work.files) == _expected()
+
+
+def test_a_small_job_is_filtered_by_the_driver_with_the_same_result(tmp_path: Path, monkeypatch):
+    staging = output_target(str(tmp_path / "out"), StorageConfig()).staging_area()
+    _staged_job(staging)
+    monkeypatch.setattr(pending, "_anti_join", lambda *a: pytest.fail("a small job ran the cluster's join"))
+    work = pending_work(staging, 200)
+    assert work.finished_rows == 68 and all(f.startswith(staging.pending_dir) for f in work.files)
     assert _ids(staging, work.files) == _expected()
 
 

@@ -107,7 +107,7 @@ def test_the_crds_and_their_license_are_in_the_repository():
 
 def test_the_manifests_cover_every_kind():
     kinds = {doc.get("kind") for _, doc in documents()}
-    assert {"RayCluster", "RayJob", "ConfigMap", "NetworkPolicy"} <= kinds
+    assert {"RayCluster", "RayJob", "RayService", "ConfigMap", "NetworkPolicy"} <= kinds
 
 
 @pytest.mark.parametrize("label, doc", ray_documents(), ids=[label for label, _ in ray_documents()])
@@ -129,7 +129,7 @@ def test_kustomization_lists_existing_files():
 
 
 def test_every_cluster_carries_the_same_worker_groups():
-    """rayjob.yaml embeds raycluster.yaml's groups; only their replica counts may differ."""
+    """rayjob.yaml and rayservice.yaml embed raycluster.yaml's groups; only their replica counts may differ."""
 
     def shape(doc: dict) -> list[dict]:
         (_, spec), *_ = cluster_specs(doc)
@@ -143,6 +143,7 @@ def test_every_cluster_carries_the_same_worker_groups():
 
     reference = shape(load("raycluster.yaml"))
     assert shape(load("rayjob.yaml")) == reference
+    assert shape(load("rayservice.yaml")) == reference
 
 
 def test_ray_version_matches_the_package_and_both_images():

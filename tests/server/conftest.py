@@ -37,13 +37,18 @@ def free_port() -> int:
 class Server:
     """`nightshift serve` as a child process on a loopback port; restartable on the same data dir."""
 
-    def __init__(self, root: Path, job: dict) -> None:
+    def __init__(self, root: Path, job: dict, extra: dict | None = None, env: dict | None = None) -> None:
         self.root = root
         self.port = free_port()
         self.config = root / "server.yaml"
-        self.config.write_text(
-            yaml.safe_dump({"job": job, "limits": {"max_file_bytes": MAX_FILE_BYTES}, "poll_seconds": 0.5})
-        )
+        config = {
+            "job": job,
+            "limits": {"max_file_bytes": MAX_FILE_BYTES},
+            "poll_seconds": 0.5,
+            **(extra or {}),
+        }
+        self.config.write_text(yaml.safe_dump(config))
+        self.env = env or {}
         self.keys = root / "keys"
         self.keys.write_text(f"# test keys\n{KEY_A}\n{KEY_B}\n")
         self.proc: subprocess.Popen | None = None
@@ -55,7 +60,7 @@ class Server:
 
     def start(self) -> None:
         log = open(self.root / "serve.log", "ab")  # noqa: SIM115 - the child owns it
-        env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
+        env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2]), **self.env}
         env.pop("NIGHTSHIFT_API_KEYS", None)
         t0 = time.monotonic()
         self.proc = subprocess.Popen(
