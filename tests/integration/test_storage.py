@@ -113,7 +113,7 @@ def test_s3_to_s3_jsonl_large_input(moto_s3):
     names = [k.rsplit("/", 1)[-1] for k in keys]
     assert sorted(names) == sorted(
         [f"results-{k:05d}-of-00003.jsonl" for k in range(3)]
-        + ["errors-00000-of-00001.jsonl", "manifest.json"]
+        + ["errors-00000-of-00001.jsonl", "manifest.json", "report.html"]
     )
     manifest = json.loads(moto_s3.get(bucket_out, "runs/one/manifest.json"))
     assert manifest == outcome.manifest
@@ -199,7 +199,7 @@ def test_s3_to_s3_parquet_struct_and_string_bodies(moto_s3):
         results.extend(table.to_pylist())
     assert table.schema.names == [
         "id", "custom_id", "status_code", "response", "error", "route", "content", "finish_reason",
-        "prompt_tokens", "completion_tokens", "embeddings", "scores", "ranking",
+        "prompt_tokens", "completion_tokens", "embeddings", "scores", "ranking", "queue_wait_s", "engine_s",
     ]  # fmt: skip
     assert [r["custom_id"] for r in results] == sorted(ids)
     assert all(r["status_code"] == 200 and r["error"] is None for r in results)
@@ -246,7 +246,7 @@ def test_local_shards_to_local_parquet(tmp_path: Path, how: str):
     )
 
     names = sorted(p.name for p in output.iterdir())
-    assert names == ["errors-00000-of-00001.parquet", "manifest.json"] + [
+    assert names == ["errors-00000-of-00001.parquet", "manifest.json", "report.html"] + [
         f"results-{k:05d}-of-00003.parquet" for k in range(3)
     ]
     table = pa.concat_tables(pq.read_table(output / f"results-{k:05d}-of-00003.parquet") for k in range(3))
@@ -275,7 +275,12 @@ def test_http_get_input_to_http_put_output_with_transient_failures(http_files):
 
     out_dir = http_files.uploads / "results" / "run-1"
     files = {p.name: p.read_bytes() for p in out_dir.iterdir()}
-    assert set(files) == {"results-00000-of-00001.jsonl", "errors-00000-of-00001.jsonl", "manifest.json"}
+    assert set(files) == {
+        "results-00000-of-00001.jsonl",
+        "errors-00000-of-00001.jsonl",
+        "manifest.json",
+        "report.html",
+    }
     manifest = json.loads(files["manifest.json"])
     errors = _check_jsonl_shards(files, manifest, ids)
     assert [e["error"]["code"] for e in errors] == ["invalid_json"] * 3
@@ -438,6 +443,7 @@ def test_overwrite_replaces_a_remote_output_without_stale_shards(moto_s3, tmp_pa
     assert moto_s3.keys(bucket) == [
         "out/errors-00000-of-00001.jsonl",
         "out/manifest.json",
+        "out/report.html",
         "out/results-00000-of-00001.jsonl",
     ]
 
