@@ -56,6 +56,7 @@ __all__ = [
     "find_token",
     "head_token",
     "is_loopback_address",
+    "is_loopback_host",
     "probe",
     "require_access",
 ]
@@ -195,15 +196,19 @@ def _host_port(address: str) -> tuple[str, str]:
     return host.strip("[]"), port
 
 
-def is_loopback_address(address: str) -> bool:
-    """True for HOST:PORT (or ray://HOST:PORT) on the loopback interface: 127.x, ::1, localhost."""
-    host, _ = _host_port(address)
+def is_loopback_host(host: str) -> bool:
+    """True for a host name or address on the loopback interface: 127.x, ::1, localhost."""
     if host == "localhost":
         return True
     try:
         return ipaddress.ip_address(host).is_loopback
     except ValueError:
         return False
+
+
+def is_loopback_address(address: str) -> bool:
+    """True for HOST:PORT (or ray://HOST:PORT) on the loopback interface: 127.x, ::1, localhost."""
+    return is_loopback_host(_host_port(address)[0])
 
 
 # --------------------------------------------------------------------------------------------- probing

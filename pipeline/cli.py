@@ -102,6 +102,20 @@ def _fail(message: str, code: int = 2) -> None:
     raise typer.Exit(code)
 
 
+# The night window, as `run` and `resume` take it.
+HoursOption = Annotated[
+    str | None,
+    typer.Option(
+        help="Work only inside this daily window, HH:MM-HH:MM (may wrap midnight, e.g. 22:00-06:00): wait "
+        "for it to open; when it closes, stop as Ctrl-C does (finished rows kept) and resume at the next opening."
+    ),
+]
+TimezoneOption = Annotated[
+    str | None,
+    typer.Option(help="--hours: the window's IANA timezone (default: this machine's local time)."),
+]
+
+
 @app.command()
 def run(
     input: Annotated[
@@ -154,17 +168,8 @@ def run(
     address: Annotated[
         str | None, typer.Option(help="Ray cluster address; default: start a local Ray.")
     ] = None,
-    hours: Annotated[
-        str | None,
-        typer.Option(
-            help="Work only inside this daily window, HH:MM-HH:MM (may wrap midnight, e.g. 22:00-06:00): wait "
-            "for it to open; when it closes, stop as Ctrl-C does (finished rows kept) and resume at the next opening."
-        ),
-    ] = None,
-    timezone: Annotated[
-        str | None,
-        typer.Option(help="--hours: the window's IANA timezone (default: this machine's local time)."),
-    ] = None,
+    hours: HoursOption = None,
+    timezone: TimezoneOption = None,
     token_file: Annotated[
         Path | None,
         typer.Option(
@@ -404,17 +409,8 @@ def resume_command(
     s3_region: Annotated[
         str | None, typer.Option(help="S3 region (default: AWS_REGION); given, it replaces the job's.")
     ] = None,
-    hours: Annotated[
-        str | None,
-        typer.Option(
-            help="Work only inside this daily window, HH:MM-HH:MM (may wrap midnight, e.g. 22:00-06:00): wait "
-            "for it to open; when it closes, stop as Ctrl-C does (finished rows kept) and resume at the next opening."
-        ),
-    ] = None,
-    timezone: Annotated[
-        str | None,
-        typer.Option(help="--hours: the window's IANA timezone (default: this machine's local time)."),
-    ] = None,
+    hours: HoursOption = None,
+    timezone: TimezoneOption = None,
     token_file: Annotated[
         Path | None,
         typer.Option(help="File holding the Ray token of the job's cluster (as for `run --token-file`)."),

@@ -678,14 +678,8 @@ def format_validation_error(exc: ValidationError, labels: dict[str, str] | None 
     return "; ".join(parts)
 
 
-def merge_overrides(
-    config: JobConfig, overrides: dict[str, Any], labels: dict[str, str] | None = None
-) -> JobConfig:
-    """Apply CLI flags (dotted keys, None = not given) over a config; re-validates the result.
-
-    `labels` maps dotted keys to the flags that set them, so an error names the flag the user typed.
-    """
-    data = config.model_dump()
+def set_dotted(data: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:
+    """`data` with each given override (dotted key -> value; None = not given) set in place, parents created."""
     for dotted, value in overrides.items():
         if value is None:
             continue
@@ -694,6 +688,17 @@ def merge_overrides(
         for key in parents:
             node = node.setdefault(key, {})
         node[leaf] = value
+    return data
+
+
+def merge_overrides(
+    config: JobConfig, overrides: dict[str, Any], labels: dict[str, str] | None = None
+) -> JobConfig:
+    """Apply CLI flags (dotted keys, None = not given) over a config; re-validates the result.
+
+    `labels` maps dotted keys to the flags that set them, so an error names the flag the user typed.
+    """
+    data = set_dotted(config.model_dump(), overrides)
     try:
         return JobConfig.model_validate(data)
     except ValidationError as exc:

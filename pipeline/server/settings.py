@@ -3,14 +3,13 @@ default, who may call it, and the job every batch runs as. Everything is checked
 
 from __future__ import annotations
 
-import ipaddress
 from pathlib import Path
 from typing import Annotated, Any
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints, ValidationError, field_validator
 
-from pipeline.config import ConfigError, JobConfig, format_validation_error
+from pipeline.config import ConfigError, JobConfig, format_validation_error, set_dotted
 
 
 class _Strict(BaseModel):
@@ -112,12 +111,9 @@ class ServerConfig(_Strict):
 
 
 def is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
+    from cluster.auth import is_loopback_host
+
+    return is_loopback_host(host)
 
 
 def load_server_config(path: Path | None, overrides: dict[str, Any]) -> ServerConfig:
@@ -132,14 +128,7 @@ def load_server_config(path: Path | None, overrides: dict[str, Any]) -> ServerCo
             raise ConfigError(f"server config {path} is not valid YAML: {exc}") from exc
         if not isinstance(data, dict):
             raise ConfigError(f"server config {path} must hold a mapping at the top level")
-    for dotted, value in overrides.items():
-        if value is None:
-            continue
-        node = data
-        *parents, leaf = dotted.split(".")
-        for key in parents:
-            node = node.setdefault(key, {})
-        node[leaf] = value
+    set_dotted(data, overrides)
     try:
         config = ServerConfig.model_validate(data)
     except ValidationError as exc:
