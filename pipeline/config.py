@@ -157,6 +157,12 @@ class FakeEngineArgs(_Strict):
     output_tokens: int = Field(
         default=16, ge=1, description="Tokens generated when the request sets no max_tokens."
     )
+    start_seconds: float = Field(
+        default=0.0,
+        ge=0,
+        le=600,
+        description="Time the engine takes to start (a real engine loads its model): what warm engines save.",
+    )
     embedding_dimensions: int = Field(
         default=384,
         ge=1,
@@ -282,6 +288,12 @@ class EngineConfig(_Strict):
         default=None,
         ge=1,
         description="Requests each engine keeps in flight. Default: 2 x max_num_seqs, so continuous batching stays full.",
+    )
+    warm_engines: str | None = Field(
+        default=None,
+        description="Take engines from this warm-engine keeper (a named Ray actor of a long-lived coordinator, "
+        "e.g. the Batch API server: runtime/warm.py) instead of starting them for this job; when it cannot be "
+        "found, the job starts its own.",
     )
 
     def args(self) -> BaseModel:

@@ -66,6 +66,11 @@ class EngineReport(_Section):
         description="Every sampling default the engine applied, the model's generation_config included."
     )
     engines: int = Field(description="Engine actors that reported.")
+    reused: int = Field(
+        default=0,
+        description="Of those, warm engines another job had started (the Batch API server keeps engines between "
+        "batches): this job did not pay their start.",
+    )
     kv_cache_tokens_per_engine: int | None = Field(description="KV cache capacity of one engine, in tokens.")
     in_flight: dict[str, dict[str, Any]] | None = Field(
         description="Per pool: the engine's max_num_seqs, the in-flight window its actors kept, and the peak of "

@@ -269,3 +269,35 @@ def engine_class(name: str) -> type[Engine]:
 
 def build_engine(spec: EngineSpec) -> Engine:
     return engine_class(spec.backend)(spec)
+
+
+# Engine args a running engine may differ in from the plan it is asked to serve, and still serve it (see
+# engine_covers); any other difference means building the engine again.
+_COVERING_ARGS = ("max_model_len", "max_num_seqs")
+
+
+def engine_covers(built: EngineSpec | None, wanted: EngineSpec) -> bool:
+    """Whether an engine built for `built` can serve work planned as `wanted` exactly as an engine built for it
+    would, only perhaps with fewer sequences at once: the same backend, model, cores and args, a context at least
+    as long (None: the model's own limit), and no more sequences than the plan's KV budget holds (so it never
+    preempts where the planned engine would not). A warm engine kept across jobs is reused only then."""
+    if built is None:
+        return False
+    if (built.backend, built.model_path, built.served_model_name, built.cpus, built.api_key) != (
+        wanted.backend,
+        wanted.model_path,
+        wanted.served_model_name,
+        wanted.cpus,
+        wanted.api_key,
+    ):
+        return False
+    rest = lambda args: {k: v for k, v in args.items() if k not in _COVERING_ARGS}  # noqa: E731
+    if rest(built.args) != rest(wanted.args):
+        return False
+    have_len, want_len = built.args.get("max_model_len"), wanted.args.get("max_model_len")
+    if have_len is not None and (want_len is None or have_len < want_len):
+        return False
+    have_seqs, want_seqs = built.args.get("max_num_seqs"), wanted.args.get("max_num_seqs")
+    return have_seqs == want_seqs or (
+        have_seqs is not None and want_seqs is not None and have_seqs <= want_seqs
+    )

@@ -77,7 +77,7 @@ class FakeEngine(Engine):
         return None
 
     async def start(self) -> None:
-        pass
+        await asyncio.sleep(float(self.args.get("start_seconds") or 0.0))
 
     @property
     def instant(self) -> bool:

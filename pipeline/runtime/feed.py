@@ -131,6 +131,20 @@ def _pool_dataset(
     )
 
 
+def _warm_tickets(config: JobConfig, job_id: str) -> Any:
+    """The job's warm engines (runtime/warm.py), when its config names a keeper that is there."""
+    name = config.engine.warm_engines
+    if name is None:
+        return None
+    from pipeline.runtime.warm import WarmTickets, find_keeper
+
+    keeper = find_keeper(name)
+    if keeper is None:
+        log.warning("warm engines not found: this job starts its own", keeper=name)
+        return None
+    return WarmTickets(keeper, job_id)
+
+
 def _wait_for_earlier_driver(job_id: str, timeout_s: float = 120.0) -> None:
     """On a long-lived cluster, the engines of a driver that died a moment ago may still be staging their last
     chunks until Ray reaps them (they share their driver's fate). Pending work is listed only once they are gone,
@@ -210,6 +224,7 @@ class EngineLaunch:
         sink = ChunkSink(staging, self.writer)
         run_id = uuid.uuid4().hex[:8]
         self.queues: dict[str, Any] = {}
+        self.warm = _warm_tickets(config, job_id)
         datasets = []
         for i, model in enumerate(self.models):
             self.queues[model] = (
@@ -224,23 +239,35 @@ class EngineLaunch:
                     run_id=f"{run_id}{i}" if len(self.models) > 1 else run_id,
                 )
             )
-            datasets += [
-                _pool_dataset(
-                    plan_feed(config, early[pool.name], pool),
-                    self.queues[model],
-                    self.monitor,
-                    sink,
-                    job_id,
-                    config.engine.max_in_flight,
-                )
-                for pool in self.pools
-                if self.model_of[pool.name] == model
-            ]
-        ds = datasets[0].union(*datasets[1:]) if len(datasets) > 1 else datasets[0]
+            for pool in self.pools:
+                if self.model_of[pool.name] != model:
+                    continue
+                plan = plan_feed(config, early[pool.name], pool)
+                if self.warm is not None:
+                    self.warm.add_pool(
+                        plan,
+                        {
+                            "monitor": self.monitor,
+                            "queue": self.queues[model],
+                            "sink": sink,
+                            "chunk_rows": plan.chunk_rows,
+                            "max_in_flight": config.engine.max_in_flight,
+                        },
+                    )
+                else:
+                    datasets.append(
+                        _pool_dataset(
+                            plan, self.queues[model], self.monitor, sink, job_id, config.engine.max_in_flight
+                        )
+                    )
         # The engines run in Ray; the driver only watches: acknowledgements are counted by the queues.
-        self._running = InBackground(
-            lambda: sum(int(b["chunks"].sum()) for b in ds.iter_batches(batch_size=None))
-        )
+        if self.warm is not None:
+            self._running = InBackground(self.warm.run)
+        else:
+            ds = datasets[0].union(*datasets[1:]) if len(datasets) > 1 else datasets[0]
+            self._running = InBackground(
+                lambda: sum(int(b["chunks"].sum()) for b in ds.iter_batches(batch_size=None))
+            )
         self.route = False
         self.keyed_rows = 0
         self._fit: dict[str, Any] | None = None
@@ -347,7 +374,9 @@ class EngineLaunch:
 
         try:
             self.cancel()
-            if not self._fed:  # unbuilt engines end their tickets at once; fed ones are not waited for
+            if self.warm is not None:  # warm engines outlive the job: their tickets must end now
+                self.warm.stop(timeout_s)
+            elif not self._fed:  # unbuilt engines end their tickets at once; fed ones are not waited for
                 self._running.wait(timeout_s)
         except Exception as exc:  # noqa: BLE001 - already failing; what matters is the first error
             log.warning("engines not stopped cleanly", error=str(exc))
@@ -407,6 +436,8 @@ class EngineLaunch:
         run.retried_requests = len(ray.get(monitor.retries.remote()))
         run.recovery = summarize_recovery(ray.get(monitor.work.remote()))
         run.preemption_warned = watch.warned
+        if self.warm is not None:
+            self.warm.release()  # warm for the next job
         queued = _merged_stats(ray.get([queue.stats.remote() for queue in queues]))
         run.duplicates_dropped = queued["duplicate_acks"]
         run.leases = {

@@ -357,6 +357,7 @@ def run_job(config: JobConfig, show_progress: bool = True, resume: bool = False)
                 args=engines.get("effective_args") or spec.args,
                 sampling_defaults=engines.get("sampling_defaults", {}),
                 engines=engines.get("engines", 0),
+                reused=engines.get("reused", 0),
                 kv_cache_tokens_per_engine=engines.get("kv_cache_tokens_per_engine"),
                 in_flight=engines.get("in_flight"),
                 per_engine=engines.get("per_engine"),

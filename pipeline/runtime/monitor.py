@@ -174,6 +174,7 @@ def summarize_engines(snapshot: dict[str, dict[str, Any]]) -> dict[str, Any]:
     return {
         "engines": len(snapshot),
         "first_ready_at": min(ready) if ready else None,
+        "reused": sum(1 for e in snapshot.values() if e.get("reused")),
         "num_preemptions": preemptions,
         "prefix_cache_hit_rate": round(hits / queries, 4) if queries else None,
         "kv_cache_usage": round(sum(usage) / len(usage), 4) if usage else None,
@@ -187,7 +188,12 @@ def summarize_engines(snapshot: dict[str, dict[str, Any]]) -> dict[str, Any]:
         "sampling_defaults": first.get("sampling_defaults", {}),
         # Per engine: its node, the rows and chunks it ran, and how busy it was between its first and last request.
         "per_engine": {
-            actor: {"pool": e["pool"], "node_id": e.get("node_id"), **(e.get("activity") or {})}
+            actor: {
+                "pool": e["pool"],
+                "node_id": e.get("node_id"),
+                "reused": bool(e.get("reused")),  # a warm engine, started before this job
+                **(e.get("activity") or {}),
+            }
             for actor, e in sorted(snapshot.items())
         },
         # Per pool: the engine's own max_num_seqs (given, fitted, or decided by the engine as it started) and the

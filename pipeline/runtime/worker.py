@@ -27,7 +27,15 @@ import pyarrow as pa
 import structlog
 
 from pipeline.config import DEFAULT_MAX_NUM_SEQS
-from pipeline.engines.base import Engine, EngineRequest, EngineResult, EngineSpec, build_engine, engine_class
+from pipeline.engines.base import (
+    Engine,
+    EngineRequest,
+    EngineResult,
+    EngineSpec,
+    build_engine,
+    engine_class,
+    engine_covers,
+)
 from pipeline.io.staging import STAGED_SCHEMA
 from pipeline.json_codec import loads
 from pipeline.protocol import ErrorCode, dumps, result_record
@@ -230,6 +238,7 @@ class EngineWorker:
             None  # cluster.cpu_cores.CoreClaim of a CPU engine, held while the actor lives
         )
         self.actor_id = f"{pool}-{os.getpid()}"
+        self._reused = False
         self._node_id, self._restarted = _actor_context()
         # The engine starts with the first ticket (it must start inside the actor's event loop), but its imports
         # need no loop: they begin now, while Ray Data is still placing the other engines.
@@ -237,21 +246,55 @@ class EngineWorker:
             target=self._preload, args=(spec.backend,), name="engine-preload", daemon=True
         )
         self._preloading.start()
+        self._built_spec: EngineSpec | None = None  # what the running engine was built for
+        self._staging: set[asyncio.Future] = (
+            set()
+        )  # chunks being written out (threads: they cannot be cancelled)
+
+    def bind(
+        self,
+        pool: str,
+        monitor: Any,
+        job_id: str | None,
+        queue: Any,
+        sink: ChunkSink | None,
+        chunk_rows: int,
+        max_in_flight: int | None,
+    ) -> None:
+        """Serve another job with this actor (a warm engine, runtime/warm.py): the job's queue, monitor and staging,
+        and fresh numbers for its manifest. The engine itself stays, if it can serve the job's plan."""
+        self.pool, self.monitor, self.job_id, self.queue, self.sink = pool, monitor, job_id, queue, sink
+        self.chunk_rows = chunk_rows
+        self._max_in_flight_given = max_in_flight
+        self.window = max_in_flight or (in_flight_window(self.engine) if self.engine is not None else None)
+        self._gate, self._window = None, None  # bound to the window of this job
+        self._in_flight, self._solo = 0, False
+        self._kv_usage_peak = None
+        self.activity = Activity()
+        self.actor_id = f"{pool}-{os.getpid()}"
+        self._reused = self.engine is not None
 
     async def _engine(self) -> Engine:
-        if self.engine is None:
+        if self.engine is None or not engine_covers(self._built_spec, self.spec):
             if self._starting is None:
                 self._starting = asyncio.Lock()
             async with self._starting:
+                if self.engine is not None and not engine_covers(self._built_spec, self.spec):
+                    # A warm engine built for another job's plan (a shorter context, another model): rebuilt in
+                    # this process, whose imports and placement stay.
+                    log.info("engine rebuilt for this job's plan", was=self._built_spec, now=self.spec)
+                    old, self.engine, self._reused = self.engine, None, False
+                    old.shutdown()
                 if self.engine is None:
                     await asyncio.to_thread(self._preloading.join)
-                    engine = build_engine(self._spec_with_cores())
+                    spec = self._spec_with_cores()
+                    engine = build_engine(spec)
                     await engine.start()
                     self._ready_at = time.time()
-                    self.engine = engine
+                    self.engine, self._built_spec = engine, self.spec
                     self.window = self._max_in_flight_given or in_flight_window(engine)
                     self._report(force=True)
-                    if self.monitor is not None:
+                    if self._reporter is None:
                         # On a clock, not per batch: a batch of long generations can take minutes, and the job
                         # must see the KV cache fill (and preemptions start) while it happens.
                         self._reporter = asyncio.get_running_loop().create_task(self._report_loop())
@@ -265,7 +308,8 @@ class EngineWorker:
             return spec
         from cluster.cpu_cores import claim_cores
 
-        self._core_claim = claim_cores(int(spec.cpus))
+        if self._core_claim is None:  # a rebuilt engine computes on the cores this actor already holds
+            self._core_claim = claim_cores(int(spec.cpus))
         if self._core_claim is None:
             return spec
         return replace(spec, cpu_cores=tuple(self._core_claim.cores))
@@ -303,6 +347,7 @@ class EngineWorker:
                 "node_id": self._node_id,
                 "restarted": self._restarted,  # Ray restarted this actor (its engine, or its node, died)
                 "ready_at": self._ready_at,
+                "reused": self._reused,  # a warm engine: built before this job, its start not paid by it
                 "stats": {**stats.__dict__, "kv_cache_usage_peak": self._kv_usage_peak},
                 "effective_args": self.engine.effective_args(),
                 "sampling_defaults": self.engine.sampling_defaults(),
@@ -432,8 +477,13 @@ class EngineWorker:
                 else (0, 0)
             )
             self.activity.end(table.num_rows, *tokens)
-        # Staging is file or object-store I/O: off the event loop, which keeps feeding the engine meanwhile.
-        staged = await asyncio.to_thread(self.sink.stage, name, finished)
+        # Staging is file or object-store I/O: off the event loop, which keeps feeding the engine meanwhile. A
+        # thread cannot be stopped, so a ticket that ends early waits for it (`_settle`): a chunk is either staged
+        # before its ticket ends or not at all.
+        staging = asyncio.ensure_future(asyncio.to_thread(self.sink.stage, name, finished))
+        self._staging.add(staging)
+        staging.add_done_callback(self._staging.discard)
+        staged = await asyncio.shield(staging)
         await self.queue.ack.remote(chunk, self.pool, staged)  # the queue tells the monitor
         # Reports are rate-limited, but the last one before the engine goes idle must go out: the manifest's
         # engine numbers (prefix-cache hits, preemptions) are read from the monitor when the job ends.
@@ -468,6 +518,30 @@ class EngineWorker:
         hold_cap = HOLD_FACTOR * to_run_cap
         asking: asyncio.Future | None = asyncio.get_running_loop().create_future()
         asking.set_result(first)
+        try:
+            return await self._pull(ticket, window, running, asking, holding, to_run_cap, hold_cap)
+        finally:
+            await self._settle(running)
+
+    async def _settle(self, running: dict[asyncio.Task, int]) -> None:
+        """A ticket that ends early (its engine failed a chunk, its job was stopped or is gone) stops its other
+        chunks — their requests leave the engine — and waits for any chunk being staged, so nothing of the
+        ticket is written after it ends."""
+        for task in running:
+            task.cancel()
+        await asyncio.gather(*running, return_exceptions=True)
+        await asyncio.gather(*self._staging, return_exceptions=True)
+
+    async def _pull(
+        self,
+        ticket: str,
+        window: EngineWindow,
+        running: dict[asyncio.Task, int],
+        asking: asyncio.Future | None,
+        holding: int,
+        to_run_cap: int,
+        hold_cap: int,
+    ) -> int:
         topping_up: asyncio.Future | None = None
         exhausted = False
         chunks = 0
@@ -482,7 +556,12 @@ class EngineWorker:
                 if topping_up is not None:
                     topping_up.cancel()
                 return chunks
-            done, _ = await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
+            try:
+                done, _ = await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
+            except asyncio.CancelledError:
+                if topping_up is not None:
+                    topping_up.cancel()
+                raise
             for task in done:
                 if task is topping_up:
                     topping_up = None

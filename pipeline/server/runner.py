@@ -11,6 +11,10 @@ same SIGINT (a batch already finalizing is let finish), the batch stays `in_prog
 checkpoint, and it goes back to the head of the queue to resume at the next opening. A batch whose
 completion_window passes meanwhile, queued or running, ends `expired` with what finished.
 
+Engines stay warm between batches (`engine_idle_seconds`): the runner owns an engine keeper (runtime/warm.py) and
+every batch's job takes its engines from it; after a job's process ends, whatever of it still runs on them is
+dropped before the batch gets its final status or is resumed. A closed window stops the idle ones at once.
+
 Counts are read from the job's checkpoint (`_staging/`: rows staged so far) while it runs, and from its manifest once
 it commits: request_counts are always rows that exist on disk.
 """
@@ -18,6 +22,7 @@ it commits: request_counts are always rows that exist on disk.
 from __future__ import annotations
 
 import ctypes
+import hashlib
 import os
 import signal
 import subprocess
@@ -26,6 +31,7 @@ import threading
 import time
 from collections import Counter
 from pathlib import Path
+from typing import Any
 
 import structlog
 import yaml
@@ -93,10 +99,18 @@ class BatchRunner:
         self.hours = config.window()
         self.clock = clock_from_environment() if self.hours else SystemClock()
         self._scheduler = threading.Thread(target=self._schedule, name="batch-scheduler", daemon=True)
+        self.keeper: Any = None  # the warm-engine keeper (runtime/warm.py), once started
+        self.keeper_name = (
+            f"nightshift-engines-{hashlib.sha256(str(data.root.resolve()).encode()).hexdigest()[:12]}"
+        )
 
     # -- lifecycle --------------------------------------------------------------------------------------------
     def start(self) -> None:
         """Pick up what a previous server left unfinished, then start taking batches."""
+        if self.config.engine_idle_seconds > 0:
+            from pipeline.runtime.warm import start_keeper
+
+            self.keeper = start_keeper(self.keeper_name, self.config.engine_idle_seconds)
         for batch, owner in self.store.unfinished_batches():
             if batch.status == "cancelling":
                 # Its job stopped with the old server; what it staged is what finished.
@@ -115,6 +129,10 @@ class BatchRunner:
             self._lock.notify_all()
         for proc in procs:
             proc.send_signal(signal.SIGINT)
+        if self.keeper is not None:
+            import ray
+
+            ray.kill(self.keeper)  # and its engines with it
 
     def submit(self, batch_id: str, owner: str) -> None:
         with self._lock:
@@ -177,6 +195,8 @@ class BatchRunner:
                             opens_at=str(opens),
                         )
                         announced = opens
+                        if self.keeper is not None:
+                            self.keeper.stop_idle.remote()  # the accelerators are the day's
                     if opens is not None and not self.clock.waits_in_real_time:
                         self.clock.sleep_until(opens)  # a test clock: skip ahead to the opening
                         continue
@@ -207,6 +227,8 @@ class BatchRunner:
             job_id=batch_id,
             overwrite=True,  # a first attempt cut short before its checkpoint existed may have left a directory
         )
+        if self.keeper is not None:
+            job.setdefault("engine", {})["warm_engines"] = self.keeper_name
         spec = self.data.batch(batch_id) / "job.yaml"
         spec.write_text(yaml.safe_dump(job, sort_keys=False))
         return [sys.executable, "-m", "pipeline", "run", "--config", str(spec), *common]
@@ -279,6 +301,7 @@ class BatchRunner:
                     stop_sent = time.monotonic()
                 if stop_sent is not None and time.monotonic() - stop_sent > STOP_GRACE_SECONDS:
                     proc.kill()
+            self._drop_engines(batch_id, release_idle=paused)
             if self._stopping:
                 return False  # left unfinished on purpose: the next server resumes it
             if batch_id in self._cancel:
@@ -293,6 +316,21 @@ class BatchRunner:
         else:
             self._fail(batch_id, "job_failed", _last_error(self.data.batch(batch_id) / "job.log", rc))
         return False
+
+    def _drop_engines(self, batch_id: str, release_idle: bool) -> None:
+        """The job's process has ended: whatever of it still runs on warm engines ends too (a killed job could
+        not say so), before its rows are counted or it resumes. `release_idle`: the window closed — idle
+        engines stop now, freeing their accelerators for the day."""
+        if self.keeper is None:
+            return
+        import ray
+
+        try:
+            ray.get(self.keeper.drop_job.remote(batch_id), timeout=120)
+            if release_idle:
+                ray.get(self.keeper.stop_idle.remote(), timeout=60)
+        except Exception as exc:  # noqa: BLE001 - the keeper went with a dying server; the next one resumes
+            log.warning("warm engines not told the batch ended", batch=batch_id, error=str(exc))
 
     def _observe(self, batch_id: str, out: Path) -> None:
         """Live counts and the status they imply, from the checkpoint."""

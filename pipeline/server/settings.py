@@ -70,6 +70,12 @@ class ServerConfig(_Strict):
     timezone: str | None = Field(
         default=None, description="The window's IANA timezone (default: the server's local time)."
     )
+    engine_idle_seconds: float = Field(
+        default=600.0,
+        ge=0,
+        description="Warm engines: batches of the same model reuse running engines, which stop after this long "
+        "without a batch (and when the night window closes). 0: every batch starts its own engines.",
+    )
     poll_seconds: float = Field(
         default=1.0,
         gt=0,

@@ -18,11 +18,16 @@ KEY_B = "key-b-" + "1" * 20
 MAX_FILE_BYTES = 256 * 1024
 
 # The fake engine with a time model: 4 sequences at once, 0.05 s per generated token, so a few hundred lines take
-# long enough for a cancel or a restart to land mid-batch.
+# long enough for a cancel or a restart to land mid-batch; it takes 2 s to start, which warm engines save.
 JOB = {
     "engine": {
         "backend": "fake",
-        "fake": {"output_tokens": 4, "decode_seconds_per_token": 0.05, "max_concurrency": 4},
+        "fake": {
+            "output_tokens": 4,
+            "decode_seconds_per_token": 0.05,
+            "max_concurrency": 4,
+            "start_seconds": 2.0,
+        },
     },
     "resources": {"num_engines": 1, "cpus_per_engine": 0.5},
 }

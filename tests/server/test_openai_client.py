@@ -75,6 +75,27 @@ def test_upload_create_poll_download_matches_nightshift_run(client_a, tmp_path):
     assert [comparable(r) for r in errors] == [comparable(r) for r in expected_errors]
 
 
+def test_later_batches_take_the_engines_warm(server, client_a, tmp_path):
+    """Batches of the same model run on the engines an earlier batch started (the fake engine takes 2 s to start,
+    as a real one loads its model): the second batch's job starts none."""
+
+    def run_one(name: str) -> dict:
+        source = write_input(tmp_path / f"{name}.jsonl", 8, bad=False)
+        uploaded = client_a.files.create(file=source.open("rb"), purpose="batch")
+        batch = client_a.batches.create(
+            input_file_id=uploaded.id, endpoint="/v1/chat/completions", completion_window="24h"
+        )
+        done = wait_for(client_a, batch.id, lambda b: b.status in FINAL)
+        assert done.status == "completed" and done.request_counts.completed == 8
+        manifest = server.root / "data" / "batches" / batch.id / "output" / "manifest.json"
+        return json.loads(manifest.read_text())
+
+    run_one("first")  # warm from an earlier test, or started here
+    later = run_one("later")
+    assert later["engine"]["engines"] == 1 and later["engine"]["reused"] == 1
+    assert all(e["reused"] for e in later["engine"]["per_engine"].values())
+
+
 def test_lists_paginate_newest_first(client_a, tmp_path):
     ids = [
         client_a.files.create(

@@ -101,6 +101,7 @@ def test_finished_rows_waiting_for_their_chunks_straggler_do_not_starve_the_engi
         max_in_flight=window,
     )
     engine = worker.engine = _GatedEngine()
+    worker._built_spec = worker.spec  # the engine serves the plan the queue hands out
 
     async def go():
         serving = asyncio.ensure_future(worker.serve("default/0"))

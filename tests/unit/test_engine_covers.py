@@ -1,0 +1,43 @@
+"""When a warm engine can serve the next job's plan as it is (engines.base.engine_covers), and when it must be
+rebuilt."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+
+from pipeline.engines.base import EngineSpec, engine_covers
+
+BUILT = EngineSpec("vllm", "/models/a", "a", {"max_model_len": 2048, "max_num_seqs": 32, "dtype": "bf16"}, cpus=2)
+
+
+def _with(**args) -> EngineSpec:
+    return replace(BUILT, args={**BUILT.args, **args})
+
+
+@pytest.mark.parametrize(
+    ("wanted", "covers"),
+    [
+        (BUILT, True),
+        (_with(max_model_len=1024), True),  # a shorter context fits in the longer one
+        (_with(max_model_len=1024, max_num_seqs=64), True),  # fewer sequences than the plan allows: no preemption
+        (_with(max_model_len=4096), False),  # a longer context than it holds
+        (_with(max_num_seqs=16), False),  # more sequences than the plan's KV budget holds
+        (_with(max_model_len=None), False),  # the model's own limit, longer than what was built
+        (_with(dtype="fp16"), False),  # any other arg
+        (replace(BUILT, model_path="/models/b"), False),
+        (replace(BUILT, cpus=4), False),
+        (replace(BUILT, backend="fake"), False),
+    ],
+)
+def test_a_warm_engine_serves_a_plan_it_covers(wanted, covers):
+    assert engine_covers(BUILT, wanted) is covers
+
+
+def test_engines_left_to_size_themselves_cover_each_other():
+    """On a GPU max_num_seqs is the engine's own choice (None) on both sides: the same engine."""
+    gpu = replace(BUILT, args={"max_model_len": None, "max_num_seqs": None}, cpus=0)
+    assert engine_covers(gpu, gpu)
+    assert engine_covers(gpu, replace(gpu, args={"max_model_len": 512, "max_num_seqs": None}))
+    assert not engine_covers(None, gpu)
