@@ -9,7 +9,9 @@ import pytest
 
 from pipeline.engines.base import EngineSpec, engine_covers
 
-BUILT = EngineSpec("vllm", "/models/a", "a", {"max_model_len": 2048, "max_num_seqs": 32, "dtype": "bf16"}, cpus=2)
+BUILT = EngineSpec(
+    "vllm", "/models/a", "a", {"max_model_len": 2048, "max_num_seqs": 32, "dtype": "bf16"}, cpus=2
+)
 
 
 def _with(**args) -> EngineSpec:
@@ -21,7 +23,10 @@ def _with(**args) -> EngineSpec:
     [
         (BUILT, True),
         (_with(max_model_len=1024), True),  # a shorter context fits in the longer one
-        (_with(max_model_len=1024, max_num_seqs=64), True),  # fewer sequences than the plan allows: no preemption
+        (
+            _with(max_model_len=1024, max_num_seqs=64),
+            True,
+        ),  # fewer sequences than the plan allows: no preemption
         (_with(max_model_len=4096), False),  # a longer context than it holds
         (_with(max_num_seqs=16), False),  # more sequences than the plan's KV budget holds
         (_with(max_model_len=None), False),  # the model's own limit, longer than what was built
