@@ -552,6 +552,20 @@ class InputLimits(_Strict):
     max_custom_id_bytes: int = Field(
         default=512, ge=1, description="Longest custom_id in UTF-8 bytes (OpenAI-compatible ids are short)."
     )
+    only_url: str | None = Field(
+        default=None,
+        description="Serve only this route (the Batch API server sets it to a batch's `endpoint`: a batch serves "
+        "one): a line whose url names another route is an unsupported_url error record.",
+    )
+
+    @field_validator("only_url")
+    @classmethod
+    def _a_served_route(cls, url: str | None) -> str | None:
+        from pipeline.endpoints import SUPPORTED_URLS, endpoint_for
+
+        if url is not None and endpoint_for(url) is None:
+            raise ValueError(f"{url!r} is not a route nightshift serves; one of {', '.join(SUPPORTED_URLS)}")
+        return url
 
 
 class JobConfig(_Strict):

@@ -339,7 +339,7 @@ class _Tasks:
     """Runs the task functions: as Ray tasks when Ray is up, else one after another in this process. Counts which
     nodes ran them."""
 
-    def __init__(self, local_paths: bool) -> None:
+    def __init__(self, local_paths: bool, reserve_cpus: bool = True) -> None:
         self.ray = _running_ray()
         self.placement: Counter[str] = Counter()
         self.host: str | None = None  # the driver's node address, with Ray
@@ -366,7 +366,12 @@ class _Tasks:
             strategy = NodeAffinitySchedulingStrategy(node_id, soft=False)
         self.host = here.get("NodeManagerAddress")
         self.where = "spread over the cluster" if strategy == "SPREAD" else "on the driver's node"
-        self._remote = ray.remote(num_cpus=1)(_on_node).options(scheduling_strategy=strategy)
+        # Warm engines (runtime/warm.py) outlive the job's engine phase and keep their CPUs: a task waiting for one
+        # would wait for their idle time. Then tasks take no Ray CPU, and at most twice the CPUs run at once.
+        self._remote = ray.remote(num_cpus=1 if reserve_cpus else 0)(_on_node).options(
+            scheduling_strategy=strategy
+        )
+        self._in_flight = None if reserve_cpus else 2 * max(1, int(ray.cluster_resources().get("CPU", 1)))
 
     def run(self, fn: Callable[..., Any], calls: Sequence[tuple[Any, ...]]) -> list[Any]:
         if self.ray is None:
@@ -375,7 +380,13 @@ class _Tasks:
                 results.append(fn(*args))
                 self.placement["driver"] += 1
             return results
-        refs = [self._remote.remote(fn, *args) for args in calls]
+        refs: list[Any] = []
+        pending: list[Any] = []
+        for args in calls:
+            if self._in_flight is not None and len(pending) >= self._in_flight:
+                _, pending = self.ray.wait(pending, num_returns=1, fetch_local=False)
+            refs.append(self._remote.remote(fn, *args))
+            pending.append(refs[-1])
         if refs:
             # Every task settles before a failure is raised: shards that finish are recorded, so a resume has less
             # to redo.
@@ -485,8 +496,10 @@ def write_outputs(
     rows_per_shard: int,
     expected_rows: int,
     format: str = "jsonl",
+    reserve_cpus: bool = True,
 ) -> dict[str, Any]:
-    """Write the shards; returns counts, shard descriptions and the nodes that ran finalize, for the manifest."""
+    """Write the shards; returns counts, shard descriptions and the nodes that ran finalize, for the manifest.
+    `reserve_cpus=False`: engines still hold the cluster's CPUs (warm engines), so tasks take none."""
     target = _as_target(output)
     parts = {kind: staging.parts(kind) for kind in KINDS}
     rows = {kind: _part_rows(staging, parts[kind]) for kind in KINDS}
@@ -497,7 +510,9 @@ def write_outputs(
             f"but the input has {expected_rows}; output not committed"
         )
     shard_encoder(format)  # an unknown format fails here, before anything is written
-    tasks = _Tasks(local_paths=isinstance(staging.files, LocalFiles) or target.is_local)
+    tasks = _Tasks(
+        local_paths=isinstance(staging.files, LocalFiles) or target.is_local, reserve_cpus=reserve_cpus
+    )
     ctx = _Context(
         staging.files,
         staging.finalize_dir,

@@ -324,7 +324,12 @@ def run_job(config: JobConfig, show_progress: bool = True, resume: bool = False)
 
         recorder.stage_started("finalize")
         outputs = write_outputs(
-            output, staging, config.output_options.rows_per_shard, lines, format=config.output_options.format
+            output,
+            staging,
+            config.output_options.rows_per_shard,
+            lines,
+            format=config.output_options.format,
+            reserve_cpus=launch is None or launch.warm is None,
         )
         usage_histograms = outputs.pop("usage_histograms")
         usage = request_usage(usage_histograms)

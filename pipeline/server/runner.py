@@ -227,6 +227,8 @@ class BatchRunner:
             job_id=batch_id,
             overwrite=True,  # a first attempt cut short before its checkpoint existed may have left a directory
         )
+        # A batch serves its one endpoint: a line for another route is that line's error record.
+        job.setdefault("limits", {})["only_url"] = batch.endpoint
         if self.keeper is not None:
             job.setdefault("engine", {})["warm_engines"] = self.keeper_name
         spec = self.data.batch(batch_id) / "job.yaml"

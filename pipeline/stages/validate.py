@@ -221,6 +221,13 @@ class LineValidator:
                 f"url {request.url!r} is not served; supported: {', '.join(SUPPORTED_URLS)}",
                 custom_id,
             ), custom_id
+        only = self.limits.only_url
+        if only is not None and endpoint is not endpoint_for(only):
+            return invalid(
+                ErrorCode.UNSUPPORTED_URL,
+                f"url {request.url!r} is not this batch's endpoint {only!r}; a batch serves one endpoint",
+                custom_id,
+            ), custom_id
         body, problem = _read_fields(endpoint.fields, request.body)
         if problem:
             return invalid(ErrorCode.INVALID_REQUEST, problem, custom_id), custom_id

@@ -15,7 +15,7 @@ from pipeline.runtime.job import run_job
 from pipeline.runtime.warm import start_keeper
 from tests.conftest import chat_line, read_jsonl
 
-pytestmark = pytest.mark.usefixtures("local_ray")
+pytestmark = [pytest.mark.usefixtures("local_ray"), pytest.mark.timeout(300)]
 
 START_SECONDS = 3.0  # the fake engine's start: what a warm engine saves
 
@@ -36,7 +36,9 @@ def _job(tmp_path, name: str, rows: int, keeper: str | None, **fake) -> JobConfi
                 "fake": {"output_tokens": 4, "start_seconds": START_SECONDS, **fake},
                 "warm_engines": keeper,
             },
-            "resources": {"num_engines": 2, "cpus_per_engine": 0.5, "rows_per_task": 16},
+            # The engines take every CPU of the cluster, as a CPU pool does by default: what a job does after its
+            # engine phase (finalize) must not wait for CPUs its warm engines keep.
+            "resources": {"num_engines": 2, "cpus_per_engine": 1.0, "rows_per_task": 16},
         }
     )
 
@@ -108,7 +110,7 @@ def test_idle_engines_stop_after_the_idle_time(tmp_path):
     handle = start_keeper("keeper-idle", idle_seconds=2)
     try:
         run_job(_job(tmp_path, "once", 50, "keeper-idle", start_seconds=0), show_progress=False)
-        assert len(ray.get(handle.describe.remote())["engines"]) == 2
+        assert ray.get(handle.describe.remote())["started"] == 2
         deadline = time.monotonic() + 30
         while ray.get(handle.describe.remote())["engines"] and time.monotonic() < deadline:
             time.sleep(0.5)

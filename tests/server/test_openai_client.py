@@ -96,6 +96,23 @@ def test_later_batches_take_the_engines_warm(server, client_a, tmp_path):
     assert all(e["reused"] for e in later["engine"]["per_engine"].values())
 
 
+def test_a_line_for_another_endpoint_is_that_lines_error_record(client_a, tmp_path):
+    source = tmp_path / "mixed.jsonl"
+    source.write_text(
+        chat_line("chat-1", "hello") + "\n" + completion_line("cmpl-1", "Once upon a time") + "\n"
+    )
+    uploaded = client_a.files.create(file=source.open("rb"), purpose="batch")
+    batch = client_a.batches.create(
+        input_file_id=uploaded.id, endpoint="/v1/chat/completions", completion_window="24h"
+    )
+    done = wait_for(client_a, batch.id, lambda b: b.status in FINAL)
+    assert done.status == "completed"
+    assert (done.request_counts.completed, done.request_counts.failed) == (1, 1)
+    (error,) = lines_of(client_a, done.error_file_id)
+    assert error["custom_id"] == "cmpl-1" and error["error"]["code"] == "unsupported_url"
+    assert "/v1/chat/completions" in error["error"]["message"]
+
+
 def test_lists_paginate_newest_first(client_a, tmp_path):
     ids = [
         client_a.files.create(

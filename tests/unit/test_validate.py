@@ -330,6 +330,29 @@ def test_unsupported_url(validate, url):
     assert url in message and CHAT in message and COMPLETIONS in message  # says what is supported
 
 
+def test_a_batch_serves_only_its_endpoint():
+    """The Batch API server's batches (limits.only_url = the batch's endpoint): a line for another served route is
+    that line's error record; the endpoint's own lines, under any of its spellings, run."""
+    from pipeline.config import InputLimits
+
+    validate = LineValidator(MODEL, limits=InputLimits(only_url=CHAT))
+    assert isinstance(validate(line(), 1, SOURCE), ValidRequest)
+    record = assert_invalid(
+        validate(line(custom_id="c", url=COMPLETIONS, body=completion_body()), 1, SOURCE),
+        ErrorCode.UNSUPPORTED_URL,
+    )
+    assert COMPLETIONS in record["error"]["message"] and CHAT in record["error"]["message"]
+
+
+def test_only_url_must_be_a_served_route():
+    from pydantic import ValidationError
+
+    from pipeline.config import InputLimits
+
+    with pytest.raises(ValidationError, match="not a route nightshift serves"):
+        InputLimits(only_url="/v1/moderations")
+
+
 @pytest.mark.parametrize(
     "url, body",
     [

