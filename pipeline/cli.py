@@ -540,6 +540,13 @@ def serve(
     timezone: Annotated[
         str | None, typer.Option(help="--hours: the window's IANA timezone (default: local time).")
     ] = None,
+    engine_idle_seconds: Annotated[
+        float | None,
+        typer.Option(
+            help="Keep engines warm this long after the last batch, for the next batch of the same model "
+            "(default 600; 0: every batch starts its own)."
+        ),
+    ] = None,
     log_format: Annotated[str, typer.Option(help="Logs: console or json.")] = "console",
 ) -> None:
     """The OpenAI Files + Batches API on Ray Serve: point the `openai` client's base_url at http://HOST:PORT/v1."""
@@ -560,6 +567,7 @@ def serve(
                 "auth.disabled": True if no_auth else None,
                 "hours": hours,
                 "timezone": timezone,
+                "engine_idle_seconds": engine_idle_seconds,
             },
         )
         Keyring.load(settings.auth)  # keys are checked here, before Ray starts

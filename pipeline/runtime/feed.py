@@ -7,6 +7,9 @@ restarting a dead actor and re-running its ticket; the queue (runtime/work_queue
 come back when their engine dies, prefix-aware routing, and pulling across pools, so a faster pool simply leases
 more. The number of Ray tasks is the number of engines; the driver reads the queue's totals a few times a second
 and never sees a row.
+
+A job whose config names a warm-engine keeper (`engine.warm_engines`, set by the Batch API server) takes its engines
+from it instead of a Ray Data pool, and sends them the same tickets (runtime/warm.py): the engines outlive the job.
 """
 
 from __future__ import annotations

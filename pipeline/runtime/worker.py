@@ -287,11 +287,13 @@ class EngineWorker:
                     old.shutdown()
                 if self.engine is None:
                     await asyncio.to_thread(self._preloading.join)
-                    spec = self._spec_with_cores()
-                    engine = build_engine(spec)
+                    # The engine gets its own copy: it may fill in its args as it starts (vLLM on CPU sets
+                    # enforce_eager), and the next plan is compared with what was asked for.
+                    wanted = replace(self.spec, args=dict(self.spec.args))
+                    engine = build_engine(self._spec_with_cores(wanted))
                     await engine.start()
                     self._ready_at = time.time()
-                    self.engine, self._built_spec = engine, self.spec
+                    self.engine, self._built_spec = engine, wanted
                     self.window = self._max_in_flight_given or in_flight_window(engine)
                     self._report(force=True)
                     if self._reporter is None:
@@ -300,10 +302,10 @@ class EngineWorker:
                         self._reporter = asyncio.get_running_loop().create_task(self._report_loop())
         return self.engine
 
-    def _spec_with_cores(self) -> EngineSpec:
+    def _spec_with_cores(self, wanted: EngineSpec) -> EngineSpec:
         """A CPU engine computes on whole cores of its own: claimed here, on its node, for the life of this actor
         (the claim is released with the process, so a restarted actor's engine can take them again)."""
-        spec = self.spec
+        spec = replace(wanted, args=dict(wanted.args))
         if not engine_class(spec.backend).computes_on_cpu_cores or spec.cpus < 1 or _has_gpus():
             return spec
         from cluster.cpu_cores import claim_cores

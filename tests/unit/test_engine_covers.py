@@ -46,3 +46,24 @@ def test_engines_left_to_size_themselves_cover_each_other():
     assert engine_covers(gpu, gpu)
     assert engine_covers(gpu, replace(gpu, args={"max_model_len": 512, "max_num_seqs": None}))
     assert not engine_covers(None, gpu)
+
+
+def test_an_engine_filling_in_its_own_args_is_not_rebuilt():
+    """vLLM on CPU sets enforce_eager in the args it was given as it starts: the worker keeps what it asked for, so
+    the same plan, asked again (every chunk, every warm job), finds the same engine."""
+    import asyncio
+
+    from pipeline.runtime.worker import EngineWorker
+
+    async def go():
+        worker = EngineWorker(EngineSpec("fake", "m", "m", {"max_model_len": 64, "enforce_eager": None}))
+        first = await worker._engine()
+        first.args["enforce_eager"] = True  # what vLLM does to its spec's args
+        assert worker.spec.args["enforce_eager"] is None
+        assert await worker._engine() is first
+        worker.spec = replace(worker.spec, args={**worker.spec.args, "max_model_len": 32})  # a shorter plan
+        assert await worker._engine() is first
+        worker.spec = replace(worker.spec, args={**worker.spec.args, "max_model_len": 128})  # a longer one
+        assert await worker._engine() is not first
+
+    asyncio.run(go())
