@@ -31,6 +31,7 @@ QUESTIONS = [
 ]
 LINES = [chat_line(f"q-{i:02d}", q, max_tokens=8, temperature=0) for i, q in enumerate(QUESTIONS)]
 LINES += ['{"custom_id": "broken"', chat_line("q-00", "a duplicate custom_id", max_tokens=8)]
+FINAL = ("completed", "failed", "cancelled", "expired")
 JOB = {"engine": {"vllm": {"max_num_seqs": 1}}, "resources": {"num_engines": 1}}
 
 
@@ -56,37 +57,65 @@ def real_server(tmp_path_factory, embedded_model):
     srv.stop()
 
 
-def test_openai_client_round_trip_cold_then_warm(real_server, tmp_path, capsys):
+def test_openai_client_round_trip_cold_cancelled_then_warm(real_server, tmp_path, capsys):
+    """First batch: the engine starts. Second: cancelled mid-run on that engine (its requests leave the engine).
+    Third: runs on the same engine, unharmed, and gives the rows `nightshift run` gives."""
     import openai
 
     source = write_lines(tmp_path / "questions.jsonl", LINES)
     client = openai.OpenAI(base_url=real_server.base_url, api_key=KEY_A, max_retries=0)
     uploaded = client.files.create(file=source.open("rb"), purpose="batch")
 
-    def run_batch() -> tuple[object, float, dict]:
-        t0 = time.monotonic()
-        batch = client.batches.create(
-            input_file_id=uploaded.id, endpoint="/v1/chat/completions", completion_window="24h"
+    def start(file_id: str):
+        return client.batches.create(
+            input_file_id=file_id, endpoint="/v1/chat/completions", completion_window="24h"
         )
-        while (batch := client.batches.retrieve(batch.id)).status not in ("completed", "failed", "cancelled"):
-            time.sleep(0.5)
-        took = time.monotonic() - t0
-        assert batch.status == "completed", batch.errors
-        manifest = real_server.root / "data" / "batches" / batch.id / "output" / "manifest.json"
-        return batch, took, json.loads(manifest.read_text())
 
-    cold, cold_s, cold_manifest = run_batch()
-    warm, warm_s, warm_manifest = run_batch()
+    def finish(batch) -> object:
+        while (batch := client.batches.retrieve(batch.id)).status not in FINAL:
+            time.sleep(0.5)
+        return batch
+
+    def manifest(batch) -> dict:
+        return json.loads(
+            (real_server.root / "data" / "batches" / batch.id / "output" / "manifest.json").read_text()
+        )
+
+    t0 = time.monotonic()
+    cold = finish(start(uploaded.id))
+    cold_s = time.monotonic() - t0
+
+    # A long batch on the warm engine, cancelled once its first rows are done.
+    many = [chat_line(f"long-{i:03d}", f"Tell a long story number {i}.", max_tokens=48) for i in range(48)]
+    long_file = client.files.create(
+        file=write_lines(tmp_path / "long.jsonl", many).open("rb"), purpose="batch"
+    )
+    long = start(long_file.id)
+    while (long := client.batches.retrieve(long.id)).request_counts.completed < 2:
+        assert long.status not in FINAL, long
+        time.sleep(0.3)
+    client.batches.cancel(long.id)
+    long = finish(long)
+    assert long.status == "cancelled"
+    kept = [json.loads(x) for x in client.files.content(long.output_file_id).text.splitlines()]
+    assert 2 <= long.request_counts.completed == len(kept) < len(many)
+
+    t0 = time.monotonic()
+    warm = finish(start(uploaded.id))
+    warm_s = time.monotonic() - t0
     with capsys.disabled():
         print(
-            f"\nBatch API, real engine: first batch {cold_s:.1f} s (engine start), next {warm_s:.1f} s (warm)"
+            f"\nBatch API, real engine: first batch {cold_s:.1f} s (engine start), after a cancel {warm_s:.1f} s (warm)"
         )
+        print(f"batch {warm.status} {warm.request_counts}")
+        print(client.files.content(warm.output_file_id).text.splitlines()[0][:400])
 
-    assert cold_manifest["engine"]["reused"] == 0 and warm_manifest["engine"]["reused"] == 1
-    assert warm_s < cold_s
     for batch in (cold, warm):
+        assert batch.status == "completed", batch.errors
         counts = batch.request_counts
         assert (counts.total, counts.completed, counts.failed) == (len(LINES), len(QUESTIONS), 2)
+    assert manifest(cold)["engine"]["reused"] == 0 and manifest(warm)["engine"]["reused"] == 1
+    assert warm_s < cold_s
 
     # The same rows as `nightshift run` on the same file.
     local = tmp_path / "local-out"
@@ -95,12 +124,10 @@ def test_openai_client_round_trip_cold_then_warm(real_server, tmp_path, capsys):
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     expected = _rows(read_jsonl(local.glob("results-*.jsonl")))
-    expected_errors = sorted(
-        r["response"]["body"]["error"]["code"] for r in read_jsonl(local.glob("errors-*.jsonl"))
-    )
+    expected_errors = sorted(r["error"]["code"] for r in read_jsonl(local.glob("errors-*.jsonl")))
     for batch in (cold, warm):
         results = [json.loads(x) for x in client.files.content(batch.output_file_id).text.splitlines()]
         errors = [json.loads(x) for x in client.files.content(batch.error_file_id).text.splitlines()]
         assert _rows(results) == expected
-        assert sorted(e["response"]["body"]["error"]["code"] for e in errors) == expected_errors
+        assert sorted(e["error"]["code"] for e in errors) == expected_errors
         assert all(r["response"]["body"]["model"] == MODEL_NAME for r in results)
