@@ -202,7 +202,9 @@ def start_keeper(name: str, idle_seconds: float) -> Any:
 
     return (
         ray.remote(num_cpus=0)(EngineKeeper)
-        .options(name=name, namespace=NAMESPACE, max_concurrency=1000)
+        # get_if_exists: a server restarted on the same data dir while its predecessor's keeper is still being
+        # reaped takes that one rather than failing on the name.
+        .options(name=name, namespace=NAMESPACE, max_concurrency=1000, get_if_exists=True)
         .remote(idle_seconds)
     )
 

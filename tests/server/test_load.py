@@ -20,7 +20,7 @@ from tests.server.conftest import KEY_A, KEY_B
 pytestmark = pytest.mark.timeout(600)
 
 CLIENTS = 3
-BATCHES_PER_CLIENT = 3
+BATCHES_PER_CLIENT = 2
 ROWS = 6
 POLLERS = 4
 
