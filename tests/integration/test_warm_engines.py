@@ -170,3 +170,21 @@ def test_a_dropped_job_leaves_nothing_running_and_its_engines_serve_the_next(tmp
     nxt = _job(tmp_path, "next", 60, name, start_seconds=0)
     run_job(nxt, show_progress=False)
     assert _manifest(nxt)["counts"]["succeeded"] == 60
+
+
+def test_a_warm_engine_that_dies_is_restarted_and_its_ticket_sent_again(tmp_path, keeper):
+    """A request that kills its engine every time, on warm engines: Ray restarts the actor, the job sends its
+    ticket again, the request ends isolated as an engine_error and every other row is answered once."""
+    name, handle = keeper
+    config = _job(tmp_path, "poison", 60, name, start_seconds=0, crash_on=["0017"])
+    run_job(config, show_progress=False)
+    m = _manifest(config)
+    assert m["counts"]["succeeded"] == 59 and m["counts"]["by_error_code"] == {"engine_error": 1}
+    assert len(set(_done_ids(config))) == 59 and "poison-0017" not in _done_ids(config)
+    # The keeper's engines are the same two actors, restarted in place and back for the next job.
+    nxt = _job(tmp_path, "after", 30, name, start_seconds=0)
+    run_job(nxt, show_progress=False)
+    assert _manifest(nxt)["counts"]["succeeded"] == 30
+    import ray
+
+    assert ray.get(handle.describe.remote())["started"] == 2
