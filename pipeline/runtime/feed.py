@@ -265,6 +265,7 @@ class EngineLaunch:
                     )
         # The engines run in Ray; the driver only watches: acknowledgements are counted by the queues.
         if self.warm is not None:
+            self.warm.acquire()
             self._running = InBackground(self.warm.run)
         else:
             ds = datasets[0].union(*datasets[1:]) if len(datasets) > 1 else datasets[0]

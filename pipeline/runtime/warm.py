@@ -113,31 +113,35 @@ class EngineKeeper:
         self.reused = 0  # engines handed to a job that another job had used
 
     async def acquire(
-        self, job_id: str, spec: EngineSpec, pool: str, count: int, options: dict[str, Any]
-    ) -> list[Any]:
-        """`count` engines of this kind for the job: idle ones first, new ones for the rest."""
+        self, job_id: str, wanted: list[tuple[EngineSpec, str, int, dict[str, Any]]]
+    ) -> list[list[Any]]:
+        """Engines for each of the job's pools — `wanted`: (spec, pool, count, actor options) — idle ones of the
+        same kind first, new ones for the rest."""
         import ray
 
         if self._reaper is None:
             self._reaper = asyncio.get_running_loop().create_task(self._reap_forever())
-        kind = engine_kind(spec, options)
-        taken = [k for k in self._kept if k.job is None and k.kind == kind][:count]
-        # Idle engines of another kind hold cores or accelerators the new ones may need.
-        self._stop([k for k in self._kept if k.job is None and k.kind != kind])
-        for k in taken:
-            k.job = job_id
-        reused = len(taken)
-        self.reused += reused
+        kinds = [engine_kind(spec, options) for spec, _, _, options in wanted]
+        handed: list[list[_Kept]] = []
+        for kind, (_, _, count, _) in zip(kinds, wanted, strict=True):
+            taken = [k for k in self._kept if k.job is None and k.kind == kind][:count]
+            for k in taken:
+                k.job = job_id
+            handed.append(taken)
+        # Idle engines of kinds this job does not run hold cores or accelerators its new ones may need.
+        self._stop([k for k in self._kept if k.job is None and k.kind not in kinds])
         cls = ray.remote(WarmEngine)
-        for _ in range(count - len(taken)):
-            handle = cls.options(max_restarts=-1, **options).remote(spec, pool)
-            kept = _Kept(handle, kind, job=job_id)
-            self._kept.append(kept)
-            taken.append(kept)
-            self.started += 1
-            asyncio.get_running_loop().create_task(self._placed(kept))
-        log.info("engines handed out", job=job_id, pool=pool, warm=reused, started=count - reused)
-        return [k.handle for k in taken]
+        for kind, (spec, pool, count, options), taken in zip(kinds, wanted, handed, strict=True):
+            reused = len(taken)
+            self.reused += reused
+            for _ in range(count - reused):
+                kept = _Kept(cls.options(max_restarts=-1, **options).remote(spec, pool), kind, job=job_id)
+                self._kept.append(kept)
+                taken.append(kept)
+                self.started += 1
+                asyncio.get_running_loop().create_task(self._placed(kept))
+            log.info("engines handed out", job=job_id, pool=pool, warm=reused, started=count - reused)
+        return [[k.handle for k in taken] for taken in handed]
 
     async def _placed(self, kept: _Kept) -> None:
         try:
@@ -240,22 +244,27 @@ class WarmTickets:
         # An earlier driver of this job (killed, then resumed) may still have tickets running: they end first,
         # so the pending rows listed after this are exactly what is left.
         ray.get(keeper.drop_job.remote(job_id))
+        self._pools: list[tuple[Any, dict[str, Any]]] = []
         self._tickets: list[tuple[Any, str, str, dict[str, Any]]] = []
         self._stopping = False
 
     def add_pool(self, plan: Any, wiring: dict[str, Any]) -> None:
-        """The pool's engines (plan: runtime/feed.FeedPlan) and their tickets; `wiring`: the job's queue, monitor,
-        sink, chunk size and in-flight window for them."""
+        """A pool whose engines to take (plan: runtime/feed.FeedPlan); `wiring`: the job's queue, monitor, sink,
+        chunk size and in-flight window for them. Taken all at once, by `acquire`."""
+        self._pools.append((plan, wiring))
+
+    def acquire(self) -> None:
+        """Every pool's engines, in one call: the keeper sees all the kinds this job runs before it stops idle
+        engines that no pool of the job can use."""
         import ray
 
-        pool = plan.pool
-        handles = ray.get(
-            self.keeper.acquire.remote(
-                self.job_id, plan.spec, pool.name, plan.max_engines, actor_options(pool)
-            )
-        )
-        for i, handle in enumerate(handles):
-            self._tickets.append((handle, f"{pool.name}/{i}", pool.name, wiring))
+        wanted = [
+            (plan.spec, plan.pool.name, plan.max_engines, actor_options(plan.pool)) for plan, _ in self._pools
+        ]
+        handles = ray.get(self.keeper.acquire.remote(self.job_id, wanted))
+        for (plan, wiring), pool_handles in zip(self._pools, handles, strict=True):
+            for i, handle in enumerate(pool_handles):
+                self._tickets.append((handle, f"{plan.pool.name}/{i}", plan.pool.name, wiring))
 
     def run(self) -> int:
         """Until every ticket has ended: the chunks they ran."""

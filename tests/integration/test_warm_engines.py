@@ -188,3 +188,25 @@ def test_a_warm_engine_that_dies_is_restarted_and_its_ticket_sent_again(tmp_path
     import ray
 
     assert ray.get(handle.describe.remote())["started"] == 2
+
+
+def test_a_job_of_two_pools_takes_both_pools_engines_warm(tmp_path, keeper):
+    """Engines of different kinds (here: two pools placed with different CPUs) are all kept for the next job of the
+    same pools; only kinds no pool of the job runs are stopped to free their resources."""
+    name, _ = keeper
+
+    def two_pools(job: str) -> JobConfig:
+        config = _job(tmp_path, job, 80, name, start_seconds=0).model_dump()
+        config["resources"] = {"rows_per_task": 16}
+        config["pools"] = [
+            {"name": "big", "min_engines": 1, "cpus_per_engine": 1.0},
+            {"name": "small", "min_engines": 1, "cpus_per_engine": 0.5},
+        ]
+        return JobConfig.model_validate(config)
+
+    run_job(two_pools("pools-1"), show_progress=False)
+    second = two_pools("pools-2")
+    run_job(second, show_progress=False)
+    m = _manifest(second)
+    assert m["counts"]["succeeded"] == 80
+    assert m["engine"]["engines"] == 2 and m["engine"]["reused"] == 2
