@@ -88,6 +88,13 @@ class Server:
             time.sleep(0.5)
         raise RuntimeError("server did not answer within 90 s")
 
+    def kill(self) -> None:
+        """SIGKILL the server process alone, as a crash would: no shutdown runs; its Ray and its jobs go with it."""
+        assert self.proc is not None
+        self.proc.kill()
+        self.proc.wait()
+        self.proc = None
+
     def stop(self) -> None:
         if self.proc is None:
             return

@@ -214,7 +214,8 @@ def test_errors_are_openai_shaped(server, client_a, tmp_path):
 
 
 def test_restart_mid_batch_completes(server, client_a, tmp_path):
-    """Last in this module: it stops the shared server and starts another on the same data dir and port."""
+    """Last in this module: it kills the shared server (SIGKILL) and starts another on the same data dir and
+    port."""
     # 40 requests of 10 tokens (0.5 s each, 4 at a time): about 5 s of work, stopped once the first rows are staged.
     uploaded = client_a.files.create(
         file=write_input(tmp_path / "restart.jsonl", 40, max_tokens=10).open("rb"), purpose="batch"
@@ -223,7 +224,7 @@ def test_restart_mid_batch_completes(server, client_a, tmp_path):
         input_file_id=uploaded.id, endpoint="/v1/chat/completions", completion_window="24h"
     )
     before = wait_for(client_a, batch.id, lambda b: b.request_counts.completed > 0).request_counts.completed
-    server.stop()
+    server.kill()
     server.start()
     done = wait_for(client_a, batch.id, lambda b: b.status in FINAL)
     assert done.status == "completed", done.errors
