@@ -343,7 +343,13 @@ class BatchRunner:
             return
         if not state.ingested or state.input is None:
             return
-        completed, failed = staging.count("results"), staging.count("errors")
+        try:
+            completed, failed = staging.count("results"), staging.count("errors")
+        except (FileNotFoundError, OSError):
+            return  # the commit deleted `_staging/` between listing a part and reading it: the next poll counts
+        except Exception as exc:  # noqa: BLE001 - a count is best effort: it must never fail the batch
+            log.warning("batch counts not read", batch=batch_id, error=str(exc))
+            return
         # Staged rows are only ever added — until the commit deletes `_staging/` under a poll's feet (the final counts
         # are then the manifest's): counts never go back.
         batch = self.store.batch(batch_id)

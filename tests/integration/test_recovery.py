@@ -15,6 +15,7 @@ import sys
 import time
 from pathlib import Path
 
+import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
@@ -196,9 +197,22 @@ def _staged_ids_s3(moto_s3, bucket: str, prefix: str) -> set[str]:
     for key in moto_s3.keys(bucket, f"{prefix}/_staging/"):
         kind, name = key.split("/")[-2:]
         if kind in ("results", "errors") and not name.startswith("validate-"):
-            table = pq.read_table(io.BytesIO(moto_s3.get(bucket, key)), columns=["custom_id"])
-            ids.update(table.column("custom_id").to_pylist())
+            ids.update(_read_staged_part(moto_s3, bucket, key))
     return ids
+
+
+def _read_staged_part(moto_s3, bucket: str, key: str, tries: int = 20) -> list[str]:
+    """The part's ids. The local S3 stand-in (moto) can serve an object while its PUT is still arriving — a dying
+    driver's engines may still be staging — which real S3 never does; such a read is tried again."""
+    for attempt in range(tries):
+        try:
+            table = pq.read_table(io.BytesIO(moto_s3.get(bucket, key)), columns=["custom_id"])
+            return table.column("custom_id").to_pylist()
+        except pa.ArrowInvalid:
+            if attempt == tries - 1:
+                raise
+            time.sleep(0.25)
+    raise AssertionError("unreachable")
 
 
 def _machine(tmp_path: Path, name: str) -> dict[str, str]:

@@ -94,6 +94,18 @@ class Server:
         self.proc.kill()
         self.proc.wait()
         self.proc = None
+        # Its Ray (and the Serve proxy on our port) ends with it, a moment later: a server started before then
+        # would find the old proxy answering.
+        import httpx
+
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            try:
+                httpx.get(f"{self.base_url}/batches", timeout=1)
+            except httpx.HTTPError:
+                return
+            time.sleep(0.5)
+        raise RuntimeError("the killed server's port still answers after 60 s")
 
     def stop(self) -> None:
         if self.proc is None:
