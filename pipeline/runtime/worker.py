@@ -211,45 +211,24 @@ class EngineWorker:
         max_in_flight: int | None = None,
     ) -> None:
         self.spec = spec
-        self.pool = pool
-        self.monitor = monitor  # the job's JobMonitor actor (stats + attempt ledger); None in unit tests
-        self.job_id = job_id
-        self.queue = queue  # the WorkQueue this engine leases chunks from
-        self.sink = sink  # stages finished chunks (runtime/sink.py)
-        self.chunk_rows = chunk_rows
         self.engine: Engine | None = None
+        self._built_spec: EngineSpec | None = None  # what the running engine was built for
         self._starting: asyncio.Lock | None = None
-        self._gate: asyncio.Condition | None = None
-        # Requests inside the engine at once: given, or 2 x the engine's own max_num_seqs once it has started
-        # (on a GPU only the engine knows how many sequences its KV cache holds).
-        self._max_in_flight_given = max_in_flight
-        self.window: int | None = max_in_flight
-        self._window: EngineWindow | None = (
-            None  # created in the actor's event loop, once the engine is built
-        )
-        self._in_flight = 0
-        self._solo = False
         self._last_report = 0.0
-        self._kv_usage_peak: float | None = None
         self._ready_at: float | None = None  # wall clock: compared across processes
         self._reporter: asyncio.Task | None = None
-        self.activity = Activity()  # when this engine had work: its busy share, for the manifest
-        self._core_claim: Any = (
-            None  # cluster.cpu_cores.CoreClaim of a CPU engine, held while the actor lives
-        )
-        self.actor_id = f"{pool}-{os.getpid()}"
-        self._reused = False
+        # A CPU engine's cluster.cpu_cores.CoreClaim, held while the actor lives.
+        self._core_claim: Any = None
+        # Chunks being written out (threads: they cannot be cancelled).
+        self._staging: set[asyncio.Future] = set()
         self._node_id, self._restarted = _actor_context()
+        self.bind(pool, monitor, job_id, queue, sink, chunk_rows, max_in_flight)
         # The engine starts with the first ticket (it must start inside the actor's event loop), but its imports
         # need no loop: they begin now, while Ray Data is still placing the other engines.
         self._preloading = threading.Thread(
             target=self._preload, args=(spec.backend,), name="engine-preload", daemon=True
         )
         self._preloading.start()
-        self._built_spec: EngineSpec | None = None  # what the running engine was built for
-        self._staging: set[asyncio.Future] = (
-            set()
-        )  # chunks being written out (threads: they cannot be cancelled)
 
     def bind(
         self,
@@ -261,18 +240,23 @@ class EngineWorker:
         chunk_rows: int,
         max_in_flight: int | None,
     ) -> None:
-        """Serve another job with this actor (a warm engine, runtime/warm.py): the job's queue, monitor and staging,
-        and fresh numbers for its manifest. The engine itself stays, if it can serve the job's plan."""
+        """The job this actor serves: its queue, monitor (stats + attempt ledger; None in unit tests) and staging
+        sink, and fresh numbers for its manifest. A warm engine (runtime/warm.py) is bound again for each job; its
+        engine stays, if it can serve the job's plan."""
         self.pool, self.monitor, self.job_id, self.queue, self.sink = pool, monitor, job_id, queue, sink
         self.chunk_rows = chunk_rows
+        # Requests inside the engine at once: given, or 2 x the engine's own max_num_seqs once it has started
+        # (on a GPU only the engine knows how many sequences its KV cache holds).
         self._max_in_flight_given = max_in_flight
         self.window = max_in_flight or (in_flight_window(self.engine) if self.engine is not None else None)
-        self._gate, self._window = None, None  # bound to the window of this job
+        # asyncio primitives of this job's window, created in the actor's event loop once the engine is built
+        self._gate: asyncio.Condition | None = None
+        self._window: EngineWindow | None = None
         self._in_flight, self._solo = 0, False
-        self._kv_usage_peak = None
-        self.activity = Activity()
+        self._kv_usage_peak: float | None = None
+        self.activity = Activity()  # when this engine had work: its busy share, for the manifest
         self.actor_id = f"{pool}-{os.getpid()}"
-        self._reused = self.engine is not None
+        self._reused = self.engine is not None  # built before this job: its start not paid by it
 
     async def _engine(self) -> Engine:
         if self.engine is None or not engine_covers(self._built_spec, self.spec):

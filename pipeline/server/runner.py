@@ -345,7 +345,7 @@ class BatchRunner:
             return
         try:
             completed, failed = staging.count("results"), staging.count("errors")
-        except (FileNotFoundError, OSError):
+        except OSError:
             return  # the commit deleted `_staging/` between listing a part and reading it: the next poll counts
         except Exception as exc:  # noqa: BLE001 - a count is best effort: it must never fail the batch
             log.warning("batch counts not read", batch=batch_id, error=str(exc))
