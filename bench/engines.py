@@ -250,6 +250,9 @@ class LoadWatcher(threading.Thread):
         self.own_by_name: dict[str, int] = {}
         self._marked: dict[int, bool] = {}
         self._start = time.monotonic()
+        # (epoch seconds at the end of a sample, our CPU ticks by process name within it): what ran beside the
+        # engines' compute during generation (`own_cores_between`).
+        self.own_samples: list[tuple[float, dict[str, int]]] = []
 
     def _has_marker(self, pid: int) -> bool:
         if pid not in self._marked:
@@ -276,16 +279,34 @@ class LoadWatcher(threading.Thread):
         while not self._stop_event.wait(self.period_s):
             now = _proc_table()
             mine = self._mine(now)
+            sample: dict[str, int] = {}
             for pid, (_, ticks, name) in now.items():
                 delta = ticks - before[pid][1] if pid in before else ticks
                 if delta <= 0:
                     continue
                 if pid in mine:
                     self.own_by_name[name] = self.own_by_name.get(name, 0) + delta
+                    sample[name] = sample.get(name, 0) + delta
                 elif pid in before:  # a foreign process's CPU before we started watching is not ours to count
                     self.foreign_ticks += delta
                     self.foreign_by_name[name] = self.foreign_by_name.get(name, 0) + delta
+            self.own_samples.append((time.time(), sample))
             before = now
+
+    def own_cores_between(self, start: float, end: float) -> dict[str, float]:
+        """Cores our processes used, by name, in the samples that ended inside [start, end] (epoch seconds), over
+        the time those samples span: e.g. between the first and the last output token, what computed beside the
+        engines (`VLLM::Worker` is the engines' compute; everything else takes cores from it)."""
+        inside = [(at, ticks) for at, ticks in self.own_samples if start + self.period_s <= at <= end]
+        if not inside:
+            return {}
+        span = inside[-1][0] - inside[0][0] + self.period_s
+        hz = os.sysconf("SC_CLK_TCK")
+        totals: dict[str, int] = {}
+        for _, ticks in inside:
+            for name, n in ticks.items():
+                totals[name] = totals.get(name, 0) + n
+        return {name: round(n / hz / span, 3) for name, n in sorted(totals.items(), key=lambda kv: -kv[1])}
 
     def stop(self) -> dict[str, Any]:
         self._stop_event.set()

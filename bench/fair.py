@@ -113,6 +113,23 @@ def token_timing(traces: list[dict[str, Any]], started: float, ended: float) -> 
 _CORE_IDS = re.compile(r"local_rank=0, core ids=\[([\d,\s]*)\]")
 
 
+def cores_beside_compute(watcher: Any, traces: list[dict[str, Any]]) -> dict[str, Any]:
+    """Between the first and the last output token: the cores the path's processes used beside the engines' compute
+    threads (vLLM's `VLLM::Worker`), in all and the largest by process. With every core given to the engines, each
+    of these steals from a compute thread, and one engine's threads wait for each other at every step."""
+    if not traces:
+        return {}
+    first = min(t["first_token_at"] for t in traces)
+    last = max(t["last_token_at"] for t in traces)
+    by_name = watcher.own_cores_between(first, last)
+    beside = {name: cores for name, cores in by_name.items() if name != "VLLM::Worker"}
+    return {
+        "engine_compute_cores": by_name.get("VLLM::Worker"),
+        "beside_compute_cores": round(sum(beside.values()), 3) if by_name else None,
+        "beside_compute_top": dict(list(beside.items())[:8]),
+    }
+
+
 def bound_cores(texts: list[str]) -> list[list[int]]:
     """Every engine's cores, as vLLM logged them (`local_rank=0, core ids=[...]`, one line per engine start)."""
     found = []

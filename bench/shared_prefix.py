@@ -294,7 +294,9 @@ def timed_run(
         load = watcher.stop()
     tokens = sum(o["tokens"] for o in outputs.values() if o["ok"])
     ok = sum(o["ok"] for o in outputs.values())
-    timing = fair.token_timing(fair.read_traces(trace_dir), timed.started, timed.ended)
+    traces = fair.read_traces(trace_dir)
+    timing = fair.token_timing(traces, timed.started, timed.ended)
+    beside = fair.cores_beside_compute(watcher, traces)
     cores = fair.bound_cores(texts)
     expected = spec.layout.expected(ctx["cores"])
     wrong = fair.check_cores(cores, expected)
@@ -320,6 +322,7 @@ def timed_run(
         "foreign_cores": load["foreign_cores"],
         "foreign_top": load["foreign_top"],
         "own_cpu_s_by_process": load["own_cpu_s_by_process"],
+        **beside,
         "steal_share": timed.steal_share,
         "extra": {k: v for k, v in extra.items() if k != "ray_session"},
     }
@@ -342,7 +345,15 @@ def summarize(runs: list[dict], specs: list[PathSpec]) -> dict[str, Any]:
                 "layout": spec.layout.label,
                 **{
                     k: _median(mine, k)
-                    for k in ("wall_s", "tok_per_s", "fixed_s", "generation_s", "steady_tok_per_s", "tail_s")
+                    for k in (
+                        "wall_s",
+                        "tok_per_s",
+                        "fixed_s",
+                        "generation_s",
+                        "steady_tok_per_s",
+                        "tail_s",
+                        "beside_compute_cores",
+                    )
                 },
                 "output_tokens": mine[0]["output_tokens"],
                 "rows_ok": min(r["rows_ok"] for r in mine),
@@ -380,7 +391,7 @@ def summarize(runs: list[dict], specs: list[PathSpec]) -> dict[str, Any]:
 def format_summary(summary: dict[str, Any]) -> str:
     header = (
         f"{'workload':<8} {'path':<28} {'wall s':>7} {'tok/s':>7} {fair.timing_columns()} {'hit rate':>8} "
-        f"{'foreign':>7}  engine cores"
+        f"{'foreign':>7} {'beside':>6}  engine cores"
     )
     lines = [header, "-" * len(header)]
     for workload, rows in summary["table"].items():
@@ -390,13 +401,16 @@ def format_summary(summary: dict[str, Any]) -> str:
             lines.append(
                 f"{workload:<8} {path:<28} {fair.fmt(row['wall_s']):>7} {fair.fmt(row['tok_per_s']):>7} "
                 f"{fair.timing_cells(row)} {fair.fmt(row['prefix_cache_hit_rate'], '.3f'):>8} "
-                f"{row['foreign_cores']:>7.2f}  {cores}{flag}"
+                f"{row['foreign_cores']:>7.2f} {fair.fmt(row.get('beside_compute_cores'), '.2f'):>6}  {cores}{flag}"
             )
     lines.append("")
     lines.append(
         "fixed = process start -> first output token; gen = first -> last token; steady = tokens / gen;"
     )
     lines.append("tail = last token -> exit (from each engine core's token clock: bench/README.md)")
+    lines.append(
+        "beside = cores the path's own processes used beside the engines' compute threads between first and last token"
+    )
     lines.append("")
     for name, check in summary["checks"].items():
         parts = []

@@ -54,3 +54,24 @@ def test_fixed_cost_and_steady_state_from_the_token_clocks(tmp_path: Path) -> No
     assert timing["first_token_spread_s"] == 2.0
     assert timing["prefix_cache_hit_rate"] == 0.8
     assert fair.token_timing([], 0.0, 1.0) == {"engines_traced": 0}
+
+
+def test_cores_beside_the_engines_compute_count_only_the_generation_samples() -> None:
+    import os
+
+    import engines as eb
+
+    hz = os.sysconf("SC_CLK_TCK")
+    watcher = eb.LoadWatcher(period_s=2.0)
+    # Samples end at 102..120 s; generation runs from 105 to 115 s: the samples ending at 108..114 s lie inside.
+    for at in range(102, 122, 2):
+        busy = 105 + 2 <= at <= 115
+        ticks = {"VLLM::Worker": int(3.6 * hz), "ray::Driver": int(0.2 * hz)}
+        ticks["ray::JobMonitor"] = int((0.1 if busy else 1.5) * hz)  # busy start-up outside the window only
+        watcher.own_samples.append((float(at), ticks))
+    traces = [{"first_token_at": 105.0, "last_token_at": 115.0}]
+    beside = fair.cores_beside_compute(watcher, traces)
+    assert beside["engine_compute_cores"] == 1.8
+    assert beside["beside_compute_cores"] == 0.15
+    assert list(beside["beside_compute_top"]) == ["ray::Driver", "ray::JobMonitor"]
+    assert fair.cores_beside_compute(watcher, []) == {}
