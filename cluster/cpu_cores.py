@@ -8,6 +8,7 @@ engine on a node lands on the same first core(s) — two engines on a 2-core box
 Cores are claimed with one advisory lock file per core in a node-wide directory: the lock lives exactly as long as
 the process holding it (a killed engine actor frees its cores with no clean-up step, and its replacement can take
 them), engines of different jobs on the same node see each other's claims, and there is no coordinator to reach.
+Start-up slots (`start_slot`) use the same kind of lock: how many CPU engines of a node import vLLM at once.
 """
 
 from __future__ import annotations
@@ -16,7 +17,8 @@ import contextlib
 import fcntl
 import os
 import tempfile
-from collections.abc import Iterable
+import time
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -89,3 +91,49 @@ def claim_cores(
         pass  # no writable lock directory: the engine falls back to vLLM's own binding
     claim.release()
     return None
+
+
+def start_slots() -> int:
+    """How many CPU engines on a node start at once: half its usable cores, at least one.
+
+    Starting an engine is mostly single-threaded Python (vLLM's imports, seconds of CPU each). Engines that claim
+    every core of a small node and start together share those cores with each other and with ingest, so all of
+    them reach their first token late; started a few at a time, the first ones compute while the rest start.
+    """
+    return max(1, len(usable_cpus()) // 2)
+
+
+@contextlib.contextmanager
+def start_slot(
+    slots: int | None = None, directory: Path | None = None, poll_s: float = 0.2
+) -> Iterator[int | None]:
+    """Hold one of the node's `slots` start-up slots (default `start_slots()`) for the block, waiting for one to
+    free. Yields the slot's number, or None when there is no lock directory to use (the start then goes ahead
+    at once). A holder that dies frees its slot with its process, like a core claim."""
+    slots = slots or start_slots()
+    directory = directory or lock_dir()
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        with contextlib.suppress(OSError):
+            directory.chmod(0o1777)
+    except OSError:
+        yield None
+        return
+    while True:
+        for slot in range(slots):
+            try:
+                handle = os.open(directory / f"start-{slot}.lock", os.O_RDWR | os.O_CREAT, 0o666)
+            except OSError:
+                yield None
+                return
+            try:
+                fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                os.close(handle)
+                continue
+            try:
+                yield slot
+            finally:
+                os.close(handle)  # closing the descriptor drops its lock
+            return
+        time.sleep(poll_s)

@@ -226,7 +226,7 @@ class EngineWorker:
         # The engine starts with the first ticket (it must start inside the actor's event loop), but its imports
         # need no loop: they begin now, while Ray Data is still placing the other engines.
         self._preloading = threading.Thread(
-            target=self._preload, args=(spec.backend,), name="engine-preload", daemon=True
+            target=self._preload, args=(spec,), name="engine-preload", daemon=True
         )
         self._preloading.start()
 
@@ -309,9 +309,19 @@ class EngineWorker:
                 log.warning("engine stats not reported", error=str(exc))
 
     @staticmethod
-    def _preload(backend: str) -> None:
+    def _preload(spec: EngineSpec) -> None:
+        # CPU engines of one node import a few at a time (cluster/cpu_cores.py: start_slot), so on a small node
+        # the first of them reaches its first token while the others still import; an engine on a GPU imports
+        # at once.
+        cpu_engine = engine_class(spec.backend).computes_on_cpu_cores and spec.cpus >= 1 and not _has_gpus()
         try:
-            engine_class(backend).preload()
+            if cpu_engine:
+                from cluster.cpu_cores import start_slot
+
+                with start_slot():
+                    engine_class(spec.backend).preload()
+            else:
+                engine_class(spec.backend).preload()
         except Exception as exc:  # noqa: BLE001 - start() imports again and reports the real error
             log.warning("engine preload failed; the engine will import at start", error=str(exc))
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import threading
 import time
 
 from cluster.cpu_cores import claim_cores, usable_cpus
@@ -74,3 +75,80 @@ def test_unwritable_lock_directory_falls_back(tmp_path):
     blocker = tmp_path / "file"
     blocker.write_text("not a directory")
     assert claim_cores(1, candidates=[0], directory=blocker / "locks") is None
+
+
+def test_start_slots_let_that_many_start_at_once_and_the_rest_wait(tmp_path):
+    from cluster.cpu_cores import start_slot
+
+    inside, most, lock = [0], [0], threading.Lock()
+    order: list[int] = []
+
+    def start(i: int) -> None:
+        with start_slot(2, directory=tmp_path, poll_s=0.01) as slot:
+            assert slot in (0, 1)
+            with lock:
+                inside[0] += 1
+                most[0] = max(most[0], inside[0])
+                order.append(i)
+            time.sleep(0.1)
+            with lock:
+                inside[0] -= 1
+
+    threads = [threading.Thread(target=start, args=(i,)) for i in range(5)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(10)
+    assert sorted(order) == [0, 1, 2, 3, 4]  # every start got a slot in the end
+    assert most[0] == 2  # never more than two at once, and the two slots were used together
+
+
+def test_a_start_slot_is_freed_by_its_holders_death_and_by_an_error(tmp_path):
+    from cluster.cpu_cores import start_slot
+
+    holder = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import time; from pathlib import Path; from cluster.cpu_cores import start_slot\n"
+            f"with start_slot(1, directory=Path({str(tmp_path)!r})) as slot:\n"
+            "    print(slot, flush=True); time.sleep(60)",
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert holder.stdout.readline().strip() == "0"
+        waited = time.monotonic()
+        threading.Timer(0.3, holder.kill).start()
+        with start_slot(1, directory=tmp_path, poll_s=0.01) as slot:
+            assert slot == 0 and time.monotonic() - waited >= 0.3  # it waited for the holder to die
+    finally:
+        holder.kill()
+    try:
+        with start_slot(1, directory=tmp_path):
+            raise RuntimeError("the engine's imports failed")
+    except RuntimeError:
+        pass
+    with start_slot(1, directory=tmp_path, poll_s=0.01) as slot:
+        assert slot == 0
+
+
+def test_start_slots_are_half_the_usable_cores(monkeypatch):
+    import cluster.cpu_cores as cc
+
+    monkeypatch.setattr(cc, "usable_cpus", lambda: [0, 1])
+    assert cc.start_slots() == 1
+    monkeypatch.setattr(cc, "usable_cpus", lambda: [0])
+    assert cc.start_slots() == 1
+    monkeypatch.setattr(cc, "usable_cpus", lambda: list(range(64)))
+    assert cc.start_slots() == 32
+
+
+def test_no_lock_directory_means_no_wait(tmp_path):
+    from cluster.cpu_cores import start_slot
+
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    with start_slot(1, directory=blocker / "locks") as slot:  # a directory under a file cannot exist
+        assert slot is None
