@@ -105,12 +105,17 @@ def start_slots() -> int:
 
 @contextlib.contextmanager
 def start_slot(
-    slots: int | None = None, directory: Path | None = None, poll_s: float = 0.2
+    slots: int | None = None,
+    directory: Path | None = None,
+    poll_s: float = 0.2,
+    wait_at_most_s: float = 120.0,
 ) -> Iterator[int | None]:
     """Hold one of the node's `slots` start-up slots (default `start_slots()`) for the block, waiting for one to
-    free. Yields the slot's number, or None when there is no lock directory to use (the start then goes ahead
-    at once). A holder that dies frees its slot with its process, like a core claim."""
+    free. Yields the slot's number, or None when there is no lock directory to use or no slot freed within
+    `wait_at_most_s` (the start then goes ahead without one: a holder stuck in its imports must not hold up every
+    engine of the node). A holder that dies frees its slot with its process, like a core claim."""
     slots = slots or start_slots()
+    deadline = time.monotonic() + wait_at_most_s
     directory = directory or lock_dir()
     try:
         directory.mkdir(parents=True, exist_ok=True)
@@ -135,5 +140,8 @@ def start_slot(
                 yield slot
             finally:
                 os.close(handle)  # closing the descriptor drops its lock
+            return
+        if time.monotonic() >= deadline:
+            yield None
             return
         time.sleep(poll_s)

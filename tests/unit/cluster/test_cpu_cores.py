@@ -152,3 +152,13 @@ def test_no_lock_directory_means_no_wait(tmp_path):
     blocker.write_text("")
     with start_slot(1, directory=blocker / "locks") as slot:  # a directory under a file cannot exist
         assert slot is None
+
+
+def test_a_start_waits_for_a_slot_only_so_long(tmp_path):
+    from cluster.cpu_cores import start_slot
+
+    with start_slot(1, directory=tmp_path) as held:
+        began = time.monotonic()
+        with start_slot(1, directory=tmp_path, poll_s=0.01, wait_at_most_s=0.2) as slot:
+            assert held == 0 and slot is None  # went ahead without one
+            assert 0.2 <= time.monotonic() - began < 5
