@@ -54,8 +54,18 @@ class CoreClaim:
         self._handles.clear()
 
 
-def _try_lock(directory: Path, core: int) -> int | None:
-    handle = os.open(directory / f"core-{core}.lock", os.O_RDWR | os.O_CREAT, 0o666)
+def _shared_lock_dir(directory: Path) -> Path:
+    """`directory`, created and open to every user (other users' engines on a shared node lock here too); raises
+    OSError when it cannot be made."""
+    directory.mkdir(parents=True, exist_ok=True)
+    with contextlib.suppress(OSError):
+        directory.chmod(0o1777)
+    return directory
+
+
+def _try_lock(path: Path) -> int | None:
+    """The descriptor holding `path`'s lock, or None when another live process holds it."""
+    handle = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
     try:
         fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
@@ -77,11 +87,9 @@ def claim_cores(
     directory = directory or lock_dir()
     claim = CoreClaim([])
     try:
-        directory.mkdir(parents=True, exist_ok=True)
-        with contextlib.suppress(OSError):
-            directory.chmod(0o1777)  # other users' engines on a shared node claim here too
+        _shared_lock_dir(directory)
         for core in sorted(usable_cpus() if candidates is None else candidates):
-            handle = _try_lock(directory, core)
+            handle = _try_lock(directory / f"core-{core}.lock")
             if handle is not None:
                 claim.cores.append(core)
                 claim._handles.append(handle)
@@ -115,33 +123,23 @@ def start_slot(
     `wait_at_most_s` (the start then goes ahead without one: a holder stuck in its imports must not hold up every
     engine of the node). A holder that dies frees its slot with its process, like a core claim."""
     slots = slots or start_slots()
-    deadline = time.monotonic() + wait_at_most_s
     directory = directory or lock_dir()
+    deadline = time.monotonic() + wait_at_most_s
+    slot: int | None = None
+    handle: int | None = None
     try:
-        directory.mkdir(parents=True, exist_ok=True)
-        with contextlib.suppress(OSError):
-            directory.chmod(0o1777)
+        _shared_lock_dir(directory)
+        while True:
+            for slot in range(slots):
+                if (handle := _try_lock(directory / f"start-{slot}.lock")) is not None:
+                    break
+            if handle is not None or time.monotonic() >= deadline:
+                break
+            time.sleep(poll_s)
     except OSError:
-        yield None
-        return
-    while True:
-        for slot in range(slots):
-            try:
-                handle = os.open(directory / f"start-{slot}.lock", os.O_RDWR | os.O_CREAT, 0o666)
-            except OSError:
-                yield None
-                return
-            try:
-                fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                os.close(handle)
-                continue
-            try:
-                yield slot
-            finally:
-                os.close(handle)  # closing the descriptor drops its lock
-            return
-        if time.monotonic() >= deadline:
-            yield None
-            return
-        time.sleep(poll_s)
+        pass  # no usable lock directory
+    try:
+        yield slot if handle is not None else None
+    finally:
+        if handle is not None:
+            os.close(handle)  # closing the descriptor drops its lock

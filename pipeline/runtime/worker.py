@@ -15,6 +15,7 @@ runtime/monitor.py).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import threading
 import time
@@ -178,6 +179,11 @@ def _has_gpus() -> bool:
         return False
 
 
+def _computes_on_own_cores(spec: EngineSpec) -> bool:
+    """A CPU engine given whole cores (no accelerator): it claims its cores on the node, and starts in a slot."""
+    return engine_class(spec.backend).computes_on_cpu_cores and spec.cpus >= 1 and not _has_gpus()
+
+
 def _actor_context() -> tuple[str | None, bool]:
     """This actor's node, and whether Ray restarted it (None, False outside a Ray actor: unit tests)."""
     try:
@@ -290,7 +296,7 @@ class EngineWorker:
         """A CPU engine computes on whole cores of its own: claimed here, on its node, for the life of this actor
         (the claim is released with the process, so a restarted actor's engine can take them again)."""
         spec = replace(wanted, args=dict(wanted.args))
-        if not engine_class(spec.backend).computes_on_cpu_cores or spec.cpus < 1 or _has_gpus():
+        if not _computes_on_own_cores(spec):
             return spec
         from cluster.cpu_cores import claim_cores
 
@@ -313,14 +319,10 @@ class EngineWorker:
         # CPU engines of one node import a few at a time (cluster/cpu_cores.py: start_slot), so on a small node
         # the first of them reaches its first token while the others still import; an engine on a GPU imports
         # at once.
-        cpu_engine = engine_class(spec.backend).computes_on_cpu_cores and spec.cpus >= 1 and not _has_gpus()
-        try:
-            if cpu_engine:
-                from cluster.cpu_cores import start_slot
+        from cluster.cpu_cores import start_slot
 
-                with start_slot():
-                    engine_class(spec.backend).preload()
-            else:
+        try:
+            with start_slot() if _computes_on_own_cores(spec) else contextlib.nullcontext():
                 engine_class(spec.backend).preload()
         except Exception as exc:  # noqa: BLE001 - start() imports again and reports the real error
             log.warning("engine preload failed; the engine will import at start", error=str(exc))

@@ -36,17 +36,23 @@ def test_release_frees_cores(tmp_path):
     assert again is not None and again.cores == [3]
 
 
-def test_a_killed_claimant_frees_its_cores(tmp_path):
-    holder = subprocess.Popen(
+def _holder(code: str) -> subprocess.Popen:
+    """Another process that runs `code` (which prints what it holds, then sleeps), to be killed by the test."""
+    return subprocess.Popen(
         [
             sys.executable,
             "-c",
-            "import sys, time; from pathlib import Path; from cluster.cpu_cores import claim_cores; "
-            f"c = claim_cores(1, candidates=[5], directory=Path({str(tmp_path)!r})); "
-            "print(c.cores, flush=True); time.sleep(60)",
+            "import time; from pathlib import Path; import cluster.cpu_cores as cc\n" + code,
         ],
         stdout=subprocess.PIPE,
         text=True,
+    )
+
+
+def test_a_killed_claimant_frees_its_cores(tmp_path):
+    holder = _holder(
+        f"c = cc.claim_cores(1, candidates=[5], directory=Path({str(tmp_path)!r}))\n"
+        "print(c.cores, flush=True); time.sleep(60)"
     )
     try:
         assert holder.stdout.readline().strip() == "[5]"
@@ -106,16 +112,9 @@ def test_start_slots_let_that_many_start_at_once_and_the_rest_wait(tmp_path):
 def test_a_start_slot_is_freed_by_its_holders_death_and_by_an_error(tmp_path):
     from cluster.cpu_cores import start_slot
 
-    holder = subprocess.Popen(
-        [
-            sys.executable,
-            "-c",
-            "import time; from pathlib import Path; from cluster.cpu_cores import start_slot\n"
-            f"with start_slot(1, directory=Path({str(tmp_path)!r})) as slot:\n"
-            "    print(slot, flush=True); time.sleep(60)",
-        ],
-        stdout=subprocess.PIPE,
-        text=True,
+    holder = _holder(
+        f"with cc.start_slot(1, directory=Path({str(tmp_path)!r})) as slot:\n"
+        "    print(slot, flush=True); time.sleep(60)"
     )
     try:
         assert holder.stdout.readline().strip() == "0"
