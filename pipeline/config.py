@@ -292,7 +292,7 @@ class EngineConfig(_Strict):
     warm_engines: str | None = Field(
         default=None,
         description="Take engines from this warm-engine keeper (a named Ray actor of a long-lived coordinator, "
-        "e.g. the Batch API server: runtime/warm.py) instead of starting them for this job; when it cannot be "
+        "e.g. the Batch API server: runtime/engines/warm_keeper.py) instead of starting them for this job; when it cannot be "
         "found, the job starts its own.",
     )
 

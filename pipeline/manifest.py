@@ -1,6 +1,6 @@
 """`manifest.json`: the account of a committed job, written last (its presence is the commit marker).
 
-`Manifest.model_dump(mode="json")` is exactly what is written (runtime/finalize.py `commit`). Sections with a fixed
+`Manifest.model_dump(mode="json")` is exactly what is written (runtime/commit/finalize.py `commit`). Sections with a fixed
 shape are models; those whose keys are engines, pools, steps or a backend's own args are typed maps. `input` and
 `ingest` are the job state's own records (pipeline/state.py).
 
@@ -89,7 +89,7 @@ class EngineReport(_Section):
         description="When the first engine was ready (engine start ends, generation begins)."
     )
     fitted: dict[str, Any] | None = Field(
-        description="The engine args fitted to the data: what, from what and why (runtime/fit.py)."
+        description="The engine args fitted to the data: what, from what and why (runtime/ingest/fit.py)."
     )
     probed: dict[str, Any] | None = Field(
         default=None,

@@ -3,7 +3,7 @@
     job_id, config          written when the job starts: its identity and its spec (what `resume` re-reads)
     model                   the model the job serves, as resolved when ingest began
     input, lengths, ingest  written once ingest has run (`ingested`): what was read, measured, and where
-    fit                     the engine args fitted to the data (runtime/fit.py), decided once
+    fit                     the engine args fitted to the data (runtime/ingest/fit.py), decided once
 
 The driver writes it after each step (staging.write_job) and reads it back (staging.read_job): on resume, and
 for the fitted args it hands the engines.
@@ -116,7 +116,7 @@ class JobState(_Kept):
     )
     fit: dict[str, Any] | None = Field(
         default=None,
-        description="The engine args fitted to the data: what, from what and why (runtime/fit.py; the "
+        description="The engine args fitted to the data: what, from what and why (runtime/ingest/fit.py; the "
         "manifest's engine.fitted). Its shape depends on the backend and on whether fitting ran. None until "
         "decided.",
     )

@@ -58,7 +58,7 @@ def staged_rows(staging, kind: str) -> list:
     import pyarrow as pa
 
     from pipeline.io.staging import StagedRow
-    from pipeline.stages.finalize import sort_table
+    from pipeline.stages.shard import sort_table
 
     parts = staging.parts(kind)
     if not parts:

@@ -1,6 +1,6 @@
 """The route registry: every URL a batch line may name, each answered by one `Endpoint` entry.
 
-OpenAI's Batch API calls a route an *endpoint*; the name keeps it apart from prefix routing (`stages/route.py`).
+OpenAI's Batch API calls a route an *endpoint*; the name keeps it apart from prefix routing (`stages/prefix_key.py`).
 Adding a route is adding one module here with one `Endpoint` subclass, and listing it in `ENDPOINTS`: validation,
 token counting, fitting, prefix keys, both engines and the Parquet columns all read the registry.
 

@@ -221,7 +221,7 @@ class Backend:
 
     name: str
     engine: str  # "module:Class", imported only when used, so `nightshift --help` never imports vLLM
-    # What fitting can know before any engine starts (runtime/fit.py): "tokenizer+kv" — the model's own tokenizer
+    # What fitting can know before any engine starts (runtime/ingest/fit.py): "tokenizer+kv" — the model's own tokenizer
     # and chat template, and the KV cache the hardware holds (max_model_len and max_num_seqs are fitted);
     # "word-count" — the fake's own token count (max_model_len is fitted); None — nothing: the engine args are
     # someone else's (a server's), so fitting is skipped.

@@ -11,7 +11,7 @@ the job runs. Finalize reads only this directory, so whatever reached staging su
       results/*.parquet          finished result rows, each part sorted by custom_id
       errors/*.parquet           error records, each part sorted by source position
       ids/                       while ingest runs: custom_ids in hash buckets, for the duplicate check
-      finalize/                  the final sort's plan, pieces and finished-shard records (runtime/finalize.py)
+      finalize/                  the final sort's plan, pieces and finished-shard records (runtime/commit/finalize.py)
 
 One `StagingArea` works over a base path on one of two kinds of storage, chosen by the output location:
 - `LocalFiles` (a local OUTPUT, and the local stand-in for an http(s):// OUTPUT, which cannot be listed): each part
@@ -73,7 +73,7 @@ REQUEST_SCHEMA = pa.schema(
         ("body", pa.string()),  # JSON; Parquet structs would force one schema on every body
         ("line", pa.int64()),
         ("source", pa.string()),
-        # Names the request's shared leading prompt (stages/route.py), null when it has none: the work queue sends
+        # Names the request's shared leading prompt (stages/prefix_key.py), null when it has none: the work queue sends
         # requests of one key to one engine, so that engine's prefix cache pays.
         ("prefix_key", pa.string()),
         # The served model the request runs on (its body's `model`): a job with one model per pool sends each

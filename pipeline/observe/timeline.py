@@ -22,7 +22,7 @@ STAGES = ("ingest", "fit", "engines", "finalize")
 
 
 def engine_sample(info: dict[str, Any]) -> dict[str, Any]:
-    """One engine's numbers as the timeline keeps them, from its monitor report (runtime/worker.py `_report`)."""
+    """One engine's numbers as the timeline keeps them, from its monitor report (runtime/engines/engine_actor.py `_report`)."""
     stats = info.get("stats") or {}
     activity = info.get("activity") or {}
     return {

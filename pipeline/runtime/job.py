@@ -5,11 +5,11 @@
 
     runtime/preflight.py  input and output reachable and usable, before any work
     runtime/session.py    the Ray session (a private instance, or a cluster's address)
-    runtime/ingest.py     read + validate + measure as tasks on the cluster: the work list, the first error records
-    runtime/fit.py        engine args fitted to the measured requests
-    runtime/feed.py       pools of engine actors leasing chunks from the work queue (work_queue.py, worker.py)
-    runtime/sink.py       engines stage their own results; only acknowledgements reach the queue
-    runtime/finalize.py   sorted, sharded output, then the manifest, written last
+    runtime/ingest/tasks.py     read + validate + measure as tasks on the cluster: the work list, the first error records
+    runtime/ingest/fit.py        engine args fitted to the measured requests
+    runtime/engines/launch.py       pools of engine actors leasing chunks from the work queue (work_queue.py, worker.py)
+    runtime/stage/sink.py       engines stage their own results; only acknowledgements reach the queue
+    runtime/commit/finalize.py   sorted, sharded output, then the manifest, written last
 
 Staging is the checkpoint: a job interrupted at any point is continued by `resume`, which re-runs only the
 requests that have no staged row yet.
@@ -50,12 +50,11 @@ from pipeline.observe.cost import check_pools, job_cost, parse_hosted_price
 from pipeline.observe.progress import JobCounters
 from pipeline.observe.recorder import JobRecorder
 from pipeline.observe.report import request_usage, write_report
-from pipeline.runtime.feed import EngineLaunch, EngineRun, models_summary
-from pipeline.runtime.finalize import FORMAT_VERSION, commit, write_outputs
-from pipeline.runtime.fit import apply_fit, fit_job, measuring, nothing_to_fit
-from pipeline.runtime.ingest import ingest, settle_losers
-from pipeline.runtime.monitor import preemption_remedy, summarize_engines
-from pipeline.runtime.pending import PendingWork, pending_work
+from pipeline.runtime.commit.finalize import FORMAT_VERSION, commit, write_outputs
+from pipeline.runtime.engines.launch import EngineLaunch, EngineRun, models_summary
+from pipeline.runtime.engines.monitor import preemption_remedy, summarize_engines
+from pipeline.runtime.ingest.fit import apply_fit, fit_job, measuring, nothing_to_fit
+from pipeline.runtime.ingest.tasks import ingest, settle_losers
 from pipeline.runtime.preflight import (
     PreflightError,
     check_input_source,
@@ -63,6 +62,7 @@ from pipeline.runtime.preflight import (
     output_problem,
 )
 from pipeline.runtime.session import start_ray
+from pipeline.runtime.stage.pending import PendingWork, pending_work
 from pipeline.state import IngestRecord, JobInput, JobState
 
 log = structlog.get_logger(__name__)
@@ -263,14 +263,14 @@ def run_job(config: JobConfig, show_progress: bool = True, resume: bool = False)
                 state.ingested = True
                 staging.write_job(state)
                 recorder.stage_ended("ingest")
-            # Engine args fitted to the measured aggregate (runtime/fit.py; kept in state).
+            # Engine args fitted to the measured aggregate (runtime/ingest/fit.py; kept in state).
             recorder.stage_started("fit")
             fitted = fit_job(config, model, staging, state)
             recorder.stage_ended("fit")
             return fitted
 
         # Ingest runs as tasks on the cluster, so Ray starts first. On a fresh job the engines start right after it:
-        # their processes and imports overlap ingest and fitting, and they wait for the fitted args (runtime/feed.py).
+        # their processes and imports overlap ingest and fitting, and they wait for the fitted args (runtime/engines/launch.py).
         start_ray(config.resources.address)
         # When nothing is fitted to the input, they take requests while ingest still reads the rest (streaming).
         launch: EngineLaunch | None = None
@@ -302,7 +302,7 @@ def run_job(config: JobConfig, show_progress: bool = True, resume: bool = False)
                 pending = 0
             else:
                 settle_losers(staging, source)  # a resumed job whose streamed run was cut short
-                # On resume, the work list without what engines staged before (runtime/pending.py).
+                # On resume, the work list without what engines staged before (runtime/stage/pending.py).
                 work = pending_work(staging, state.input.valid)
                 counters.done += work.finished_rows
                 pending = state.input.valid - work.finished_rows

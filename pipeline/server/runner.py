@@ -11,7 +11,7 @@ same SIGINT (a batch already finalizing is let finish), the batch stays `in_prog
 checkpoint, and it goes back to the head of the queue to resume at the next opening. A batch whose
 completion_window passes meanwhile, queued or running, ends `expired` with what finished.
 
-Engines stay warm between batches (`engine_idle_seconds`): the runner owns an engine keeper (runtime/warm.py) and
+Engines stay warm between batches (`engine_idle_seconds`): the runner owns an engine keeper (runtime/engines/warm_keeper.py) and
 every batch's job takes its engines from it; after a job's process ends, whatever of it still runs on them is
 dropped before the batch gets its final status or is resumed. A closed window stops the idle ones at once.
 
@@ -99,7 +99,7 @@ class BatchRunner:
         self.hours = config.window()
         self.clock = clock_from_environment() if self.hours else SystemClock()
         self._scheduler = threading.Thread(target=self._schedule, name="batch-scheduler", daemon=True)
-        self.keeper: Any = None  # the warm-engine keeper (runtime/warm.py), once started
+        self.keeper: Any = None  # the warm-engine keeper (runtime/engines/warm_keeper.py), once started
         self.keeper_name = (
             f"nightshift-engines-{hashlib.sha256(str(data.root.resolve()).encode()).hexdigest()[:12]}"
         )
@@ -108,7 +108,7 @@ class BatchRunner:
     def start(self) -> None:
         """Pick up what a previous server left unfinished, then start taking batches."""
         if self.config.engine_idle_seconds > 0:
-            from pipeline.runtime.warm import start_keeper
+            from pipeline.runtime.engines.warm_keeper import start_keeper
 
             self.keeper = start_keeper(self.keeper_name, self.config.engine_idle_seconds)
         for batch, owner in self.store.unfinished_batches():

@@ -1,5 +1,5 @@
 """An input read and validated row by row, in one stream in this process (`nightshift validate`, `plan --input`),
-and the counts every reading of an input makes. The job's ingest (runtime/ingest.py) reads the same rows in
+and the counts every reading of an input makes. The job's ingest (runtime/ingest/tasks.py) reads the same rows in
 parallel pieces and adds what only it does (keys, measurements, placement) to these counts.
 
 Pure: no Ray, no vLLM.

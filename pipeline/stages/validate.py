@@ -167,7 +167,7 @@ class LineValidator:
     ) -> tuple[ValidRequest | InvalidLine, str | None]:
         """The line on its own, without the duplicate check: its outcome, and the custom_id it claims (None when
         it names no usable one). A claimed id that an earlier line claimed makes this line a duplicate instead,
-        whatever its outcome: `__call__` applies that rule with one set, `runtime/dedup.py` with id buckets."""
+        whatever its outcome: `__call__` applies that rule with one set, `runtime/ingest/dedup.py` with id buckets."""
 
         def invalid(code: ErrorCode, message: str, custom_id: str | None = None) -> InvalidLine:
             seed = f"{self.job_id}:{source}:{line}" if self.job_id else None

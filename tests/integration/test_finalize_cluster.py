@@ -15,8 +15,8 @@ from cluster.local import NodeSpec, mixed_cluster
 from pipeline.config import StorageConfig
 from pipeline.io.staging import StagingArea
 from pipeline.io.writers import output_target
-from pipeline.runtime import finalize as finalize_module
-from pipeline.runtime.finalize import commit, write_outputs
+from pipeline.runtime.commit import finalize as finalize_module
+from pipeline.runtime.commit.finalize import commit, write_outputs
 from tests.integration.storage_fixtures import moto_s3  # noqa: F401
 from tests.unit.io.test_io_writers import error_row, result_row, stage_randomly, unicode_ids
 

@@ -15,7 +15,7 @@ from pipeline.config import JobConfig, StorageConfig
 from pipeline.io.readers import file_ranges, input_source
 from pipeline.io.staging import StagingArea
 from pipeline.io.writers import output_target
-from pipeline.runtime.ingest import ingest
+from pipeline.runtime.ingest.tasks import ingest
 from pipeline.runtime.job import run_job
 from tests.conftest import chat_line, write_lines
 from tests.integration.storage_fixtures import moto_s3  # noqa: F401

@@ -13,8 +13,8 @@ import pytest
 from pipeline.config import StorageConfig
 from pipeline.io.staging import StagingArea
 from pipeline.io.writers import output_target
-from pipeline.runtime import pending
-from pipeline.runtime.pending import PendingWork, pending_work
+from pipeline.runtime.stage import pending
+from pipeline.runtime.stage.pending import PendingWork, pending_work
 from tests.integration.storage_fixtures import moto_s3  # noqa: F401
 from tests.integration.test_staging_s3 import FAST_RETRIES, error_row, request, result_row
 

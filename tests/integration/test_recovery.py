@@ -343,7 +343,7 @@ def test_s3_driver_killed_half_way_then_resumed_on_another_machine(moto_s3, tmp_
 # The driver of `nightshift run`, killed during finalize: once three shards are written and recorded.
 _KILLED_DURING_FINALIZE = """
 import os, signal
-from pipeline.runtime import finalize
+from pipeline.runtime.commit import finalize
 
 real_run = finalize._Tasks.run
 

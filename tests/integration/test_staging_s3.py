@@ -19,10 +19,10 @@ from pipeline.config import JobConfig, StorageConfig
 from pipeline.io.locations import RetryStats
 from pipeline.io.staging import ObjectStoreFiles, StagedRow, StagingArea
 from pipeline.io.writers import S3Target, local_job_dir, output_target
-from pipeline.runtime.finalize import commit, write_outputs
+from pipeline.runtime.commit.finalize import commit, write_outputs
+from pipeline.runtime.engines.work_queue import WorkQueue
 from pipeline.runtime.job import load_resumable
 from pipeline.runtime.preflight import PreflightError, check_output_target
-from pipeline.runtime.work_queue import WorkQueue
 from pipeline.state import JobState
 from tests.conftest import chat_line, staged_rows
 from tests.integration.storage_fixtures import moto_s3  # noqa: F401

@@ -1,4 +1,4 @@
-"""Ingest in pieces with id buckets (runtime/ingest.py, runtime/dedup.py) against the one-pass reference.
+"""Ingest in pieces with id buckets (runtime/ingest/tasks.py, runtime/ingest/dedup.py) against the one-pass reference.
 
 The reference is the validator with its one set of ids, reading the input in one stream (`iter_validated`), and
 fitting's own measuring pass over the staged work list (`fit.measure`). However the input is cut into pieces and the
@@ -23,9 +23,9 @@ from pipeline.io.readers import input_source
 from pipeline.io.staging import StagingArea
 from pipeline.models import ResolvedModel
 from pipeline.planner import output_budget
-from pipeline.runtime import fit
-from pipeline.runtime.dedup import bucket_of
-from pipeline.runtime.ingest import IngestReport, ingest
+from pipeline.runtime.ingest import fit
+from pipeline.runtime.ingest.dedup import bucket_of
+from pipeline.runtime.ingest.tasks import IngestReport, ingest
 from pipeline.stages.intake import InputCounts, iter_validated
 from pipeline.stages.validate import InvalidLine, LineValidator
 

@@ -17,7 +17,7 @@ from pipeline.engines.base import EngineRequest, EngineSpec, build_engine
 from pipeline.io.writers import flatten_records
 from pipeline.planner import output_budget
 from pipeline.protocol import ErrorCode, dumps, result_record
-from pipeline.stages.route import prefix_key
+from pipeline.stages.prefix_key import prefix_key
 from pipeline.stages.validate import InvalidLine, LineValidator, ValidRequest
 
 CHAT_MODEL, EMBED_MODEL = "chat-model", "embed-model"

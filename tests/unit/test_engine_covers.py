@@ -53,7 +53,7 @@ def test_an_engine_filling_in_its_own_args_is_not_rebuilt():
     the same plan, asked again (every chunk, every warm job), finds the same engine."""
     import asyncio
 
-    from pipeline.runtime.worker import EngineWorker
+    from pipeline.runtime.engines.engine_actor import EngineWorker
 
     async def go():
         worker = EngineWorker(EngineSpec("fake", "m", "m", {"max_model_len": 64, "enforce_eager": None}))

@@ -13,7 +13,7 @@ from pathlib import Path
 import pyarrow as pa
 import pytest
 
-from pipeline.stages.finalize import (
+from pipeline.stages.shard import (
     assign_shards,
     cut_ranks,
     group_parts,

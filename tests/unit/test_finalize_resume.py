@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 
 from pipeline.io.staging import StagingArea
-from pipeline.runtime import finalize as finalize_module
-from pipeline.runtime.finalize import write_outputs
+from pipeline.runtime.commit import finalize as finalize_module
+from pipeline.runtime.commit.finalize import write_outputs
 from tests.unit.io.test_io_writers import error_row, result_row, stage_randomly, unicode_ids
 
 ROWS_PER_SHARD = 40

@@ -1,4 +1,4 @@
-"""Fitting engine args to the data (runtime/fit.py) and the prompt counter it uses (tokens.py): pure, no Ray."""
+"""Fitting engine args to the data (runtime/ingest/fit.py) and the prompt counter it uses (tokens.py): pure, no Ray."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from pipeline.config import DEFAULT_MAX_NUM_SEQS, JobConfig
 from pipeline.io.staging import StagingArea
 from pipeline.models import ResolvedModel
 from pipeline.planner import output_budget
-from pipeline.runtime.fit import (
+from pipeline.runtime.ingest.fit import (
     FitTarget,
     KvCapacity,
     Lengths,
@@ -243,7 +243,7 @@ def test_a_given_max_model_len_wins_and_is_checked_against_the_data(tmp_path):
 
 
 def test_max_num_seqs_is_sized_for_what_the_requests_need_under_a_given_max_model_len(tmp_path, monkeypatch):
-    from pipeline.runtime import fit as fit_module
+    from pipeline.runtime.ingest import fit as fit_module
 
     target = word_target(limit=8192, block=16, capacity=capacity(100))  # 1,600 tokens of KV
     monkeypatch.setitem(fit_module._TARGETS, "tokenizer+kv", lambda config, model: target)
@@ -359,7 +359,7 @@ def test_a_template_error_is_the_requests_alone():
 
 
 def test_embedded_model_capacity_leaves_out_the_null_block(embedded_model):
-    from pipeline.runtime.fit import _vllm_target
+    from pipeline.runtime.ingest.fit import _vllm_target
 
     target = _vllm_target(JobConfig(), embedded_model)
     assert not isinstance(target, str), target

@@ -9,7 +9,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from pipeline.io.staging import StagingArea
-from pipeline.runtime.ingest import ingest
+from pipeline.runtime.ingest.tasks import ingest
 from tests.fuzz_lines import line_strategy
 
 

@@ -11,7 +11,7 @@ import pytest
 
 from pipeline.io.readers import input_source
 from pipeline.io.staging import StagingArea
-from pipeline.runtime.ingest import ingest
+from pipeline.runtime.ingest.tasks import ingest
 from tests.conftest import staged_rows
 
 MODEL = "smollm2-135m-instruct"
@@ -256,7 +256,7 @@ def test_ingest_tasks_are_pinned_to_the_drivers_node_only_when_local_files_are_o
     from pipeline.io.locations import parse_location
     from pipeline.io.readers import InputFile, InputSource
     from pipeline.io.staging import ObjectStoreFiles
-    from pipeline.runtime.ingest import pinned_to
+    from pipeline.runtime.ingest.tasks import pinned_to
 
     def node(node_id: str, host: str) -> dict:
         return {"NodeID": node_id, "NodeManagerAddress": host, "Alive": True}

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 from pipeline.observe.progress import engine_line
-from pipeline.runtime import monitor as monitor_module
-from pipeline.runtime.monitor import (
+from pipeline.runtime.engines import monitor as monitor_module
+from pipeline.runtime.engines.monitor import (
     EngineWatch,
     JobMonitor,
     preemption_remedy,

@@ -259,7 +259,7 @@ def test_settings_for_a_backend_the_job_does_not_run_are_named():
     ],
 )
 def test_cpus_per_engine_shares_out_the_nodes_cores(engines, nodes, expected):
-    from pipeline.runtime.placement import cpus_per_engine
+    from pipeline.runtime.engines.placement import cpus_per_engine
 
     assert cpus_per_engine(engines, nodes) == expected
 
@@ -272,7 +272,7 @@ def _spec(backend: str = "vllm"):
 
 def test_placement_keeps_given_values_and_gives_gpu_and_fake_engines_one_cpu(monkeypatch):
     from pipeline.config import PoolConfig
-    from pipeline.runtime import placement
+    from pipeline.runtime.engines import placement
 
     monkeypatch.setattr(placement, "_nodes", lambda pool: [placement.Node(6.0, 64 * placement.GiB)])
     given = placement.place_pool(PoolConfig(name="a", cpus_per_engine=0.5), _spec())
@@ -288,7 +288,7 @@ def test_placement_keeps_given_values_and_gives_gpu_and_fake_engines_one_cpu(mon
 
 def test_cpu_engines_default_to_one_per_core_as_memory_allows(monkeypatch):
     from pipeline.config import PoolConfig
-    from pipeline.runtime import placement
+    from pipeline.runtime.engines import placement
 
     box = [placement.Node(2.0, 16 * placement.GiB)]
     monkeypatch.setattr(placement, "_nodes", lambda pool: box)

@@ -15,7 +15,7 @@ from pipeline.engines.base import EngineSpec
 from pipeline.io.staging import StagingArea
 from pipeline.models import ResolvedModel, model_task, served_name
 from pipeline.planner import generation_max_tokens
-from pipeline.runtime.feed import models_summary, pool_spec
+from pipeline.runtime.engines.launch import models_summary, pool_spec
 from pipeline.tokens import load_chat_template
 from tests.conftest import chat_line, write_lines
 

@@ -14,9 +14,9 @@ import pytest
 
 from pipeline.io import staging as staging_module
 from pipeline.io.staging import StagedRow, StagingArea
-from pipeline.runtime import finalize as finalize_module
-from pipeline.runtime.finalize import MANIFEST_NAME, AccountingError, commit, write_outputs
-from pipeline.stages.finalize import sort_table
+from pipeline.runtime.commit import finalize as finalize_module
+from pipeline.runtime.commit.finalize import MANIFEST_NAME, AccountingError, commit, write_outputs
+from pipeline.stages.shard import sort_table
 from tests.conftest import staged_rows
 
 

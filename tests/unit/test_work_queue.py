@@ -8,7 +8,7 @@ import asyncio
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from pipeline.runtime.work_queue import WorkQueue
+from pipeline.runtime.engines.work_queue import WorkQueue
 from tests.conftest import as_actor
 
 
@@ -144,7 +144,7 @@ def test_without_routing_the_queue_serves_in_file_order(tmp_path):
 
 
 def test_window_is_bounded_and_ownership_memory_too(tmp_path, monkeypatch):
-    import pipeline.runtime.work_queue as wq
+    import pipeline.runtime.engines.work_queue as wq
 
     monkeypatch.setattr(wq, "MAX_REMEMBERED_KEYS", 10)
     keys = [f"k{i}" for i in range(200)]  # every row its own prompt
@@ -196,7 +196,7 @@ def test_chunks_of_a_ticket_that_starts_again_come_back_with_their_id_and_name(t
 def test_the_monitor_learns_a_chunk_finished_when_its_ack_lands_not_when_the_engine_says_so(tmp_path):
     # An engine lost with its node right after its ack must not leave the monitor counting that chunk as in
     # flight: it never runs again. The queue, which survives, tells the monitor.
-    from pipeline.runtime.monitor import JobMonitor
+    from pipeline.runtime.engines.monitor import JobMonitor
 
     monitor = JobMonitor()
     queue = _queue(_work_list(tmp_path, [None] * 30), monitor=as_actor(monitor))

@@ -14,7 +14,7 @@ import pytest
 from pipeline.io.readers import input_source
 from pipeline.io.staging import StagingArea
 from pipeline.json_codec import dumps_body as body_json
-from pipeline.runtime.ingest import ingest
+from pipeline.runtime.ingest.tasks import ingest
 from tests.conftest import staged_rows
 
 MODEL = "smollm2-135m-instruct"

@@ -13,8 +13,8 @@ import pytest
 
 from pipeline.io.staging import StagedRow, StagingArea
 from pipeline.io.writers import PARQUET_OUTPUT_SCHEMA, flatten_records, local_job_dir, output_target
-from pipeline.runtime import finalize as finalize_module
-from pipeline.runtime.finalize import AccountingError, write_outputs
+from pipeline.runtime.commit import finalize as finalize_module
+from pipeline.runtime.commit.finalize import AccountingError, write_outputs
 
 
 def result_row(custom_id: str, line: int = 1, source: str = "in.jsonl") -> StagedRow:

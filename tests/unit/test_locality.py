@@ -3,7 +3,7 @@ without Ray."""
 
 from __future__ import annotations
 
-from pipeline.runtime.session import must_pin_to_driver
+from pipeline.runtime.locality import must_pin_to_driver
 
 
 def node(node_id: str, address: str, alive: bool = True) -> dict:

@@ -1,5 +1,5 @@
 """An engine is fed by the rows it has yet to run, not by the rows it holds: a chunk is staged only when its slowest
-request ends, and the finished rows waiting for it must not keep the engine's batch short of work (runtime/window.py).
+request ends, and the finished rows waiting for it must not keep the engine's batch short of work (runtime/engines/inflight.py).
 Rows held keep a ceiling of their own, so one request that never ends cannot pull the whole work list in."""
 
 from __future__ import annotations
@@ -10,9 +10,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from pipeline.engines.base import Engine, EngineRequest, EngineResult, EngineSpec
-from pipeline.runtime.window import EngineWindow
-from pipeline.runtime.work_queue import WorkQueue
-from pipeline.runtime.worker import HOLD_FACTOR, EngineWorker
+from pipeline.runtime.engines.engine_actor import HOLD_FACTOR, EngineWorker
+from pipeline.runtime.engines.inflight import EngineWindow
+from pipeline.runtime.engines.work_queue import WorkQueue
 from tests.conftest import as_actor
 
 CHUNK = 8

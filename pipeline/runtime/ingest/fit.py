@@ -1,6 +1,6 @@
 """Engine args fitted to the data before the engines start: `nightshift plan --input`, applied to the job.
 
-Every valid request is measured once, where ingest reads it (the ingest tasks on the cluster, runtime/ingest.py,
+Every valid request is measured once, where ingest reads it (the ingest tasks on the cluster, runtime/ingest/tasks.py,
 given a `MeasureSpec`), with the counter the engine agrees with (the model's tokenizer and chat template for vLLM,
 see `pipeline.tokens`; loaded once per worker process); only the aggregate (`Lengths`, mergeable) reaches the
 driver. A work list staged without measuring is measured here instead (`measure`: one streaming pass over the

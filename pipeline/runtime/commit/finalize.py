@@ -48,8 +48,8 @@ from pipeline.io.locations import Location, RetryStats
 from pipeline.io.staging import STAGED_SCHEMA, LocalFiles, PartFiles, StagingArea, with_later_columns
 from pipeline.io.writers import MANIFEST_NAME, OutputTarget, output_target, shard_encoder
 from pipeline.manifest import Manifest
-from pipeline.runtime.session import must_pin_to_driver
-from pipeline.stages.finalize import (
+from pipeline.runtime.locality import must_pin_to_driver
+from pipeline.stages.shard import (
     assign_shards,
     cut_ranks,
     evenly_spaced,
@@ -366,7 +366,7 @@ class _Tasks:
             strategy = NodeAffinitySchedulingStrategy(node_id, soft=False)
         self.host = here.get("NodeManagerAddress")
         self.where = "spread over the cluster" if strategy == "SPREAD" else "on the driver's node"
-        # Warm engines (runtime/warm.py) outlive the job's engine phase and keep their CPUs: a task waiting for one
+        # Warm engines (runtime/engines/warm_keeper.py) outlive the job's engine phase and keep their CPUs: a task waiting for one
         # would wait for their idle time. Then tasks take no Ray CPU, and at most twice the CPUs run at once.
         self._remote = ray.remote(num_cpus=1 if reserve_cpus else 0)(_on_node).options(
             scheduling_strategy=strategy

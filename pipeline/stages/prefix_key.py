@@ -2,7 +2,7 @@
 
 An engine's prefix cache only pays when requests with the same leading tokens (a system prompt, a few-shot block)
 run on the same engine. The key is computed once per request at ingest and stored with the work list; the work
-queue then routes by it (see runtime/work_queue.py). Pure: no Ray, no vLLM, no tokenizer — characters stand in for
+queue then routes by it (see runtime/engines/work_queue.py). Pure: no Ray, no vLLM, no tokenizer — characters stand in for
 tokens, which is all a grouping needs.
 
 What a key covers (the route's registry entry says which text leads, `Endpoint.prefix`):

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from pipeline.stages.route import MIN_PREFIX_CHARS, PREFIX_CHARS, prefix_key
+from pipeline.stages.prefix_key import MIN_PREFIX_CHARS, PREFIX_CHARS, prefix_key
 
 CHAT = "/v1/chat/completions"
 SYSTEM = "You are a careful assistant. " * 20  # ~560 characters

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import structlog
 
 from pipeline.io.staging import StagingArea
-from pipeline.runtime.session import must_pin_to_driver
+from pipeline.runtime.locality import must_pin_to_driver
 
 log = structlog.get_logger(__name__)
 

@@ -4,7 +4,7 @@ The rule (the same as `LineValidator` applies with its set): a line that names a
 or not; the first claim by (file, line) owns the id, and every later line that claims it is a `duplicate_custom_id`
 error record instead of whatever it would have been.
 
-1. Each ingest task (runtime/ingest.py) writes every claim it read to bucket crc32(custom_id) % N:
+1. Each ingest task (runtime/ingest/tasks.py) writes every claim it read to bucket crc32(custom_id) % N:
    `_staging/ids/bucket-k/piece-p.parquet` — the id, where it is (file, line, piece), what became of the line (a
    request in the work list, or the code of its error record) and what measuring learned of it.
 2. One task per bucket (`find_duplicates`) reads its bucket alone — every claim of an id is in the same bucket —
@@ -21,7 +21,7 @@ Steps 2 and 3 are idempotent (fixed names; a part already rewritten is gone), so
 
 When engines take requests while ingest still runs (streaming), the work list is theirs before step 2 knows which
 requests lost their id: step 3 then leaves request parts alone, a losing request may run, and once the engines are
-done (or when a resumed job starts) `settle_losers` in runtime/ingest.py drops the losers from the work list and
+done (or when a resumed job starts) `settle_losers` in runtime/ingest/tasks.py drops the losers from the work list and
 their rows from what the engines staged (`drop_loser_results`), by (file, line) — a result's custom_id is its
 winner's too.
 """
@@ -38,7 +38,7 @@ import pyarrow.compute as pc
 
 from pipeline.io.staging import INGEST_PREFIX, StagedRow, StagingArea
 from pipeline.protocol import ErrorCode, dumps
-from pipeline.runtime.fit import Lengths
+from pipeline.runtime.ingest.fit import Lengths
 from pipeline.stages.validate import duplicate_line
 
 ID_SCHEMA = pa.schema(

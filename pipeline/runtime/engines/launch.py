@@ -3,13 +3,13 @@
     staged work list ─▶ WorkQueue (leases, prefix routing) ─▶ tickets ─▶ engine actors ─▶ staged parts + acks
 
 Ray Data does what it does well — placing each pool's actors by resources and accelerator type, scaling the pool,
-restarting a dead actor and re-running its ticket; the queue (runtime/work_queue.py) adds what it lacks: leases that
+restarting a dead actor and re-running its ticket; the queue (runtime/engines/work_queue.py) adds what it lacks: leases that
 come back when their engine dies, prefix-aware routing, and pulling across pools, so a faster pool simply leases
 more. The number of Ray tasks is the number of engines; the driver reads the queue's totals a few times a second
 and never sees a row.
 
 A job whose config names a warm-engine keeper (`engine.warm_engines`, set by the Batch API server) takes its engines
-from it instead of a Ray Data pool, and sends them the same tickets (runtime/warm.py): the engines outlive the job.
+from it instead of a Ray Data pool, and sends them the same tickets (runtime/engines/warm_keeper.py): the engines outlive the job.
 """
 
 from __future__ import annotations
@@ -28,11 +28,11 @@ from pipeline.io.staging import StagingArea
 from pipeline.models import ResolvedModel
 from pipeline.observe.progress import JobCounters, ProgressDisplay
 from pipeline.observe.recorder import JobRecorder
-from pipeline.runtime.monitor import EngineWatch, summarize_recovery
-from pipeline.runtime.placement import place_pool
+from pipeline.runtime.background import InBackground
+from pipeline.runtime.engines.monitor import EngineWatch, summarize_recovery
+from pipeline.runtime.engines.placement import place_pool
 from pipeline.runtime.preflight import PreflightError
-from pipeline.runtime.session import InBackground
-from pipeline.runtime.sink import ChunkSink
+from pipeline.runtime.stage.sink import ChunkSink
 
 log = structlog.get_logger(__name__)
 
@@ -100,7 +100,7 @@ def _pool_dataset(
     their engine dies, prefix-aware routing, and pulling across pools (a faster pool simply leases more)."""
     import ray
 
-    from pipeline.runtime.worker import EngineWorker
+    from pipeline.runtime.engines.engine_actor import EngineWorker
 
     pool = plan.pool
     tickets = [{"ticket": f"{pool.name}/{i}"} for i in range(plan.max_engines)]
@@ -135,11 +135,11 @@ def _pool_dataset(
 
 
 def _warm_tickets(config: JobConfig, job_id: str) -> Any:
-    """The job's warm engines (runtime/warm.py), when its config names a keeper that is there."""
+    """The job's warm engines (runtime/engines/warm_keeper.py), when its config names a keeper that is there."""
     name = config.engine.warm_engines
     if name is None:
         return None
-    from pipeline.runtime.warm import WarmTickets, find_keeper
+    from pipeline.runtime.engines.warm_keeper import WarmTickets, find_keeper
 
     keeper = find_keeper(name)
     if keeper is None:
@@ -190,9 +190,9 @@ class EngineLaunch:
         import ray
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-        from pipeline.runtime.monitor import JobMonitor
-        from pipeline.runtime.sink import PartWriter, engines_share_disk_with_driver
-        from pipeline.runtime.work_queue import WorkQueue
+        from pipeline.runtime.engines.monitor import JobMonitor
+        from pipeline.runtime.engines.work_queue import WorkQueue
+        from pipeline.runtime.stage.sink import PartWriter, engines_share_disk_with_driver
 
         _wait_for_earlier_driver(job_id)
         self.config = config

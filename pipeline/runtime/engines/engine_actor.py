@@ -1,7 +1,7 @@
 """The engine actor: a Ray Data callable class that hosts one engine and feeds it from the work queue.
 
 Ray Data places the actors (resources, accelerator type, restarts) and hands each one a *ticket*; a ticket is a
-pull loop: lease a chunk of requests from the queue, run it, stage its rows (runtime/sink.py), acknowledge, lease
+pull loop: lease a chunk of requests from the queue, run it, stage its rows (runtime/stage/sink.py), acknowledge, lease
 the next — with about 2 x the engine's effective max_num_seqs requests inside the engine and one chunk in reserve,
 so continuous batching stays full across chunk boundaries. The number of Ray tasks is the number of engines, not of
 chunks; only acknowledgements travel back.
@@ -9,7 +9,7 @@ chunks; only acknowledgements travel back.
 Failure handling: if the engine dies, the actor process exits on purpose; Ray restarts it and re-runs its ticket,
 and the queue hands the ticket's unacknowledged chunks out again (same chunk, same part name: staged at most once).
 The job monitor's attempt ledger decides which re-run rows go alone and which are isolated as `engine_error` (see
-runtime/monitor.py).
+runtime/engines/monitor.py).
 """
 
 from __future__ import annotations
@@ -40,8 +40,8 @@ from pipeline.engines.base import (
 from pipeline.io.staging import STAGED_SCHEMA
 from pipeline.json_codec import loads
 from pipeline.protocol import ErrorCode, dumps, result_record
-from pipeline.runtime.sink import ChunkSink
-from pipeline.runtime.window import ChunkSlots, EngineWindow
+from pipeline.runtime.engines.inflight import ChunkSlots, EngineWindow
+from pipeline.runtime.stage.sink import ChunkSink
 
 log = structlog.get_logger(__name__)
 
@@ -247,7 +247,7 @@ class EngineWorker:
         max_in_flight: int | None,
     ) -> None:
         """The job this actor serves: its queue, monitor (stats + attempt ledger; None in unit tests) and staging
-        sink, and fresh numbers for its manifest. A warm engine (runtime/warm.py) is bound again for each job; its
+        sink, and fresh numbers for its manifest. A warm engine (runtime/engines/warm_keeper.py) is bound again for each job; its
         engine stays, if it can serve the job's plan."""
         self.pool, self.monitor, self.job_id, self.queue, self.sink = pool, monitor, job_id, queue, sink
         self.chunk_rows = chunk_rows
@@ -510,7 +510,7 @@ class EngineWorker:
             return 0
         await self._engine()
         window = self._engine_window()
-        # Topped up by rows the engine has yet to run (see runtime/window.py); rows held in all, finished ones
+        # Topped up by rows the engine has yet to run (see runtime/engines/inflight.py); rows held in all, finished ones
         # waiting for their chunk's slowest request included, keep a ceiling of HOLD_FACTOR times that.
         to_run_cap = (self.window or self.chunk_rows) + self.chunk_rows
         hold_cap = HOLD_FACTOR * to_run_cap

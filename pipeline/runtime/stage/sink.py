@@ -19,7 +19,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from pipeline.io.staging import StagingArea
-from pipeline.runtime.session import must_pin_to_driver
+from pipeline.runtime.locality import must_pin_to_driver
 
 
 def stage_chunk(staging: StagingArea, name: str, table: pa.Table) -> dict[str, Any]:

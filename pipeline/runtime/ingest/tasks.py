@@ -17,7 +17,7 @@ process otherwise (unit tests; no Ray needed):
    error record here. The piece stages its requests (`_staging/requests/`) and error records (`_staging/errors/`),
    part names fixed by the piece (a task run again replaces its parts), and writes its custom_id claims to id
    buckets.
-3. dedup, per bucket (runtime/dedup.py): duplicates are found, recorded, and the lengths of the requests that stay
+3. dedup, per bucket (runtime/ingest/dedup.py): duplicates are found, recorded, and the lengths of the requests that stay
    are summed (fit's Lengths, mergeable).
 4. per piece that read a losing duplicate: what it had staged for that line (a request, or another error record)
    is removed from its parts.
@@ -55,7 +55,7 @@ from pipeline.io.staging import INGEST_PREFIX, REQUEST_SCHEMA, LocalFiles, Stage
 from pipeline.json_codec import dumps_body
 from pipeline.planner import requested_max_tokens
 from pipeline.protocol import ErrorCode, dumps, failed_request_record
-from pipeline.runtime.dedup import (
+from pipeline.runtime.ingest.dedup import (
     REQUEST,
     BucketOutcome,
     IdRows,
@@ -66,10 +66,10 @@ from pipeline.runtime.dedup import (
     losers_dir,
     request_losers,
 )
-from pipeline.runtime.fit import Lengths, MeasureSpec, context_problem, tokenizers_loaded
-from pipeline.runtime.session import must_pin_to_driver
+from pipeline.runtime.ingest.fit import Lengths, MeasureSpec, context_problem, tokenizers_loaded
+from pipeline.runtime.locality import must_pin_to_driver
 from pipeline.stages.intake import InputCounts, as_source, bad_row_check
-from pipeline.stages.route import prefix_key
+from pipeline.stages.prefix_key import prefix_key
 from pipeline.stages.validate import InvalidLine, LineValidator, ValidRequest
 
 UNTOKENIZABLE = (True, 0, 0, 0, 0, False, False)  # an id row's measurement of a request the template rejected
@@ -357,7 +357,7 @@ def _piece_of(path: str) -> int:
 
 
 def settle_losers(staging: StagingArea, source: InputSource, parallel: bool | None = None) -> int:
-    """After a streamed ingest (see runtime/dedup.py), once no engine reads the work list: requests that lost their
+    """After a streamed ingest (see runtime/ingest/dedup.py), once no engine reads the work list: requests that lost their
     custom_id leave the work list, and the rows engines made of them leave staging. Idempotent; a no-op when there
     is nothing to settle. Returns the engine rows dropped."""
     found = staging.files.list_parts(losers_dir(staging))

@@ -1,11 +1,11 @@
 """Warm engines: engine actors that outlive one job, so the next job of the same model does not pay engine start.
 
-A job's engines normally live as long as its Ray Data actor pool (runtime/feed.py). A long-lived coordinator — the
+A job's engines normally live as long as its Ray Data actor pool (runtime/engines/launch.py). A long-lived coordinator — the
 Batch API server, one job per batch — instead keeps an `EngineKeeper` (a named actor it owns): jobs whose config
 names it (`engine.warm_engines`) take their engines from it, hand each a ticket, and give them back when they end.
 
     EngineKeeper (owned by the server) ─▶ WarmEngine actors (one engine each, kept between jobs)
-    job driver: acquire ─▶ serve_job(ticket) on each ─▶ release        (the tickets are runtime/worker.py's pull loop)
+    job driver: acquire ─▶ serve_job(ticket) on each ─▶ release        (the tickets are runtime/engines/engine_actor.py's pull loop)
 
 - Reuse: an engine is reused when it can serve the new job's fitted plan exactly (engines.base.engine_covers: same
   model and args, a context at least as long); otherwise it is rebuilt inside its actor, whose process, imports and
@@ -31,7 +31,7 @@ from typing import Any
 import structlog
 
 from pipeline.engines.base import EngineSpec
-from pipeline.runtime.worker import EngineWorker
+from pipeline.runtime.engines.engine_actor import EngineWorker
 
 log = structlog.get_logger(__name__)
 

@@ -2,7 +2,7 @@
 
 A `WorkQueue` actor (pinned to the driver's node) reads the staged work list through the staging area's storage
 (local disk, or the bucket of an s3:// OUTPUT) a bounded window at a time and hands it out in chunks. Engines pull
-(runtime/worker.py): each leases a chunk when it has room for one, so a faster engine or pool simply leases more and
+(runtime/engines/engine_actor.py): each leases a chunk when it has room for one, so a faster engine or pool simply leases more and
 a slower one never becomes the tail. The chunks travel through Ray's object store, so engines on other nodes never
 need the driver's disk.
 
@@ -11,7 +11,7 @@ loops are Ray Data tasks ("tickets"); when an engine dies, Ray re-runs its ticke
 first call hands its unacknowledged chunks out again — same id, same staged part name, so a chunk that was staged but
 not yet acknowledged is rewritten, never doubled. Only chunks in flight are remembered, never the job's rows.
 
-Prefix-aware routing: with routing on, the queue groups its window by prefix key (stages/route.py) and gives each
+Prefix-aware routing: with routing on, the queue groups its window by prefix key (stages/prefix_key.py) and gives each
 key an owner: the first engine to pull it. An engine's chunk is filled from, in order: keys it owns; keys nobody
 owns yet (it claims them); requests without a key; keys it already took over from others; and last, another
 engine's keys (it steals, so no engine idles while work remains: the key with the most rows waiting, where one more

@@ -1,0 +1,2 @@
+"""Read → validate → measure → stage the work list. Ray tasks on the cluster do the per-row work (`tasks.py`,
+`dedup.py`); the driver merges only aggregates and fits the engine args to them (`fit.py`)."""
