@@ -30,6 +30,15 @@ def box_cores() -> list[int]:
     return sorted(os.sched_getaffinity(0))
 
 
+def free_port() -> int:
+    """A loopback port nothing listens on now, for a server the bench starts."""
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
 def bind_string(cores: list[int]) -> str:
     """`VLLM_CPU_OMP_THREADS_BIND` for one engine on `cores`: '0-1' when contiguous, else '0,2,5'."""
     cores = sorted(cores)

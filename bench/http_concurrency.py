@@ -24,7 +24,7 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.fair import bind_string, box_cores  # noqa: E402
+from bench.fair import bind_string, box_cores, free_port  # noqa: E402
 
 MODEL_NAME = "smollm2-135m-instruct"
 TOPICS = ["the sea", "a city", "bees", "winter", "a library", "the moon", "trains", "a garden"]
@@ -100,7 +100,6 @@ def main() -> None:
     import ray
 
     from pipeline.models import resolve_model
-    from tests.openai_stub import free_port
 
     cores = box_cores()
     model = resolve_model(None)

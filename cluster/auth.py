@@ -127,7 +127,7 @@ class TokenSource:
 
 def default_token_path() -> Path:
     """`$NIGHTSHIFT_HOME/ray/auth_token`: the head's token, and the one drivers on the head machine find."""
-    from pipeline.models import nightshift_home
+    from cluster.home import nightshift_home
 
     return nightshift_home() / "ray" / "auth_token"
 

@@ -295,7 +295,7 @@ def run(
         str | None,
         typer.Option(
             help="Hosted batch price to compare with: INPUT/OUTPUT USD per 1M tokens (e.g. 0.075/0.30) or a preset "
-            "(e.g. openai-gpt-4o-mini-batch; see pipeline/observe/data/hosted_prices.yaml)."
+            "(e.g. openai-gpt-4o-mini-batch; see pipeline/data/hosted_prices.yaml)."
         ),
     ] = None,
 ) -> None:
@@ -368,7 +368,7 @@ def run(
 
 
 def _gpu_hour_prices(values: list[str] | None) -> dict[str, float] | None:
-    from pipeline.observe.cost import parse_gpu_hour_prices
+    from pipeline.prices import parse_gpu_hour_prices
 
     if not values:
         return None

@@ -454,7 +454,7 @@ class ObserveConfig(_Strict):
     )
     hosted_price: str | None = Field(
         default=None,
-        description="A hosted batch price to compare with: a preset (pipeline/observe/data/hosted_prices.yaml, "
+        description="A hosted batch price to compare with: a preset (pipeline/data/hosted_prices.yaml, "
         "e.g. openai-gpt-4o-mini-batch) or INPUT/OUTPUT in USD per 1M tokens.",
     )
 
@@ -470,7 +470,7 @@ class ObserveConfig(_Strict):
     @classmethod
     def _hosted(cls, value: str | None) -> str | None:
         if value is not None:
-            from pipeline.observe.cost import parse_hosted_price
+            from pipeline.prices import parse_hosted_price
 
             parse_hosted_price(value)
         return value

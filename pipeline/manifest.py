@@ -215,7 +215,7 @@ class PoolCost(_Section):
 
 
 class HostedPrice(_Section):
-    preset: str | None = Field(description="The preset named (observe/data/hosted_prices.yaml); None: given.")
+    preset: str | None = Field(description="The preset named (data/hosted_prices.yaml); None: given.")
     input_per_1m: float = Field(description="USD per 1M input (prompt) tokens.")
     output_per_1m: float = Field(description="USD per 1M output (completion) tokens.")
 

@@ -30,9 +30,10 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Literal
 
-import platformdirs
 import structlog
 from pydantic import BaseModel, ConfigDict
+
+from pipeline.local_files import nightshift_home
 
 log = structlog.get_logger(__name__)
 
@@ -85,11 +86,6 @@ class ResolvedModel(BaseModel):
     # The task vLLM runs the model for ("generate", "embed", "classify", ...); None when its files do not tell
     # (a hub id that is not cached): then the engine decides, and answers a route it cannot serve with an error.
     task: str | None = None
-
-
-def nightshift_home() -> Path:
-    env = os.environ.get("NIGHTSHIFT_HOME")
-    return Path(env).expanduser() if env else Path(platformdirs.user_cache_dir("nightshift"))
 
 
 def embedded_gguf_path() -> Path:

@@ -133,8 +133,7 @@ def vllm_arg_names(version: str) -> frozenset[str]:
     argument parser (5-10 s on a small CPU box) on the driver, before any work starts. The names are fixed for a
     given vLLM version, so that cost is paid once per machine and version, not once per job.
     """
-    from pipeline.io.files import atomic_write_json
-    from pipeline.models import nightshift_home
+    from pipeline.local_files import atomic_write_json, nightshift_home
 
     cache = nightshift_home() / "cache" / f"vllm-{re.sub(r'[^A-Za-z0-9._+-]', '_', version)}-args.json"
     with contextlib.suppress(OSError, ValueError):

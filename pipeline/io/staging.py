@@ -172,7 +172,7 @@ class LocalFiles:
         _write_parquet_atomic(table, Path(path))
 
     def write_bytes(self, path: str, data: bytes) -> None:
-        from pipeline.io.files import atomic_write_bytes
+        from pipeline.local_files import atomic_write_bytes
 
         atomic_write_bytes(Path(path), data)
 
@@ -229,7 +229,7 @@ class ObjectStoreFiles:
         return self.cache_dir / path
 
     def _remember(self, path: str, data: bytes) -> None:
-        from pipeline.io.files import atomic_write_bytes
+        from pipeline.local_files import atomic_write_bytes
 
         try:
             atomic_write_bytes(self._cached(path), data)

@@ -34,7 +34,6 @@ import structlog
 from pipeline import json_codec
 from pipeline.config import StorageConfig
 from pipeline.io.encoders import WRITE_BATCH_ROWS, HashingSink
-from pipeline.io.files import atomic_write_bytes
 from pipeline.io.locations import (
     HttpStatusError,
     Location,
@@ -51,6 +50,7 @@ from pipeline.io.locations import (
     with_retries,
 )
 from pipeline.io.staging import ObjectStoreFiles, StagingArea
+from pipeline.local_files import atomic_write_bytes
 
 log = structlog.get_logger(__name__)
 
@@ -170,7 +170,7 @@ def shard_encoder(fmt: str) -> tuple[Callable[[HashingSink], Any], str]:
 
 def local_job_dir(url: str) -> Path:
     """A remote output's directory on this machine's disk: scratch (and, for http(s)://, the staging)."""
-    from pipeline.models import nightshift_home
+    from pipeline.local_files import nightshift_home
 
     key = hashlib.sha256(url.rstrip("/").encode()).hexdigest()[:16]
     return nightshift_home() / "jobs" / key

@@ -46,10 +46,11 @@ from pipeline.manifest import (
     Throughput,
 )
 from pipeline.models import ResolvedModel, resolve_models
-from pipeline.observe.cost import check_pools, job_cost, parse_hosted_price
+from pipeline.observe.cost import job_cost
 from pipeline.observe.progress import JobCounters
 from pipeline.observe.recorder import JobRecorder
 from pipeline.observe.report import request_usage, write_report
+from pipeline.prices import check_pools, parse_hosted_price
 from pipeline.runtime.commit.finalize import FORMAT_VERSION, commit, write_outputs
 from pipeline.runtime.engines.launch import EngineLaunch, EngineRun, models_summary
 from pipeline.runtime.engines.monitor import preemption_remedy, summarize_engines

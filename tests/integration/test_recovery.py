@@ -217,7 +217,8 @@ def _read_staged_part(moto_s3, bucket: str, key: str, tries: int = 20) -> list[s
 
 def _machine(tmp_path: Path, name: str) -> dict[str, str]:
     """The environment of another machine: its own NIGHTSHIFT_HOME (sharing only the prepared model)."""
-    from pipeline.models import nightshift_home, prepare_embedded_model
+    from pipeline.local_files import nightshift_home
+    from pipeline.models import prepare_embedded_model
 
     prepare_embedded_model()
     home = tmp_path / name

@@ -16,13 +16,13 @@ from pathlib import Path
 import platformdirs
 import pytest
 
+from cluster.home import nightshift_home
 from pipeline import models
 from pipeline.models import (
     EMBEDDED_MODEL_NAME,
     MissingDependencyError,
     ModelNotFoundError,
     ResolvedModel,
-    nightshift_home,
     prepare_embedded_model,
     resolve_model,
 )

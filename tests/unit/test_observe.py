@@ -14,6 +14,7 @@ import pyarrow as pa
 import pytest
 from typer.testing import CliRunner
 
+from pipeline import prices
 from pipeline.cli import app
 from pipeline.observe import cost, usage
 from pipeline.observe.metrics import METRICS, families
@@ -94,13 +95,13 @@ def test_cost_and_break_even():
 
 
 def test_hosted_price_presets_and_pairs():
-    assert cost.parse_hosted_price("openai-gpt-4o-mini-batch")["input"] > 0
-    assert cost.parse_hosted_price("0.1/0.4") == {"name": None, "input": 0.1, "output": 0.4}
+    assert prices.parse_hosted_price("openai-gpt-4o-mini-batch")["input"] > 0
+    assert prices.parse_hosted_price("0.1/0.4") == {"name": None, "input": 0.1, "output": 0.4}
     with pytest.raises(ValueError, match="INPUT/OUTPUT"):
-        cost.parse_hosted_price("cheap")
-    assert cost.parse_gpu_hour_prices(["2", "rocm=1.5"]) == {"*": 2.0, "rocm": 1.5}
+        prices.parse_hosted_price("cheap")
+    assert prices.parse_gpu_hour_prices(["2", "rocm=1.5"]) == {"*": 2.0, "rocm": 1.5}
     with pytest.raises(ValueError, match="POOL=PRICE"):
-        cost.parse_gpu_hour_prices(["cuda=lots"])
+        prices.parse_gpu_hour_prices(["cuda=lots"])
 
 
 @pytest.mark.parametrize(

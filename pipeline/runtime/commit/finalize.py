@@ -43,10 +43,10 @@ import pyarrow.parquet as pq
 import structlog
 
 from pipeline.config import StorageConfig
-from pipeline.io.files import atomic_write_json
 from pipeline.io.locations import Location, RetryStats
 from pipeline.io.staging import STAGED_SCHEMA, LocalFiles, PartFiles, StagingArea, with_later_columns
 from pipeline.io.writers import MANIFEST_NAME, OutputTarget, output_target, shard_encoder
+from pipeline.local_files import atomic_write_json
 from pipeline.manifest import Manifest
 from pipeline.runtime.locality import must_pin_to_driver
 from pipeline.stages.shard import (

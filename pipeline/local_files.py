@@ -1,4 +1,5 @@
-"""Local file primitives: atomic writes."""
+"""Local files at the bottom of the import graph (stdlib only, besides `cluster.home`): atomic writes, and this
+machine's nightshift directory. Engines, io/ and the runtime all write through it."""
 
 from __future__ import annotations
 
@@ -7,6 +8,10 @@ import os
 import tempfile
 from pathlib import Path
 from typing import Any
+
+from cluster.home import nightshift_home
+
+__all__ = ["atomic_write_bytes", "atomic_write_json", "nightshift_home"]
 
 
 def atomic_write_bytes(path: Path, data: bytes) -> None:
