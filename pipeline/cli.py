@@ -10,7 +10,7 @@ from typing import Annotated
 
 import typer
 
-from pipeline.config import ConfigError, JobConfig, load_job_config, merge_overrides
+from pipeline.config import ConfigError, JobConfig, UnreadableConfigFile, load_job_config, merge_overrides
 
 app = typer.Typer(
     name="nightshift",
@@ -94,8 +94,11 @@ def _options(
 
 def _fail(message: str, code: int = 2) -> None:
     """One line that says what to change, and exit. Called while handling an exception under --debug, re-raise it
-    instead, so its traceback shows."""
+    instead, so its traceback shows: for a config file that could not be read, the read error behind the message
+    (none for a directory, which is only a wrong path)."""
     handling = sys.exc_info()[1]
+    if isinstance(handling, UnreadableConfigFile):
+        handling = handling.__cause__
     if _DEBUG and handling is not None and not isinstance(handling, typer.Exit):
         raise handling
     typer.secho(f"error: {message}", fg=typer.colors.RED, err=True)
@@ -305,8 +308,6 @@ def run(
     if log_format not in ("console", "json"):
         _fail(f"--log-format must be console or json, got {log_format!r}")
     configure_logging(log_format)
-    if config is not None and config.is_dir():
-        _fail(f"config file {config} is a directory: give the path of a YAML job file")
     try:
         overrides = {
             "engine.vllm.runner": runner,
@@ -358,12 +359,6 @@ def run(
         job = merge_overrides(load_job_config(config), overrides, labels=FLAG_FOR_KEY)
     except ConfigError as exc:
         _fail(str(exc))
-    except UnicodeDecodeError as exc:
-        _fail(
-            f"config file {config} is not UTF-8 text ({exc.reason} at byte {exc.start}): give a YAML job file"
-        )
-    except OSError as exc:
-        _fail(f"config file {config} cannot be read ({exc.strerror or exc}): check its path and permissions")
     _run(job, progress, resume, token_file, _hours(hours, timezone))
 
 
@@ -604,14 +599,10 @@ def _check_environment(job: JobConfig) -> None:
 
 
 def _hours(hours: str | None, timezone: str | None):  # noqa: ANN202 - pipeline.hours.Hours | None
-    from pipeline.hours import Hours, HoursError
+    from pipeline.hours import HoursError, window
 
-    if hours is None:
-        if timezone is not None:
-            _fail("--timezone is the window's timezone: give --hours too")
-        return None
     try:
-        return Hours.parse(hours, timezone)
+        return window(hours, timezone)
     except HoursError as exc:
         _fail(str(exc))
 

@@ -29,6 +29,11 @@ class ConfigError(ValueError):
     """A configuration that cannot run; the message says what to change."""
 
 
+class UnreadableConfigFile(ConfigError):
+    """A config file that is no readable text at all (a directory, not UTF-8, no permission); its cause, if any,
+    is the read error itself."""
+
+
 class _Strict(BaseModel):
     # A typo in a YAML key must fail loudly, not be ignored.
     model_config = ConfigDict(extra="forbid", protected_namespaces=())
@@ -676,19 +681,36 @@ def _endpoint_pools(config: JobConfig, pools: list[PoolConfig]) -> list[PoolConf
     return pools
 
 
+def read_yaml_mapping(path: Path, name: str = "config file", kind: str = "job file") -> dict[str, Any]:
+    """The mapping a YAML config file holds (the job file, the server config: `name` says which in the messages,
+    `kind` what to give instead). Every way the file can be unusable is one ConfigError naming it."""
+    if path.is_dir():
+        raise UnreadableConfigFile(f"{name} {path} is a directory: give the path of a YAML {kind}")
+    if not path.is_file():
+        raise ConfigError(f"{name} {path} does not exist")
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{name} {path} is not valid YAML: {exc}") from exc
+    except UnicodeDecodeError as exc:
+        raise UnreadableConfigFile(
+            f"{name} {path} is not UTF-8 text ({exc.reason} at byte {exc.start}): give a YAML {kind}"
+        ) from exc
+    except OSError as exc:
+        raise UnreadableConfigFile(
+            f"{name} {path} cannot be read ({exc.strerror or exc}): check its path and permissions"
+        ) from exc
+    if not isinstance(data, dict):
+        raise ConfigError(f"{name} {path} must hold a mapping at the top level")
+    return data
+
+
 def load_job_config(path: str | Path | None) -> JobConfig:
     """Read a YAML job file; a missing file or a bad key fails with the path and the key to fix."""
     if path is None:
         return JobConfig()
     path = Path(path)
-    if not path.is_file():
-        raise ConfigError(f"config file {path} does not exist")
-    try:
-        data = yaml.safe_load(path.read_text()) or {}
-    except yaml.YAMLError as exc:
-        raise ConfigError(f"config file {path} is not valid YAML: {exc}") from exc
-    if not isinstance(data, dict):
-        raise ConfigError(f"config file {path} must hold a mapping at the top level")
+    data = read_yaml_mapping(path)
     try:
         return JobConfig.model_validate(data)
     except ValidationError as exc:

@@ -189,6 +189,32 @@ def test_config_file_problems(tmp_path: Path):
         load_job_config(write_yaml(tmp_path, "- a\n- b\n"))
 
 
+def test_config_file_that_cannot_be_read_says_why(tmp_path: Path):
+    with pytest.raises(ConfigError, match="is a directory: give the path of a YAML job file"):
+        load_job_config(tmp_path)
+    binary = tmp_path / "job.yaml"
+    binary.write_bytes(b"\xff\xfe\x00")
+    with pytest.raises(ConfigError, match="is not UTF-8 text .*: give a YAML job file"):
+        load_job_config(binary)
+
+
+def test_job_file_and_server_config_are_read_by_one_loader(tmp_path: Path):
+    """The server config fails as the job file does, named as what it is."""
+    from pipeline.server.settings import load_server_config
+
+    for text, problem in [
+        ("engine: [unclosed\n", "is not valid YAML"),
+        ("- a\n", "must hold a mapping at the top level"),
+    ]:
+        path = write_yaml(tmp_path, text)
+        with pytest.raises(ConfigError, match=f"^config file {path} {problem}"):
+            load_job_config(path)
+        with pytest.raises(ConfigError, match=f"^server config {path} {problem}"):
+            load_server_config(path, {})
+    with pytest.raises(ConfigError, match="^server config .* is a directory: give the path of a YAML server"):
+        load_server_config(tmp_path, {})
+
+
 def test_merge_overrides_flag_wins_over_file(tmp_path: Path):
     config = load_job_config(
         write_yaml(tmp_path, "model: from-file\nengine:\n  vllm:\n    max_num_seqs: 8\n    dtype: float16\n")
