@@ -443,19 +443,9 @@ class EngineConfig(_Strict):
         return self
 
 
-class ResourcesConfig(_Strict):
-    """Where engine actors run on the Ray cluster."""
+class EngineResources(_Strict):
+    """The Ray resources each engine actor reserves: the job's `resources` and each of its `pools` take them."""
 
-    address: Annotated[str | None, Flag("--address", "Ray cluster address; default: start a local Ray.")] = (
-        Field(default=None, description="Ray address to join; default: start a local Ray.")
-    )
-    num_engines: Annotated[int | None, Flag("--num-engines", "Engine actors (replicas).")] = Field(
-        default=None,
-        ge=1,
-        description="Engine actors (replicas) in the pool. Default: 1 on GPUs; for CPU engines one per core of the "
-        "nodes that can host them, as many as their memory holds (on a 2-core box two one-core engines measured "
-        "faster than one engine on both cores: bench/shared_prefix.py).",
-    )
     cpus_per_engine: Annotated[
         float | None,
         Flag(
@@ -476,7 +466,23 @@ class ResourcesConfig(_Strict):
     )
     resources_per_engine: dict[str, float] = Field(
         default_factory=dict,
-        description="Custom Ray resources per engine actor, e.g. {'accelerator:cuda': 1}.",
+        description="Custom Ray resources per engine actor, e.g. {'accelerator:rocm': 1} (`nightshift node start` "
+        "gives each node its accelerator:* resource).",
+    )
+
+
+class ResourcesConfig(EngineResources):
+    """Where engine actors run on the Ray cluster."""
+
+    address: Annotated[str | None, Flag("--address", "Ray cluster address; default: start a local Ray.")] = (
+        Field(default=None, description="Ray address to join; default: start a local Ray.")
+    )
+    num_engines: Annotated[int | None, Flag("--num-engines", "Engine actors (replicas).")] = Field(
+        default=None,
+        ge=1,
+        description="Engine actors (replicas) in the pool. Default: 1 on GPUs; for CPU engines one per core of the "
+        "nodes that can host them, as many as their memory holds (on a 2-core box two one-core engines measured "
+        "faster than one engine on both cores: bench/shared_prefix.py).",
     )
     rows_per_task: int | None = Field(
         default=None,
@@ -509,7 +515,7 @@ class RoutingConfig(_Strict):
     )
 
 
-class PoolConfig(_Strict):
+class PoolConfig(EngineResources):
     """An accelerator pool: engines that share one kind of hardware, with their own Ray resources and engine args.
 
     A job may span several pools (e.g. an NVIDIA pool and an AMD pool); all of them pull from one work queue.
@@ -525,19 +531,6 @@ class PoolConfig(_Strict):
         default=None,
         ge=1,
         description="Engine actors the pool may grow to; default: min_engines (a fixed pool).",
-    )
-    cpus_per_engine: float | None = Field(
-        default=None,
-        ge=0,
-        description="Ray CPUs reserved per engine actor. A CPU engine computes on that many whole cores of its "
-        "own (claimed per node; vLLM's VLLM_CPU_OMP_THREADS_BIND, when set, wins). Default: an engine on GPUs 1; "
-        "a CPU engine the cores of the node it runs on, shared out among the engines placed on it (one engine on "
-        "all cores measured faster than one per core: bench/shared_prefix.py).",
-    )
-    gpus_per_engine: float = Field(default=0.0, ge=0, description="Ray GPUs reserved per engine actor.")
-    resources_per_engine: dict[str, float] = Field(
-        default_factory=dict,
-        description="Custom Ray resources per engine, e.g. {'accelerator:rocm': 1} (set by `nightshift node start`).",
     )
     accelerator_type: str | None = Field(
         default=None,
@@ -803,9 +796,7 @@ def effective_pools(config: JobConfig) -> list[PoolConfig]:
         PoolConfig(
             name="default",
             min_engines=config.resources.num_engines or 1,
-            cpus_per_engine=config.resources.cpus_per_engine,
-            gpus_per_engine=config.resources.gpus_per_engine,
-            resources_per_engine=config.resources.resources_per_engine,
+            **config.resources.model_dump(include=set(EngineResources.model_fields)),
         )
     ]
     names = [p.name for p in pools]
