@@ -10,7 +10,8 @@ from typing import Annotated
 
 import typer
 
-from pipeline.config import ConfigError, JobConfig, load_job_config, merge_overrides
+from pipeline.config import ConfigError, JobConfig, UnreadableConfigFile, load_job_config, merge_overrides
+from pipeline.config_flags import FlagValues, with_config_flags
 
 app = typer.Typer(
     name="nightshift",
@@ -32,53 +33,6 @@ def _mount_node_commands() -> None:
 _mount_node_commands()
 
 
-# Which flag sets which config key: errors name the flag the user typed.
-FLAG_FOR_KEY = {
-    "input": "INPUT",
-    "output": "OUTPUT",
-    "model": "--model",
-    "served_model_name": "--served-model-name",
-    "engine.backend": "--engine",
-    "output_options.format": "--format",
-    "output_options.rows_per_shard": "--rows-per-shard",
-    "resources.address": "--address",
-    "resources.num_engines": "--num-engines",
-    "resources.cpus_per_engine": "--cpus-per-engine",
-    "resources.gpus_per_engine": "--gpus-per-engine",
-    "engine.vllm.max_model_len": "--max-model-len",
-    "engine.vllm.max_num_seqs": "--max-num-seqs",
-    "engine.vllm.gpu_memory_utilization": "--gpu-memory-utilization",
-    "engine.vllm.dtype": "--dtype",
-    "engine.vllm.enable_prefix_caching": "--enable-prefix-caching",
-    "engine.vllm.enforce_eager": "--enforce-eager",
-    "engine.vllm.seed": "--seed",
-    "engine.vllm.cpu_kvcache_space_gib": "--cpu-kvcache-space",
-    "engine.vllm.runner": "--runner",
-    "engine.vllm.chat_template": "--chat-template",
-    "engine.vllm.tool_call_parser": "--tool-call-parser",
-    "engine.vllm.enable_auto_tool_choice": "--enable-auto-tool-choice",
-    "engine.vllm.reasoning_parser": "--reasoning-parser",
-    "engine.vllm.response_role": "--response-role",
-    "engine.vllm.generation_config": "--generation-config",
-    "engine.vllm.override_generation_config": "--override-generation-config",
-    "engine.max_in_flight": "--max-in-flight",
-    "engine.http.endpoints": "--endpoint",
-    "engine.http.concurrency": "--concurrency",
-    "engine.http.api_key": "--api-key",
-    "engine.http.timeout_s": "--request-timeout",
-    "engine.fit.enabled": "--fit/--no-fit",
-    "engine.fit.default_max_tokens": "--default-max-tokens",
-    "overwrite": "--overwrite",
-    "storage.s3_endpoint_url": "--s3-endpoint-url",
-    "storage.s3_region": "--s3-region",
-    "storage.retries": "--io-retries",
-    "observe.metrics_port": "--metrics-port",
-    "observe.report": "--report/--no-report",
-    "observe.gpu_hour_price": "--gpu-hour-price",
-    "observe.hosted_price": "--hosted-price",
-}
-
-
 _DEBUG = False
 
 
@@ -94,8 +48,11 @@ def _options(
 
 def _fail(message: str, code: int = 2) -> None:
     """One line that says what to change, and exit. Called while handling an exception under --debug, re-raise it
-    instead, so its traceback shows."""
+    instead, so its traceback shows: for a config file that could not be read, the read error behind the message
+    (none for a directory, which is only a wrong path)."""
     handling = sys.exc_info()[1]
+    if isinstance(handling, UnreadableConfigFile):
+        handling = handling.__cause__
     if _DEBUG and handling is not None and not isinstance(handling, typer.Exit):
         raise handling
     typer.secho(f"error: {message}", fg=typer.colors.RED, err=True)
@@ -117,56 +74,10 @@ TimezoneOption = Annotated[
 
 
 @app.command()
+@with_config_flags(JobConfig)
 def run(
-    input: Annotated[
-        str | None,
-        typer.Argument(
-            help="OpenAI Batch JSONL or Parquet: a file, a directory or glob of shards, s3://, http(s)://."
-        ),
-    ] = None,
-    output: Annotated[
-        str | None,
-        typer.Argument(help="Output: a directory (created if missing), s3://bucket/prefix or http(s)://."),
-    ] = None,
     config: Annotated[
         Path | None, typer.Option("--config", "-c", help="Job config YAML; flags win over it.")
-    ] = None,
-    model: Annotated[
-        str | None, typer.Option(help="Model directory or id. Default: embedded SmolLM2-135M-Instruct.")
-    ] = None,
-    served_model_name: Annotated[
-        str | None, typer.Option(help="Name request bodies must use as `model`.")
-    ] = None,
-    engine: Annotated[
-        str | None,
-        typer.Option(help="Engine backend: vllm (in-process), http (OpenAI-compatible servers) or fake."),
-    ] = None,
-    endpoint: Annotated[
-        list[str] | None,
-        typer.Option(
-            help="http: an OpenAI-compatible server's base URL (repeat for several; one pool each, all pulling "
-            "from one queue)."
-        ),
-    ] = None,
-    concurrency: Annotated[
-        int | None,
-        typer.Option(
-            help="http: requests in flight per endpoint. Default: a llama.cpp server's slots, else 64."
-        ),
-    ] = None,
-    api_key: Annotated[
-        str | None,
-        typer.Option(
-            help="http: bearer token for the servers (never written to OUTPUT; default: $NIGHTSHIFT_API_KEY)."
-        ),
-    ] = None,
-    request_timeout: Annotated[
-        float | None, typer.Option(help="http: seconds one response may take (default 600).")
-    ] = None,
-    format: Annotated[str | None, typer.Option("--format", help="Output format: jsonl or parquet.")] = None,
-    rows_per_shard: Annotated[int | None, typer.Option(help="Result rows per output shard.")] = None,
-    address: Annotated[
-        str | None, typer.Option(help="Ray cluster address; default: start a local Ray.")
     ] = None,
     hours: HoursOption = None,
     timezone: TimezoneOption = None,
@@ -177,127 +88,11 @@ def run(
             "RAY_AUTH_TOKEN_PATH, then $NIGHTSHIFT_HOME/ray/auth_token (the head's own)."
         ),
     ] = None,
-    num_engines: Annotated[int | None, typer.Option(help="Engine actors (replicas).")] = None,
-    cpus_per_engine: Annotated[
-        float | None,
-        typer.Option(
-            help="Ray CPUs reserved per engine actor; a CPU engine computes on that many cores of its own. "
-            "Default: 1 on GPUs; a CPU engine takes its node's cores (shared among the engines there)."
-        ),
-    ] = None,
-    gpus_per_engine: Annotated[float | None, typer.Option(help="Ray GPUs reserved per engine actor.")] = None,
-    max_model_len: Annotated[
-        int | None, typer.Option(help="vLLM: context length. Default: fitted to the input (see --fit).")
-    ] = None,
-    max_num_seqs: Annotated[
-        int | None,
-        typer.Option(help="vLLM: most sequences run at once. Default: what the KV cache holds (see --fit)."),
-    ] = None,
-    gpu_memory_utilization: Annotated[
-        float | None, typer.Option(help="vLLM: share of GPU memory to use.")
-    ] = None,
-    dtype: Annotated[str | None, typer.Option(help="vLLM: dtype (auto, bfloat16, float16, float32).")] = None,
-    enable_prefix_caching: Annotated[
-        bool | None,
-        typer.Option("--enable-prefix-caching/--no-enable-prefix-caching", help="vLLM: prefix cache."),
-    ] = None,
-    enforce_eager: Annotated[
-        bool | None, typer.Option("--enforce-eager/--no-enforce-eager", help="vLLM: no graphs.")
-    ] = None,
-    seed: Annotated[int | None, typer.Option(help="vLLM: engine seed.")] = None,
-    cpu_kvcache_space: Annotated[int | None, typer.Option(help="CPU engines: KV cache GiB.")] = None,
-    runner: Annotated[
-        str | None,
-        typer.Option(
-            help="vLLM: generate or pooling (embeddings, score, rerank). Default: auto, by the model."
-        ),
-    ] = None,
-    chat_template: Annotated[
-        str | None,
-        typer.Option(
-            help="vLLM: chat template (Jinja text, a file, or one vLLM ships). Default: the model's."
-        ),
-    ] = None,
-    tool_call_parser: Annotated[
-        str | None, typer.Option(help="vLLM: tool-call parser (hermes, llama3_json, mistral, ...).")
-    ] = None,
-    enable_auto_tool_choice: Annotated[
-        bool | None,
-        typer.Option(
-            "--enable-auto-tool-choice", help="vLLM: tool_choice 'auto' (needs --tool-call-parser)."
-        ),
-    ] = None,
-    reasoning_parser: Annotated[
-        str | None, typer.Option(help="vLLM: reasoning parser (deepseek_r1, qwen3, ...).")
-    ] = None,
-    response_role: Annotated[
-        str | None, typer.Option(help="vLLM: role of generated chat messages. Default: assistant.")
-    ] = None,
-    generation_config: Annotated[
-        str | None,
-        typer.Option(help="vLLM: sampling defaults from 'auto' (the model's), 'vllm', or a directory."),
-    ] = None,
-    override_generation_config: Annotated[
-        str | None,
-        typer.Option(help="vLLM: sampling defaults over the generation config, as a JSON object."),
-    ] = None,
-    max_in_flight: Annotated[int | None, typer.Option(help="Requests kept in flight per engine.")] = None,
-    fit: Annotated[
-        bool | None,
-        typer.Option(
-            "--fit/--no-fit",
-            help="Fit max_model_len to the input (longest prompt + max_tokens) and max_num_seqs to the KV cache, "
-            "unless given; prompts too long for the model become error records. Default: on.",
-        ),
-    ] = None,
-    default_max_tokens: Annotated[
-        int | None,
-        typer.Option(
-            help="Fitting: output tokens budgeted for chat requests without max_tokens (default 256)."
-        ),
-    ] = None,
-    prefix_routing: Annotated[
-        bool | None,
-        typer.Option(
-            "--prefix-routing/--no-prefix-routing",
-            help="Send requests sharing a long leading prompt to the same engine (default: on).",
-        ),
-    ] = None,
-    overwrite: Annotated[
-        bool | None, typer.Option("--overwrite", help="Replace a completed job in OUTPUT.")
-    ] = None,
     resume: Annotated[bool, typer.Option("--resume", help="Continue the unfinished job in OUTPUT.")] = False,
-    s3_endpoint_url: Annotated[
-        str | None,
-        typer.Option(help="S3-compatible endpoint. Default: AWS_ENDPOINT_URL_S3 / AWS_ENDPOINT_URL."),
-    ] = None,
-    s3_region: Annotated[str | None, typer.Option(help="S3 region. Default: AWS_REGION.")] = None,
-    io_retries: Annotated[
-        int | None, typer.Option(help="Retries of a transient S3/HTTP error (with backoff) before failing.")
-    ] = None,
     log_format: Annotated[str, typer.Option(help="Logs: console or json.")] = "console",
     progress: Annotated[bool, typer.Option("--progress/--no-progress", help="Live progress display.")] = True,
-    metrics_port: Annotated[
-        int | None, typer.Option(help="Serve Prometheus metrics of the running job on this port (/metrics).")
-    ] = None,
-    report: Annotated[
-        bool | None,
-        typer.Option("--report/--no-report", help="Write report.html beside manifest.json (default: on)."),
-    ] = None,
-    gpu_hour_price: Annotated[
-        list[str] | None,
-        typer.Option(
-            help="Price of one accelerator-hour (CPU engines: one node-hour), e.g. 2.5, or per pool: cuda=2.5 "
-            "(repeat). Gives the job's cost per 1M tokens."
-        ),
-    ] = None,
-    hosted_price: Annotated[
-        str | None,
-        typer.Option(
-            help="Hosted batch price to compare with: INPUT/OUTPUT USD per 1M tokens (e.g. 0.075/0.30) or a preset "
-            "(e.g. openai-gpt-4o-mini-batch; see pipeline/data/hosted_prices.yaml)."
-        ),
-    ] = None,
+    *,
+    flags: FlagValues,
 ) -> None:
     """Run a batch: INPUT (OpenAI Batch JSONL/Parquet) → OUTPUT/ (sorted result shards, error shards, manifest.json)."""
     from pipeline.observe.logs import configure_logging
@@ -305,124 +100,42 @@ def run(
     if log_format not in ("console", "json"):
         _fail(f"--log-format must be console or json, got {log_format!r}")
     configure_logging(log_format)
-    if config is not None and config.is_dir():
-        _fail(f"config file {config} is a directory: give the path of a YAML job file")
     try:
-        overrides = {
-            "engine.vllm.runner": runner,
-            "engine.vllm.chat_template": chat_template,
-            "engine.vllm.tool_call_parser": tool_call_parser,
-            "engine.vllm.enable_auto_tool_choice": enable_auto_tool_choice,
-            "engine.vllm.reasoning_parser": reasoning_parser,
-            "engine.vllm.response_role": response_role,
-            "engine.vllm.generation_config": generation_config,
-            "engine.vllm.override_generation_config": _json_option(
-                override_generation_config, "--override-generation-config"
-            ),
-            "input": input,
-            "output": output,
-            "model": model,
-            "served_model_name": served_model_name,
-            "engine.backend": engine,
-            "output_options.format": format,
-            "output_options.rows_per_shard": rows_per_shard,
-            "resources.address": address,
-            "resources.num_engines": num_engines,
-            "resources.cpus_per_engine": cpus_per_engine,
-            "resources.gpus_per_engine": gpus_per_engine,
-            "engine.vllm.max_model_len": max_model_len,
-            "engine.vllm.max_num_seqs": max_num_seqs,
-            "engine.vllm.gpu_memory_utilization": gpu_memory_utilization,
-            "engine.vllm.dtype": dtype,
-            "engine.vllm.enable_prefix_caching": enable_prefix_caching,
-            "engine.vllm.enforce_eager": enforce_eager,
-            "engine.vllm.seed": seed,
-            "engine.vllm.cpu_kvcache_space_gib": cpu_kvcache_space,
-            "engine.max_in_flight": max_in_flight,
-            "engine.http.endpoints": endpoint or None,
-            "engine.http.concurrency": concurrency,
-            "engine.http.api_key": api_key,
-            "engine.http.timeout_s": request_timeout,
-            "engine.fit.enabled": fit,
-            "engine.fit.default_max_tokens": default_max_tokens,
-            "routing.prefix_aware": prefix_routing,
-            "overwrite": overwrite,
-            "storage.s3_endpoint_url": s3_endpoint_url,
-            "storage.s3_region": s3_region,
-            "storage.retries": io_retries,
-            "observe.metrics_port": metrics_port,
-            "observe.report": report,
-            "observe.gpu_hour_price": _gpu_hour_prices(gpu_hour_price),
-            "observe.hosted_price": hosted_price,
-        }
-        job = merge_overrides(load_job_config(config), overrides, labels=FLAG_FOR_KEY)
+        # Every config field's flag, given or not (None); flags win over the job file.
+        job = merge_overrides(load_job_config(config), flags.overrides(), flags.labels)
     except ConfigError as exc:
         _fail(str(exc))
-    except UnicodeDecodeError as exc:
-        _fail(
-            f"config file {config} is not UTF-8 text ({exc.reason} at byte {exc.start}): give a YAML job file"
-        )
-    except OSError as exc:
-        _fail(f"config file {config} cannot be read ({exc.strerror or exc}): check its path and permissions")
     _run(job, progress, resume, token_file, _hours(hours, timezone))
 
 
-def _gpu_hour_prices(values: list[str] | None) -> dict[str, float] | None:
-    from pipeline.prices import parse_gpu_hour_prices
-
-    if not values:
-        return None
-    try:
-        return parse_gpu_hour_prices(values)
-    except ValueError as exc:
-        raise ConfigError(str(exc)) from exc
-
-
-def _json_option(value: str | None, flag: str) -> dict | None:
-    """A flag that takes a JSON object, as vLLM's own flags of that kind do."""
-    if value is None:
-        return None
-    try:
-        parsed = json.loads(value)
-    except ValueError as exc:
-        raise ConfigError(
-            f"{flag}: not valid JSON ({exc}); give an object, e.g. '{{\"temperature\": 0.5}}'"
-        ) from exc
-    if not isinstance(parsed, dict):
-        raise ConfigError(f"{flag}: must be a JSON object, got {type(parsed).__name__}")
-    return parsed
-
-
 @app.command("resume")
+@with_config_flags(
+    JobConfig,
+    "storage.s3_endpoint_url",
+    "storage.s3_region",
+    "resources.address",
+    help={
+        "storage.s3_endpoint_url": "S3-compatible endpoint, as for `run` (default: AWS_ENDPOINT_URL_S3 / "
+        "AWS_ENDPOINT_URL); given, it replaces the interrupted job's.",
+        "storage.s3_region": "S3 region (default: AWS_REGION); given, it replaces the job's.",
+        "resources.address": "Ray cluster to continue on; given, it replaces the job's (e.g. a restarted cluster).",
+    },
+)
 def resume_command(
     output: Annotated[
         str,
         typer.Argument(help="OUTPUT of the interrupted job: a directory, s3://bucket/prefix or http(s)://."),
     ],
-    s3_endpoint_url: Annotated[
-        str | None,
-        typer.Option(
-            help="S3-compatible endpoint, as for `run` (default: AWS_ENDPOINT_URL_S3 / AWS_ENDPOINT_URL); "
-            "given, it replaces the interrupted job's."
-        ),
-    ] = None,
-    s3_region: Annotated[
-        str | None, typer.Option(help="S3 region (default: AWS_REGION); given, it replaces the job's.")
-    ] = None,
     hours: HoursOption = None,
     timezone: TimezoneOption = None,
     token_file: Annotated[
         Path | None,
         typer.Option(help="File holding the Ray token of the job's cluster (as for `run --token-file`)."),
     ] = None,
-    address: Annotated[
-        str | None,
-        typer.Option(
-            help="Ray cluster to continue on; given, it replaces the job's (e.g. a restarted cluster)."
-        ),
-    ] = None,
     log_format: Annotated[str, typer.Option(help="Logs: console or json.")] = "console",
     progress: Annotated[bool, typer.Option("--progress/--no-progress", help="Live progress display.")] = True,
+    *,
+    flags: FlagValues,
 ) -> None:
     """Continue an interrupted job from OUTPUT/_staging/: same spec, same input (checked), finished rows kept.
 
@@ -435,14 +148,16 @@ def resume_command(
 
     configure_logging(log_format)
     try:
-        job = load_resumable(output, {"s3_endpoint_url": s3_endpoint_url, "s3_region": s3_region})
-        job = merge_overrides(job, {"resources.address": address}, FLAG_FOR_KEY)
+        # The storage flags are needed to read the checkpoint at all; the rest go over the job it holds.
+        job = load_resumable(output, flags.section("storage"))
+        job = merge_overrides(job, {"resources.address": flags["resources.address"]}, flags.labels)
     except (PreflightError, ConfigError) as exc:
         _fail(str(exc))
     _run(job, progress, resume=True, token_file=token_file, hours=_hours(hours, timezone))
 
 
 @app.command("status")
+@with_config_flags(JobConfig, "storage.s3_endpoint_url", "storage.s3_region")
 def status_command(
     output: Annotated[
         str,
@@ -460,11 +175,8 @@ def status_command(
         ),
     ] = False,
     every: Annotated[float, typer.Option(help="--watch: seconds between refreshes.", min=0.5)] = 2.0,
-    s3_endpoint_url: Annotated[
-        str | None,
-        typer.Option(help="S3-compatible endpoint. Default: AWS_ENDPOINT_URL_S3 / AWS_ENDPOINT_URL."),
-    ] = None,
-    s3_region: Annotated[str | None, typer.Option(help="S3 region. Default: AWS_REGION.")] = None,
+    *,
+    flags: FlagValues,
 ) -> None:
     """Where a job stands, from its OUTPUT alone: state, rows, throughput, ETA, pools, errors by code."""
     from pipeline.config import StorageConfig
@@ -473,7 +185,7 @@ def status_command(
 
     if as_json and watch:
         _fail("--json and --watch do not go together: --json prints once, for scripts")
-    storage = StorageConfig(s3_endpoint_url=s3_endpoint_url, s3_region=s3_region)
+    storage = StorageConfig.model_validate(flags.section("storage"))
 
     def read() -> dict:
         try:
@@ -604,14 +316,10 @@ def _check_environment(job: JobConfig) -> None:
 
 
 def _hours(hours: str | None, timezone: str | None):  # noqa: ANN202 - pipeline.hours.Hours | None
-    from pipeline.hours import Hours, HoursError
+    from pipeline.hours import HoursError, window
 
-    if hours is None:
-        if timezone is not None:
-            _fail("--timezone is the window's timezone: give --hours too")
-        return None
     try:
-        return Hours.parse(hours, timezone)
+        return window(hours, timezone)
     except HoursError as exc:
         _fail(str(exc))
 
@@ -683,24 +391,23 @@ def _run(
 
 
 @app.command()
+@with_config_flags(
+    JobConfig,
+    "model",
+    "served_model_name",
+    "storage.s3_endpoint_url",
+    help={"model": "Model the job would serve (its name is checked)."},
+)
 def validate(
     input: Annotated[
         str,
         typer.Argument(help="OpenAI Batch JSONL or Parquet: a file, directory, glob, s3:// or http(s)://."),
     ],
-    model: Annotated[
-        str | None, typer.Option(help="Model the job would serve (its name is checked).")
-    ] = None,
-    served_model_name: Annotated[
-        str | None, typer.Option(help="Name request bodies must use as `model`.")
-    ] = None,
     tokens: Annotated[
         bool, typer.Option("--tokens/--no-tokens", help="Token statistics with the model's tokenizer.")
     ] = True,
-    s3_endpoint_url: Annotated[
-        str | None,
-        typer.Option(help="S3-compatible endpoint. Default: AWS_ENDPOINT_URL_S3 / AWS_ENDPOINT_URL."),
-    ] = None,
+    *,
+    flags: FlagValues,
 ) -> None:
     """Dry run: counts, every error record (JSON lines on stdout), token statistics. No engine is started."""
     from pipeline.config import StorageConfig
@@ -709,8 +416,9 @@ def validate(
     from pipeline.runtime.preflight import PreflightError, check_input_source
 
     try:
-        source = check_input_source(input, StorageConfig(s3_endpoint_url=s3_endpoint_url))
-        name = served_name(model, served_model_name)
+        source = check_input_source(input, StorageConfig.model_validate(flags.section("storage")))
+        model = flags["model"]
+        name = served_name(model, flags["served_model_name"])
         report = dry_run(source, name, model if tokens else None, tokenize=tokens)
     except (PreflightError, ModelNotFoundError, MissingDependencyError) as exc:
         _fail(str(exc))

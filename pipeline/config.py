@@ -1,14 +1,17 @@
 """Job configuration: one pydantic model per concern, a description on every field.
 
-The same models back the YAML job file (`--config job.yaml`) and the CLI flags (a flag wins over the file).
-Engine-arg names are vLLM's own, so what users know from `vllm serve` carries over.
+The same models back the YAML job file (`--config job.yaml`) and the CLI flags (a flag wins over the file): a
+field that is a flag says so in its annotation (`Flag`, pipeline/config_flags.py), and the commands build their
+flags from these models. Engine-arg names and flag names are vLLM's own, so what users know from `vllm serve`
+carries over.
 """
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
 from pydantic import (
@@ -22,6 +25,7 @@ from pydantic import (
     model_validator,
 )
 
+from pipeline.config_flags import Flag
 from pipeline.engines.base import BACKEND_NAMES, backend
 
 
@@ -29,9 +33,37 @@ class ConfigError(ValueError):
     """A configuration that cannot run; the message says what to change."""
 
 
+class UnreadableConfigFile(ConfigError):
+    """A config file that is no readable text at all (a directory, not UTF-8, no permission); its cause, if any,
+    is the read error itself."""
+
+
 class _Strict(BaseModel):
     # A typo in a YAML key must fail loudly, not be ignored.
     model_config = ConfigDict(extra="forbid", protected_namespaces=())
+
+
+def json_object_flag(text: str, flag: str) -> dict[str, Any]:
+    """A flag that takes a JSON object, as vLLM's own flags of that kind do."""
+    try:
+        parsed = json.loads(text)
+    except ValueError as exc:
+        raise ConfigError(
+            f"{flag}: not valid JSON ({exc}); give an object, e.g. '{{\"temperature\": 0.5}}'"
+        ) from exc
+    if not isinstance(parsed, dict):
+        raise ConfigError(f"{flag}: must be a JSON object, got {type(parsed).__name__}")
+    return parsed
+
+
+def gpu_hour_prices_flag(values: list[str], flag: str) -> dict[str, float]:
+    """`--gpu-hour-price 2.5 --gpu-hour-price cuda=3` -> {"*": 2.5, "cuda": 3.0}; the parsing is cost.py's."""
+    from pipeline.prices import parse_gpu_hour_prices
+
+    try:
+        return parse_gpu_hour_prices(values)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from exc
 
 
 # max_num_seqs when it is neither given nor fitted to the KV capacity (fitting off, or the capacity unknown).
@@ -45,81 +77,129 @@ class VllmEngineArgs(_Strict):
     file or by a flag is always used as is.
     """
 
-    max_model_len: int | None = Field(
+    max_model_len: Annotated[
+        int | None, Flag("--max-model-len", "vLLM: context length. Default: fitted to the input (see --fit).")
+    ] = Field(
         default=None,
         ge=16,
         description="Context length (prompt + output tokens). Default: fitted to the input (its longest prompt + "
         "max_tokens, rounded up to a KV block, at most the model's limit); without fitting, the model's own limit.",
     )
-    max_num_seqs: int | None = Field(
+    max_num_seqs: Annotated[
+        int | None,
+        Flag(
+            "--max-num-seqs",
+            "vLLM: most sequences run at once. Default: what the KV cache holds (see --fit).",
+        ),
+    ] = Field(
         default=None,
         ge=1,
         description="Most sequences the engine runs at once. Default: as many as the KV cache holds at "
         f"max_model_len (on CPU at most 256; {DEFAULT_MAX_NUM_SEQS} when fitting is off); on a GPU, where the cache "
         "is measured only as the engine starts, vLLM's own choice, read back to size the in-flight window.",
     )
-    gpu_memory_utilization: float = Field(
+    gpu_memory_utilization: Annotated[
+        float, Flag("--gpu-memory-utilization", "vLLM: share of GPU memory to use.")
+    ] = Field(
         default=0.9, gt=0, le=1, description="Share of accelerator memory vLLM may use (weights + KV cache)."
     )
-    dtype: str = Field(
+    dtype: Annotated[str, Flag("--dtype", "vLLM: dtype (auto, bfloat16, float16, float32).")] = Field(
         default="auto", description="Weight/activation dtype: auto, bfloat16, float16, float32."
     )
-    enable_prefix_caching: bool | None = Field(
+    enable_prefix_caching: Annotated[
+        bool | None, Flag("--enable-prefix-caching/--no-enable-prefix-caching", "vLLM: prefix cache.")
+    ] = Field(
         default=None,
         description="Reuse the KV cache of shared prompt prefixes (system prompts, few-shot blocks). Default: "
         "vLLM's — on for generative models, off for pooling models (an encoder such as MiniLM has no KV cache "
         "to share, and vLLM refuses to start one with it on).",
     )
-    enforce_eager: bool | None = Field(
-        default=None,
-        description="Skip graph capture/compilation. Default: on for CPU engines (compilation costs minutes there).",
+    enforce_eager: Annotated[bool | None, Flag("--enforce-eager/--no-enforce-eager", "vLLM: no graphs.")] = (
+        Field(
+            default=None,
+            description="Skip graph capture/compilation. Default: on for CPU engines (compilation costs minutes there).",
+        )
     )
     tensor_parallel_size: int = Field(
         default=1, ge=1, description="Accelerators one engine is sharded across."
     )
-    seed: int | None = Field(default=None, description="Engine-level random seed.")
-    cpu_kvcache_space_gib: int = Field(
+    seed: Annotated[int | None, Flag("--seed", "vLLM: engine seed.")] = Field(
+        default=None, description="Engine-level random seed."
+    )
+    cpu_kvcache_space_gib: Annotated[int, Flag("--cpu-kvcache-space", "CPU engines: KV cache GiB.")] = Field(
         default=2, ge=1, description="CPU engines only: KV cache size in whole GiB (VLLM_CPU_KVCACHE_SPACE)."
     )
-    runner: Literal["auto", "generate", "pooling"] = Field(
+    runner: Annotated[
+        Literal["auto", "generate", "pooling"],
+        Flag(
+            "--runner", "vLLM: generate or pooling (embeddings, score, rerank). Default: auto, by the model."
+        ),
+    ] = Field(
         default="auto",
         description="vLLM's --runner: generate (chat, completions, responses) or pooling (embeddings, score, "
         "rerank). auto: decided by the model, as vLLM does (a Sentence Transformers model or a *Model / "
         "*ForSequenceClassification architecture pools, a *ForCausalLM generates).",
     )
     # The serving-layer options of `vllm serve` / run-batch, with vLLM's names and defaults.
-    chat_template: str | None = Field(
+    chat_template: Annotated[
+        str | None,
+        Flag(
+            "--chat-template",
+            "vLLM: chat template (Jinja text, a file, or one vLLM ships). Default: the model's.",
+        ),
+    ] = Field(
         default=None,
         description="vLLM's --chat-template: a Jinja template, a file holding one, or the name of one vLLM ships. "
         "Default: the model's own. A file must be readable where the engines run; it is also read (on the "
         "driver) to count prompt tokens.",
     )
-    tool_call_parser: str | None = Field(
+    tool_call_parser: Annotated[
+        str | None, Flag("--tool-call-parser", "vLLM: tool-call parser (hermes, llama3_json, mistral, ...).")
+    ] = Field(
         default=None,
         description="vLLM's --tool-call-parser (e.g. hermes, llama3_json, mistral): parses tool calls out of "
         "the generated text. Needed for tool_choice 'required' or a named tool.",
     )
-    enable_auto_tool_choice: bool = Field(
+    enable_auto_tool_choice: Annotated[
+        bool, Flag("--enable-auto-tool-choice", "vLLM: tool_choice 'auto' (needs --tool-call-parser).")
+    ] = Field(
         default=False,
         description="vLLM's --enable-auto-tool-choice: let the model decide to call tools (tool_choice 'auto'); "
         "needs tool_call_parser.",
     )
-    reasoning_parser: str | None = Field(
+    reasoning_parser: Annotated[
+        str | None, Flag("--reasoning-parser", "vLLM: reasoning parser (deepseek_r1, qwen3, ...).")
+    ] = Field(
         default=None,
         description="vLLM's --reasoning-parser (e.g. deepseek_r1, qwen3): splits reasoning from the answer into "
         "message.reasoning.",
     )
-    response_role: str = Field(
+    response_role: Annotated[
+        str, Flag("--response-role", "vLLM: role of generated chat messages. Default: assistant.")
+    ] = Field(
         default="assistant",
         description="vLLM's --response-role: the role of generated chat messages when the request does not end "
         "with add_generation_prompt false.",
     )
-    generation_config: str = Field(
+    generation_config: Annotated[
+        str,
+        Flag(
+            "--generation-config",
+            "vLLM: sampling defaults from 'auto' (the model's), 'vllm', or a directory.",
+        ),
+    ] = Field(
         default="auto",
         description="vLLM's --generation-config: 'auto' (the model's generation_config.json sets the sampling "
         "defaults), 'vllm' (vLLM's neutral defaults), or a directory holding a generation_config.json.",
     )
-    override_generation_config: dict[str, Any] = Field(
+    override_generation_config: Annotated[
+        dict[str, Any],
+        Flag(
+            "--override-generation-config",
+            "vLLM: sampling defaults over the generation config, as a JSON object.",
+            parse=json_object_flag,
+        ),
+    ] = Field(
         default_factory=dict,
         description="vLLM's --override-generation-config: sampling defaults over the generation config, e.g. "
         "{temperature: 0.5, max_new_tokens: 128}. The effective defaults are in the manifest.",
@@ -190,18 +270,36 @@ class HttpEngineArgs(_Strict):
     """The http backend: each request POSTed to an OpenAI-compatible server (vllm serve, SGLang, llama.cpp's
     llama-server, Ollama, TGI). The servers' own engine args and sampling defaults apply."""
 
-    endpoints: list[str] = Field(
+    endpoints: Annotated[
+        list[str],
+        Flag(
+            "--endpoint",
+            "http: an OpenAI-compatible server's base URL (repeat for several; one pool each, all pulling from one queue).",
+        ),
+    ] = Field(
         default_factory=list,
         description="Base URLs of the servers, e.g. http://10.0.0.5:8000 (a trailing /v1 is fine). Each endpoint "
         "is a pool of its own; all of them pull from the job's one work queue, so a faster server takes more.",
     )
-    concurrency: int | None = Field(
+    concurrency: Annotated[
+        int | None,
+        Flag(
+            "--concurrency",
+            "http: requests in flight per endpoint. Default: a llama.cpp server's slots, else 64.",
+        ),
+    ] = Field(
         default=None,
         ge=1,
         description="Requests in flight per endpoint. Default: the slots a llama.cpp server reports (/props), "
         f"else {DEFAULT_HTTP_CONCURRENCY}. Sending one request at a time leaves a batching server mostly idle.",
     )
-    api_key: SecretStr | None = Field(
+    api_key: Annotated[
+        SecretStr | None,
+        Flag(
+            "--api-key",
+            "http: bearer token for the servers (never written to OUTPUT; default: $NIGHTSHIFT_API_KEY).",
+        ),
+    ] = Field(
         default=None,
         description="Bearer token sent to every endpoint. Never written to OUTPUT (neither the checkpoint nor "
         "the manifest): a resumed job reads it from the variable named by api_key_env.",
@@ -210,7 +308,9 @@ class HttpEngineArgs(_Strict):
         default="NIGHTSHIFT_API_KEY",
         description="Environment variable (on the driver) holding the bearer token when api_key is not given.",
     )
-    timeout_s: float = Field(
+    timeout_s: Annotated[
+        float, Flag("--request-timeout", "http: seconds one response may take (default 600).")
+    ] = Field(
         default=600.0, gt=0, description="Longest wait for one response (a long generation takes minutes)."
     )
     connect_timeout_s: float = Field(default=10.0, gt=0, description="Longest wait to connect to a server.")
@@ -248,14 +348,26 @@ class HttpEngineArgs(_Strict):
 class FitConfig(_Strict):
     """Fitting engine args to the data before the engines start (`nightshift plan --input`, applied)."""
 
-    enabled: bool = Field(
+    enabled: Annotated[
+        bool,
+        Flag(
+            "--fit/--no-fit",
+            "Fit max_model_len to the input (longest prompt + max_tokens) and max_num_seqs to the KV cache, unless given; prompts too long for the model become error records. Default: on.",
+        ),
+    ] = Field(
         default=True,
         description="Measure every request (tokenizer + chat template) after validation; set max_model_len to the "
         "longest prompt + max_tokens and max_num_seqs to what the KV cache holds at that length, unless given; "
         "requests whose prompt cannot fit even at the model's limit become context_length_exceeded error records. "
         "--no-fit turns it off.",
     )
-    default_max_tokens: int = Field(
+    default_max_tokens: Annotated[
+        int,
+        Flag(
+            "--default-max-tokens",
+            "Fitting: output tokens budgeted for chat requests without max_tokens (default 256).",
+        ),
+    ] = Field(
         default=256,
         ge=1,
         description="Output tokens budgeted for a chat request that sets no max_tokens (when the model's "
@@ -267,7 +379,10 @@ class FitConfig(_Strict):
 class EngineConfig(_Strict):
     """Which engine backend runs the requests, and how."""
 
-    backend: Literal[BACKEND_NAMES] = Field(  # type: ignore[valid-type] - the registry's names
+    backend: Annotated[
+        Literal[BACKEND_NAMES],
+        Flag("--engine", "Engine backend: vllm (in-process), http (OpenAI-compatible servers) or fake."),
+    ] = Field(  # type: ignore[valid-type] - the registry's names
         default="vllm",
         description="Engine backend behind the engine seam: vllm (in-process), http (OpenAI-compatible "
         "servers) or fake (deterministic, for tests). See pipeline/engines/base.py BACKENDS.",
@@ -284,10 +399,12 @@ class EngineConfig(_Strict):
     fit: FitConfig = Field(
         default_factory=FitConfig, description="Fitting max_model_len / max_num_seqs to the data."
     )
-    max_in_flight: int | None = Field(
-        default=None,
-        ge=1,
-        description="Requests each engine keeps in flight. Default: 2 x max_num_seqs, so continuous batching stays full.",
+    max_in_flight: Annotated[int | None, Flag("--max-in-flight", "Requests kept in flight per engine.")] = (
+        Field(
+            default=None,
+            ge=1,
+            description="Requests each engine keeps in flight. Default: 2 x max_num_seqs, so continuous batching stays full.",
+        )
     )
     warm_engines: str | None = Field(
         default=None,
@@ -326,18 +443,17 @@ class EngineConfig(_Strict):
         return self
 
 
-class ResourcesConfig(_Strict):
-    """Where engine actors run on the Ray cluster."""
+class EngineResources(_Strict):
+    """The Ray resources each engine actor reserves: the job's `resources` and each of its `pools` take them."""
 
-    address: str | None = Field(default=None, description="Ray address to join; default: start a local Ray.")
-    num_engines: int | None = Field(
-        default=None,
-        ge=1,
-        description="Engine actors (replicas) in the pool. Default: 1 on GPUs; for CPU engines one per core of the "
-        "nodes that can host them, as many as their memory holds (on a 2-core box two one-core engines measured "
-        "faster than one engine on both cores: bench/shared_prefix.py).",
-    )
-    cpus_per_engine: float | None = Field(
+    cpus_per_engine: Annotated[
+        float | None,
+        Flag(
+            "--cpus-per-engine",
+            "Ray CPUs reserved per engine actor; a CPU engine computes on that many cores of its own. "
+            "Default: 1 on GPUs; a CPU engine takes its node's cores (shared among the engines there).",
+        ),
+    ] = Field(
         default=None,
         ge=0,
         description="Ray CPUs reserved per engine actor. A CPU engine computes on that many whole cores of its "
@@ -345,10 +461,28 @@ class ResourcesConfig(_Strict):
         "a CPU engine the cores of the node it runs on, shared out among the engines placed on it (one engine on "
         "all cores measured faster than one per core: bench/shared_prefix.py).",
     )
-    gpus_per_engine: float = Field(default=0.0, ge=0, description="Ray GPUs reserved per engine actor.")
+    gpus_per_engine: Annotated[float, Flag("--gpus-per-engine", "Ray GPUs reserved per engine actor.")] = (
+        Field(default=0.0, ge=0, description="Ray GPUs reserved per engine actor.")
+    )
     resources_per_engine: dict[str, float] = Field(
         default_factory=dict,
-        description="Custom Ray resources per engine actor, e.g. {'accelerator:cuda': 1}.",
+        description="Custom Ray resources per engine actor, e.g. {'accelerator:rocm': 1} (`nightshift node start` "
+        "gives each node its accelerator:* resource).",
+    )
+
+
+class ResourcesConfig(EngineResources):
+    """Where engine actors run on the Ray cluster."""
+
+    address: Annotated[str | None, Flag("--address", "Ray cluster address; default: start a local Ray.")] = (
+        Field(default=None, description="Ray address to join; default: start a local Ray.")
+    )
+    num_engines: Annotated[int | None, Flag("--num-engines", "Engine actors (replicas).")] = Field(
+        default=None,
+        ge=1,
+        description="Engine actors (replicas) in the pool. Default: 1 on GPUs; for CPU engines one per core of the "
+        "nodes that can host them, as many as their memory holds (on a 2-core box two one-core engines measured "
+        "faster than one engine on both cores: bench/shared_prefix.py).",
     )
     rows_per_task: int | None = Field(
         default=None,
@@ -364,7 +498,13 @@ class ResourcesConfig(_Strict):
 class RoutingConfig(_Strict):
     """How requests are spread over a pool's engines."""
 
-    prefix_aware: bool = Field(
+    prefix_aware: Annotated[
+        bool,
+        Flag(
+            "--prefix-routing/--no-prefix-routing",
+            "Send requests sharing a long leading prompt to the same engine (default: on).",
+        ),
+    ] = Field(
         default=True,
         description=(
             "Send requests that share a long leading prompt (system prompt, few-shot block, tools) to the same "
@@ -375,7 +515,7 @@ class RoutingConfig(_Strict):
     )
 
 
-class PoolConfig(_Strict):
+class PoolConfig(EngineResources):
     """An accelerator pool: engines that share one kind of hardware, with their own Ray resources and engine args.
 
     A job may span several pools (e.g. an NVIDIA pool and an AMD pool); all of them pull from one work queue.
@@ -391,19 +531,6 @@ class PoolConfig(_Strict):
         default=None,
         ge=1,
         description="Engine actors the pool may grow to; default: min_engines (a fixed pool).",
-    )
-    cpus_per_engine: float | None = Field(
-        default=None,
-        ge=0,
-        description="Ray CPUs reserved per engine actor. A CPU engine computes on that many whole cores of its "
-        "own (claimed per node; vLLM's VLLM_CPU_OMP_THREADS_BIND, when set, wins). Default: an engine on GPUs 1; "
-        "a CPU engine the cores of the node it runs on, shared out among the engines placed on it (one engine on "
-        "all cores measured faster than one per core: bench/shared_prefix.py).",
-    )
-    gpus_per_engine: float = Field(default=0.0, ge=0, description="Ray GPUs reserved per engine actor.")
-    resources_per_engine: dict[str, float] = Field(
-        default_factory=dict,
-        description="Custom Ray resources per engine, e.g. {'accelerator:rocm': 1} (set by `nightshift node start`).",
     )
     accelerator_type: str | None = Field(
         default=None,
@@ -438,21 +565,38 @@ class PoolConfig(_Strict):
 class ObserveConfig(_Strict):
     """What the job shows of itself while it runs and leaves behind: metrics, the report, its cost."""
 
-    metrics_port: int | None = Field(
+    metrics_port: Annotated[
+        int | None,
+        Flag("--metrics-port", "Serve Prometheus metrics of the running job on this port (/metrics)."),
+    ] = Field(
         default=None,
         ge=1,
         le=65535,
         description="Serve Prometheus metrics of the running job on this port of the driver (/metrics).",
     )
-    report: bool = Field(
-        default=True, description="Write report.html (charts, settings, cost) beside the manifest."
-    )
-    gpu_hour_price: dict[str, float] = Field(
+    report: Annotated[
+        bool, Flag("--report/--no-report", "Write report.html beside manifest.json (default: on).")
+    ] = Field(default=True, description="Write report.html (charts, settings, cost) beside the manifest.")
+    gpu_hour_price: Annotated[
+        dict[str, float],
+        Flag(
+            "--gpu-hour-price",
+            "Price of one accelerator-hour (CPU engines: one node-hour), e.g. 2.5, or per pool: cuda=2.5 (repeat). Gives the job's cost per 1M tokens.",
+            parse=gpu_hour_prices_flag,
+            multiple=True,
+        ),
+    ] = Field(
         default_factory=dict,
         description="Price of one accelerator-hour per pool (on CPU engines: one node-hour); key '*' for every "
         "pool. Gives the job's own cost per 1M tokens.",
     )
-    hosted_price: str | None = Field(
+    hosted_price: Annotated[
+        str | None,
+        Flag(
+            "--hosted-price",
+            "Hosted batch price to compare with: INPUT/OUTPUT USD per 1M tokens (e.g. 0.075/0.30) or a preset (e.g. openai-gpt-4o-mini-batch; see pipeline/data/hosted_prices.yaml).",
+        ),
+    ] = Field(
         default=None,
         description="A hosted batch price to compare with: a preset (pipeline/data/hosted_prices.yaml, "
         "e.g. openai-gpt-4o-mini-batch) or INPUT/OUTPUT in USD per 1M tokens.",
@@ -479,12 +623,14 @@ class ObserveConfig(_Strict):
 class OutputConfig(_Strict):
     """How results are written."""
 
-    format: Literal["jsonl", "parquet"] = Field(
-        default="jsonl",
-        description="Output file format: jsonl (OpenAI Batch lines) or parquet (custom_id, status_code, response, "
-        "error, plus flattened content, finish_reason, prompt_tokens, completion_tokens).",
+    format: Annotated[Literal["jsonl", "parquet"], Flag("--format", "Output format: jsonl or parquet.")] = (
+        Field(
+            default="jsonl",
+            description="Output file format: jsonl (OpenAI Batch lines) or parquet (custom_id, status_code, response, "
+            "error, plus flattened content, finish_reason, prompt_tokens, completion_tokens).",
+        )
     )
-    rows_per_shard: int = Field(
+    rows_per_shard: Annotated[int, Flag("--rows-per-shard", "Result rows per output shard.")] = Field(
         default=100_000, ge=1, description="Result rows per shard file (range-partitioned)."
     )
     staging_rows: int = Field(
@@ -502,18 +648,23 @@ class StorageConfig(_Strict):
     AWS_REGION / AWS_DEFAULT_REGION.
     """
 
-    s3_endpoint_url: str | None = Field(
+    s3_endpoint_url: Annotated[
+        str | None,
+        Flag("--s3-endpoint-url", "S3-compatible endpoint. Default: AWS_ENDPOINT_URL_S3 / AWS_ENDPOINT_URL."),
+    ] = Field(
         default=None,
         description="S3-compatible endpoint (MinIO, Ceph, R2, ...). Default: AWS_ENDPOINT_URL_S3 or "
         "AWS_ENDPOINT_URL, else AWS itself.",
     )
-    s3_region: str | None = Field(
+    s3_region: Annotated[str | None, Flag("--s3-region", "S3 region. Default: AWS_REGION.")] = Field(
         default=None, description="S3 region. Default: AWS_REGION or AWS_DEFAULT_REGION."
     )
     s3_anon: bool = Field(
         default=False, description="Unsigned S3 requests (public buckets); no credentials are used."
     )
-    retries: int = Field(
+    retries: Annotated[
+        int, Flag("--io-retries", "Retries of a transient S3/HTTP error (with backoff) before failing.")
+    ] = Field(
         default=4,
         ge=0,
         le=20,
@@ -571,18 +722,29 @@ class InputLimits(_Strict):
 class JobConfig(_Strict):
     """One batch job: input, output, model, engine, resources."""
 
-    input: str | None = Field(
+    input: Annotated[
+        str | None,
+        Flag(
+            "INPUT",
+            "OpenAI Batch JSONL or Parquet: a file, a directory or glob of shards, s3://, http(s)://.",
+        ),
+    ] = Field(
         default=None,
         description="Input: an OpenAI Batch JSONL or Parquet file, a directory or glob of shards, s3://bucket/prefix "
         "or an http(s):// URL.",
     )
-    output: str | None = Field(
+    output: Annotated[
+        str | None,
+        Flag("OUTPUT", "Output: a directory (created if missing), s3://bucket/prefix or http(s)://."),
+    ] = Field(
         default=None, description="Output: a local directory, s3://bucket/prefix or an http(s):// URL (PUT)."
     )
-    model: str | None = Field(
-        default=None, description="Model directory or id; default: the embedded SmolLM2-135M-Instruct."
-    )
-    served_model_name: str | None = Field(
+    model: Annotated[
+        str | None, Flag("--model", "Model directory or id. Default: embedded SmolLM2-135M-Instruct.")
+    ] = Field(default=None, description="Model directory or id; default: the embedded SmolLM2-135M-Instruct.")
+    served_model_name: Annotated[
+        str | None, Flag("--served-model-name", "Name request bodies must use as `model`.")
+    ] = Field(
         default=None,
         description="The name every request body's `model` must equal. Default: --model as given.",
     )
@@ -604,7 +766,9 @@ class JobConfig(_Strict):
     limits: InputLimits = Field(
         default_factory=InputLimits, description="Bounds on one input line (length, JSON nesting, custom_id)."
     )
-    overwrite: bool = Field(default=False, description="Replace a completed job already in OUTPUT.")
+    overwrite: Annotated[bool, Flag("--overwrite", "Replace a completed job in OUTPUT.")] = Field(
+        default=False, description="Replace a completed job already in OUTPUT."
+    )
     observe: ObserveConfig = Field(
         default_factory=ObserveConfig, description="Metrics, the job report and its cost."
     )
@@ -632,9 +796,7 @@ def effective_pools(config: JobConfig) -> list[PoolConfig]:
         PoolConfig(
             name="default",
             min_engines=config.resources.num_engines or 1,
-            cpus_per_engine=config.resources.cpus_per_engine,
-            gpus_per_engine=config.resources.gpus_per_engine,
-            resources_per_engine=config.resources.resources_per_engine,
+            **config.resources.model_dump(include=set(EngineResources.model_fields)),
         )
     ]
     names = [p.name for p in pools]
@@ -676,19 +838,36 @@ def _endpoint_pools(config: JobConfig, pools: list[PoolConfig]) -> list[PoolConf
     return pools
 
 
+def read_yaml_mapping(path: Path, name: str = "config file", kind: str = "job file") -> dict[str, Any]:
+    """The mapping a YAML config file holds (the job file, the server config: `name` says which in the messages,
+    `kind` what to give instead). Every way the file can be unusable is one ConfigError naming it."""
+    if path.is_dir():
+        raise UnreadableConfigFile(f"{name} {path} is a directory: give the path of a YAML {kind}")
+    if not path.is_file():
+        raise ConfigError(f"{name} {path} does not exist")
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{name} {path} is not valid YAML: {exc}") from exc
+    except UnicodeDecodeError as exc:
+        raise UnreadableConfigFile(
+            f"{name} {path} is not UTF-8 text ({exc.reason} at byte {exc.start}): give a YAML {kind}"
+        ) from exc
+    except OSError as exc:
+        raise UnreadableConfigFile(
+            f"{name} {path} cannot be read ({exc.strerror or exc}): check its path and permissions"
+        ) from exc
+    if not isinstance(data, dict):
+        raise ConfigError(f"{name} {path} must hold a mapping at the top level")
+    return data
+
+
 def load_job_config(path: str | Path | None) -> JobConfig:
     """Read a YAML job file; a missing file or a bad key fails with the path and the key to fix."""
     if path is None:
         return JobConfig()
     path = Path(path)
-    if not path.is_file():
-        raise ConfigError(f"config file {path} does not exist")
-    try:
-        data = yaml.safe_load(path.read_text()) or {}
-    except yaml.YAMLError as exc:
-        raise ConfigError(f"config file {path} is not valid YAML: {exc}") from exc
-    if not isinstance(data, dict):
-        raise ConfigError(f"config file {path} must hold a mapping at the top level")
+    data = read_yaml_mapping(path)
     try:
         return JobConfig.model_validate(data)
     except ValidationError as exc:

@@ -8,6 +8,9 @@ A window is a daily interval of wall-clock time, [start, end), in one timezone (
 Wall-clock times are combined with dates in the window's timezone (zoneinfo), so a window keeps its local hours
 across a DST change; on the change night itself an hour that does not exist or exists twice is resolved the way
 zoneinfo resolves it (fold=0).
+
+`window(hours, timezone)` is how `run`, `resume` and the server (its --hours / hours: setting) read a window, so
+each says the same thing about the same mistake.
 """
 
 from __future__ import annotations
@@ -22,6 +25,19 @@ _CLOCK = re.compile(r"^([01]?\d|2[0-3]):([0-5]\d)$")
 
 class HoursError(ValueError):
     """A --hours or --timezone value that cannot be used, with what to give instead."""
+
+
+def window(hours: str | None, timezone: str | None = None) -> Hours | None:
+    """The window given as --hours (and --timezone), or None when no --hours was given: then work runs at any
+    hour. A timezone without hours is refused, not ignored: it is the window's and says a window was meant."""
+    if hours is None:
+        if timezone is not None:
+            raise HoursError(
+                "--timezone is the window's timezone: give --hours too (in a config file: give hours beside "
+                "timezone)"
+            )
+        return None
+    return Hours.parse(hours, timezone)
 
 
 def _clock(text: str, whole: str) -> dt.time:

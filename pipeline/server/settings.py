@@ -6,10 +6,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Annotated, Any
 
-import yaml
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints, ValidationError, field_validator
 
-from pipeline.config import ConfigError, JobConfig, format_validation_error, set_dotted
+from pipeline.config import ConfigError, JobConfig, format_validation_error, read_yaml_mapping, set_dotted
 
 
 class _Strict(BaseModel):
@@ -95,14 +94,11 @@ class ServerConfig(_Strict):
         return job
 
     def window(self):  # noqa: ANN201 - pipeline.hours.Hours | None
-        from pipeline.hours import Hours, HoursError
+        """The night window, read as `run --hours` reads it (one parser, the same messages)."""
+        from pipeline.hours import HoursError, window
 
-        if self.hours is None:
-            if self.timezone is not None:
-                raise ConfigError("timezone is the window's timezone: give hours (--hours) too")
-            return None
         try:
-            return Hours.parse(self.hours, self.timezone)
+            return window(self.hours, self.timezone)
         except HoursError as exc:
             raise ConfigError(str(exc)) from exc
 
@@ -124,16 +120,7 @@ def is_loopback(host: str) -> bool:
 
 def load_server_config(path: Path | None, overrides: dict[str, Any]) -> ServerConfig:
     """The YAML file (if any) with flags (dotted keys, None = not given) over it; one line per problem."""
-    data: dict[str, Any] = {}
-    if path is not None:
-        if not path.is_file():
-            raise ConfigError(f"server config {path} does not exist")
-        try:
-            data = yaml.safe_load(path.read_text()) or {}
-        except yaml.YAMLError as exc:
-            raise ConfigError(f"server config {path} is not valid YAML: {exc}") from exc
-        if not isinstance(data, dict):
-            raise ConfigError(f"server config {path} must hold a mapping at the top level")
+    data = read_yaml_mapping(path, "server config", "server config") if path is not None else {}
     set_dotted(data, overrides)
     try:
         config = ServerConfig.model_validate(data)

@@ -120,6 +120,39 @@ def test_bad_windows_are_refused_with_what_to_give(text, timezone, problem):
         Hours.parse(text, timezone)
 
 
+def test_window_is_none_without_hours_and_refuses_a_lone_timezone():
+    from pipeline.hours import window
+
+    assert window(None) is None and window("22:00-06:00", "UTC") == NIGHT
+    with pytest.raises(HoursError, match="give --hours too"):
+        window(None, "UTC")
+
+
+@pytest.mark.parametrize(
+    "hours, timezone",
+    [("25:00-06:00", None), ("22:00", None), ("22:00-06:00", "Nowhere/Special"), (None, "UTC")],
+)
+def test_the_command_line_and_the_server_say_the_same_about_a_bad_window(tmp_path, hours, timezone):
+    """One parser: `run --hours` and the server's hours setting fail with one message."""
+    from typer.testing import CliRunner
+
+    from pipeline.cli import app
+    from pipeline.config import ConfigError
+    from pipeline.hours import window
+    from pipeline.server.settings import ServerConfig
+    from tests.conftest import chat_line, write_lines
+
+    with pytest.raises(HoursError) as parsed:
+        window(hours, timezone)
+    with pytest.raises(ConfigError) as served:
+        ServerConfig(hours=hours, timezone=timezone).check()
+    assert str(served.value) == str(parsed.value)
+    source = write_lines(tmp_path / "in.jsonl", [chat_line("a", "hi")])
+    given = [*(["--hours", hours] if hours else []), *(["--timezone", timezone] if timezone else [])]
+    result = CliRunner().invoke(app, ["run", str(source), str(tmp_path / "out"), "--engine", "fake", *given])
+    assert result.exit_code == 2 and f"error: {parsed.value}" in result.output
+
+
 def test_now_must_be_aware():
     with pytest.raises(ValueError, match="timezone-aware"):
         NIGHT.is_open(dt.datetime(2025, 3, 10, 23, 0))

@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from pydantic import ValidationError
 
 from pipeline.config import ConfigError, JobConfig, load_job_config, merge_overrides
 from pipeline.runtime.preflight import PreflightError, check_input, check_output_target
@@ -189,6 +190,32 @@ def test_config_file_problems(tmp_path: Path):
         load_job_config(write_yaml(tmp_path, "- a\n- b\n"))
 
 
+def test_config_file_that_cannot_be_read_says_why(tmp_path: Path):
+    with pytest.raises(ConfigError, match="is a directory: give the path of a YAML job file"):
+        load_job_config(tmp_path)
+    binary = tmp_path / "job.yaml"
+    binary.write_bytes(b"\xff\xfe\x00")
+    with pytest.raises(ConfigError, match="is not UTF-8 text .*: give a YAML job file"):
+        load_job_config(binary)
+
+
+def test_job_file_and_server_config_are_read_by_one_loader(tmp_path: Path):
+    """The server config fails as the job file does, named as what it is."""
+    from pipeline.server.settings import load_server_config
+
+    for text, problem in [
+        ("engine: [unclosed\n", "is not valid YAML"),
+        ("- a\n", "must hold a mapping at the top level"),
+    ]:
+        path = write_yaml(tmp_path, text)
+        with pytest.raises(ConfigError, match=f"^config file {path} {problem}"):
+            load_job_config(path)
+        with pytest.raises(ConfigError, match=f"^server config {path} {problem}"):
+            load_server_config(path, {})
+    with pytest.raises(ConfigError, match="^server config .* is a directory: give the path of a YAML server"):
+        load_server_config(tmp_path, {})
+
+
 def test_merge_overrides_flag_wins_over_file(tmp_path: Path):
     config = load_job_config(
         write_yaml(tmp_path, "model: from-file\nengine:\n  vllm:\n    max_num_seqs: 8\n    dtype: float16\n")
@@ -302,3 +329,28 @@ def test_cpu_engines_default_to_one_per_core_as_memory_allows(monkeypatch):
     assert (small_job.min_engines, small_job.cpus_per_engine) == (2, 32.0)  # no engine without a chunk
     box[:] = [placement.Node(8.0, 64 * placement.GiB), placement.Node(4.0, 64 * placement.GiB)]
     assert placement.engines_per_core(box, 4 * placement.GiB) == 12
+
+
+def test_job_resources_and_pools_share_one_model_of_engine_resources():
+    """ResourcesConfig and PoolConfig take the same per-engine Ray resources, declared once; job files keep their
+    shape, and a job without pools runs one pool with the job's resources."""
+    from pipeline.config import EngineResources, PoolConfig, ResourcesConfig, effective_pools
+
+    shared = set(EngineResources.model_fields)
+    assert shared == {"cpus_per_engine", "gpus_per_engine", "resources_per_engine"}
+    for model in (ResourcesConfig, PoolConfig):
+        assert issubclass(model, EngineResources)
+        assert all(
+            model.model_fields[n].description == EngineResources.model_fields[n].description for n in shared
+        )
+    given = {
+        "cpus_per_engine": 2.0,
+        "gpus_per_engine": 0.5,
+        "resources_per_engine": {"accelerator:cuda": 1.0},
+    }
+    job = JobConfig.model_validate({"resources": {"num_engines": 3, **given}})
+    (pool,) = effective_pools(job)
+    assert (pool.name, pool.min_engines) == ("default", 3)
+    assert pool.model_dump(include=shared) == given
+    with pytest.raises(ValidationError, match="extra_forbidden|Extra inputs"):
+        PoolConfig(name="a", num_engines=2)  # the job's count is min_engines in a pool

@@ -34,8 +34,9 @@ def test_serving_options_keep_vllms_names_and_defaults():
 
 
 def test_flags_reach_the_config_and_a_bad_one_names_itself(tmp_path):
-    from pipeline.cli import FLAG_FOR_KEY
+    from pipeline.config_flags import flag_labels
 
+    FLAG_FOR_KEY = flag_labels(JobConfig)  # noqa: N806 - the labels the CLI names errors by
     job = merge_overrides(
         JobConfig(),
         {"engine.vllm.tool_call_parser": "hermes", "engine.vllm.enable_auto_tool_choice": True},
