@@ -133,21 +133,21 @@ class TaskExecutor:
         context: Any,
         items: Sequence[Any],
         on_result: Callable[[Any], None] | None = None,
-        placement: Counter[str] | None = None,
+        tasks_by_node: Counter[str] | None = None,
     ) -> list[Any]:
         """`fn(context, item)` for every item; the results in the order of `items`. `on_result` sees each result as
-        soon as its task is done; `placement` counts the tasks per node that ran them (a Ray node id, or
+        soon as its task is done; `tasks_by_node` counts the tasks each node ran (a Ray node id, or
         IN_PROCESS)."""
         if self._remote is None:
             results = []
             for item in items:
                 results.append(fn(context, item))
-                if placement is not None:
-                    placement[IN_PROCESS] += 1
+                if tasks_by_node is not None:
+                    tasks_by_node[IN_PROCESS] += 1
                 if on_result is not None:
                     on_result(results[-1])
             return results
-        return self._map_on_ray(fn, context, items, on_result, placement)
+        return self._map_on_ray(fn, context, items, on_result, tasks_by_node)
 
     def _map_on_ray(
         self,
@@ -155,7 +155,7 @@ class TaskExecutor:
         context: Any,
         items: Sequence[Any],
         on_result: Callable[[Any], None] | None,
-        placement: Counter[str] | None,
+        tasks_by_node: Counter[str] | None,
     ) -> list[Any]:
         import ray
 
@@ -180,8 +180,8 @@ class TaskExecutor:
                     failures[index_of[ref]] = error
                     continue
                 RetryStats.add(retries)  # the job's storage statistics include what its tasks retried
-                if placement is not None:
-                    placement[node] += 1
+                if tasks_by_node is not None:
+                    tasks_by_node[node] += 1
                 results[index_of[ref]] = value
                 if on_result is not None:
                     on_result(value)

@@ -38,7 +38,7 @@ def test_in_process_runs_every_item_in_order_and_counts_them_here():
     seen: list[int] = []
     placement: Counter[str] = Counter()
 
-    results = executor.map(square, {"offset": 1}, [3, 1, 2], on_result=seen.append, placement=placement)
+    results = executor.map(square, {"offset": 1}, [3, 1, 2], on_result=seen.append, tasks_by_node=placement)
 
     assert results == seen == [10, 2, 5]
     assert placement == {IN_PROCESS: 3}
@@ -49,7 +49,7 @@ def test_in_process_the_first_failure_stops_the_loop_and_is_raised(tmp_path: Pat
     placement: Counter[str] = Counter()
     context = {"dir": str(tmp_path), "fail": {1}}
     with pytest.raises(ValueError, match="item 1"):
-        TaskExecutor(keep_going=True).map(record_then_maybe_fail, context, [0, 1, 2], placement=placement)
+        TaskExecutor(keep_going=True).map(record_then_maybe_fail, context, [0, 1, 2], tasks_by_node=placement)
     assert ran(tmp_path) == {0, 1} and placement == {IN_PROCESS: 1}
 
 
@@ -115,7 +115,9 @@ def test_ray_tasks_return_in_item_order_and_report_their_node_and_retries(local_
 
     items = list(range(9))  # more than in flight at once
     context = {"dir": str(tmp_path), "fail": set()}
-    results = executor.map(record_then_maybe_fail, context, items, on_result=seen.append, placement=placement)
+    results = executor.map(
+        record_then_maybe_fail, context, items, on_result=seen.append, tasks_by_node=placement
+    )
 
     assert results == items and sorted(seen) == items
     assert placement == {local_ray.get_runtime_context().get_node_id(): 9}

@@ -364,10 +364,10 @@ def _executor(local_paths: bool, reserve_cpus: bool) -> TaskExecutor:
     return TaskExecutor(placement, reserve_cpus, keep_going=True)
 
 
-def _by_node_label(placement: Counter[str]) -> dict[str, int]:
+def _by_node_label(tasks_by_node: Counter[str]) -> dict[str, int]:
     """Tasks per node as the manifest names it: a node id's first 8 characters, or "driver" (in this process)."""
     labelled: Counter[str] = Counter()
-    for node, tasks in placement.items():
+    for node, tasks in tasks_by_node.items():
         labelled["driver" if node == IN_PROCESS else node[:8]] += tasks
     return dict(sorted(labelled.items()))
 
@@ -393,7 +393,7 @@ def _sample(ctx: _Context, kind: str, parts: list[str], buckets: int) -> pa.Arra
 def _make_plan(
     ctx: _Context,
     tasks: TaskExecutor,
-    placement: Counter[str],
+    tasks_by_node: Counter[str],
     parts: dict[str, list[str]],
     rows: dict[str, list[int]],
     rows_per_shard: int,
@@ -414,7 +414,7 @@ def _make_plan(
         bucket_splitters[kind] = bounds.to_pylist()
         if len(bounds):
             key_calls += [GroupCall(kind, g, group, bucket_splitters[kind]) for g, group in enumerate(groups)]
-    counts = iter(tasks.map(_key_task, ctx, key_calls, placement=placement))
+    counts = iter(tasks.map(_key_task, ctx, key_calls, tasks_by_node=tasks_by_node))
 
     cut_calls: list[CutCall] = []
     for kind in KINDS:
@@ -434,7 +434,7 @@ def _make_plan(
             if n and (check or bucket in cuts):
                 cut_calls.append(CutCall(kind, sources[bucket], cuts.get(bucket, []), check))
     boundaries: dict[str, list[bytes]] = {kind: [] for kind in KINDS}
-    cuts_found = tasks.map(_cut_task, ctx, cut_calls, placement=placement)
+    cuts_found = tasks.map(_cut_task, ctx, cut_calls, tasks_by_node=tasks_by_node)
     for (kind, *_), (keys, duplicate) in zip(cut_calls, cuts_found, strict=True):
         if duplicate is not None:
             raise AccountingError(f"custom_id {duplicate!r} staged twice as a result")
@@ -487,7 +487,7 @@ def write_outputs(
         )
     shard_encoder(format)  # an unknown format fails here, before anything is written
     tasks = _executor(isinstance(staging.files, LocalFiles) or target.is_local, reserve_cpus)
-    placement: Counter[str] = Counter()  # Ray node id (or IN_PROCESS) → finalize tasks it ran
+    tasks_by_node: Counter[str] = Counter()  # Ray node id (or IN_PROCESS) → finalize tasks it ran
     ctx = _Context(
         staging.files,
         staging.finalize_dir,
@@ -502,7 +502,7 @@ def write_outputs(
     plan = _load_plan(ctx, parts, rows_per_shard)
     resumed = plan is not None
     if plan is None:
-        plan = _make_plan(ctx, tasks, placement, parts, rows, rows_per_shard)
+        plan = _make_plan(ctx, tasks, tasks_by_node, parts, rows, rows_per_shard)
         target.remove_previous_outputs()
         ctx.write_json(ctx.plan_path(), plan)  # after the removal: its presence means OUTPUT is ours to write
     counts = {kind: plan[kind]["shards"] for kind in KINDS}
@@ -527,7 +527,7 @@ def write_outputs(
             if record is None:
                 map_calls.append(GroupCall(kind, g, group, bounds))
     planned = time.monotonic()
-    mapped = iter(tasks.map(_map_task, ctx, map_calls, placement=placement))
+    mapped = iter(tasks.map(_map_task, ctx, map_calls, tasks_by_node=tasks_by_node))
     for kind in KINDS:
         pieces[kind] = [record if record is not None else next(mapped) for record in pieces[kind]]
 
@@ -543,7 +543,7 @@ def write_outputs(
             else:
                 sources = [path for group in pieces[kind] for path, _ in group.get(str(shard), [])]
             reduce_calls.append(ReduceCall(kind, shard, counts[kind], sources))
-    written_shards = tasks.map(_reduce_task, ctx, reduce_calls, placement=placement)
+    written_shards = tasks.map(_reduce_task, ctx, reduce_calls, tasks_by_node=tasks_by_node)
     for call, record in zip(reduce_calls, written_shards, strict=True):
         done[call.kind][call.shard] = record
 
@@ -557,7 +557,7 @@ def write_outputs(
         plan_s=round(planned - started, 2),
         map_s=round(routed - planned, 2),
         reduce_s=round(time.monotonic() - routed, 2),
-        tasks=sum(placement.values()),
+        tasks=sum(tasks_by_node.values()),
         ran=tasks.where,
         shards_written=len(reduce_calls),
     )
@@ -586,7 +586,7 @@ def write_outputs(
         # the report's length charts.
         "usage_histograms": usage,
         # Which nodes ran finalize's tasks (a node id's first 8 characters, or "driver"), this attempt only.
-        "placement": {"finalize": _by_node_label(placement)},
+        "placement": {"finalize": _by_node_label(tasks_by_node)},
     }
 
 

@@ -439,7 +439,7 @@ def ingest(
     job = IngestJob(source, staging, served, job_id, source.limits, measure, buckets, part_rows)
     batches = _scan_batches(scans)
     scan_nodes: Counter[str] = Counter()
-    scanned = run.map(scan_ranges, job, batches, placement=scan_nodes)
+    scanned = run.map(scan_ranges, job, batches, tasks_by_node=scan_nodes)
     counts = [count for outcome in scanned for count in outcome.counts]
     pieces = with_line_counts(pieces, scans, [newlines for newlines, _ in counts])
     report.seconds["scan"] = time.monotonic() - started
@@ -455,18 +455,18 @@ def ingest(
                 on_requests(mine)
 
     read_nodes: Counter[str] = Counter()
-    read: list[PieceStats] = run.map(read_piece, job, pieces, hand_over, read_nodes)
+    read: list[PieceStats] = run.map(read_piece, job, pieces, hand_over, tasks_by_node=read_nodes)
     report.seconds["read"] = time.monotonic() - started
     _count(report.placement, "read", read_nodes)
 
     started = time.monotonic()
     dedup_nodes: Counter[str] = Counter()
-    found: list[BucketOutcome] = run.map(dedup_bucket, job, list(range(buckets)), placement=dedup_nodes)
+    found: list[BucketOutcome] = run.map(dedup_bucket, job, list(range(buckets)), tasks_by_node=dedup_nodes)
     parts = {stats.piece: stats.parts for stats in read}
     fixes = sorted({piece for outcome in found for piece in outcome.pieces})
     if on_requests is not None:  # handed over already: their losers are settled once the engines are done
         parts = {piece: [p for p in mine if not p.startswith(requests_dir)] for piece, mine in parts.items()}
-    run.map(fix_piece, job, [(piece, parts[piece]) for piece in fixes], placement=dedup_nodes)
+    run.map(fix_piece, job, [(piece, parts[piece]) for piece in fixes], tasks_by_node=dedup_nodes)
     if on_requests is None:
         # A job resumed after a streamed run was cut short may hold rows its engines made of losing requests.
         _drop_loser_results(run, job)
