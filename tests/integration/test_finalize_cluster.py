@@ -15,6 +15,7 @@ from cluster.local import NodeSpec, mixed_cluster
 from pipeline.config import StorageConfig
 from pipeline.io.staging import StagingArea
 from pipeline.io.writers import output_target
+from pipeline.runtime import executor as executor_module
 from pipeline.runtime.commit import finalize as finalize_module
 from pipeline.runtime.commit.finalize import commit, write_outputs
 from tests.integration.storage_fixtures import moto_s3  # noqa: F401
@@ -58,7 +59,7 @@ def finalize(output, staging: StagingArea, fmt: str) -> dict:
 
 def without_ray(monkeypatch, output, staging: StagingArea, fmt: str) -> dict:
     with monkeypatch.context() as patch:
-        patch.setattr(finalize_module, "_running_ray", lambda: None)
+        patch.setattr(finalize_module, "ray_placement", lambda local_paths: None)
         summary = finalize(output, staging, fmt)
     assert summary["placement"]["finalize"].keys() == {"driver"}
     return summary
@@ -99,7 +100,7 @@ def test_a_local_output_across_hosts_keeps_the_tasks_on_the_drivers_node(
     import ray
 
     monkeypatch.setattr(
-        finalize_module, "must_pin_to_driver", lambda local, nodes, driver: local
+        executor_module, "must_pin_to_driver", lambda local, nodes, driver: local
     )  # as if on several machines
     output = tmp_path / "out"
     staging = StagingArea(output)

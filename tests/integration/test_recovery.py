@@ -346,15 +346,17 @@ _KILLED_DURING_FINALIZE = """
 import os, signal
 from pipeline.runtime.commit import finalize
 
-real_run = finalize._Tasks.run
+from pipeline.runtime.executor import TaskExecutor
 
-def run(self, fn, calls):
-    if fn is finalize._reduce_task and len(calls) > 3:
-        real_run(self, fn, calls[:3])
+real_map = TaskExecutor.map
+
+def map(self, fn, context, items, *args, **kwargs):
+    if fn is finalize._reduce_task and len(items) > 3:
+        real_map(self, fn, context, items[:3], *args, **kwargs)
         os.kill(os.getpid(), signal.SIGKILL)
-    return real_run(self, fn, calls)
+    return real_map(self, fn, context, items, *args, **kwargs)
 
-finalize._Tasks.run = run
+TaskExecutor.map = map
 from pipeline.cli import app
 app(prog_name="nightshift")
 """

@@ -54,19 +54,24 @@ class Calls:
     def __init__(self, monkeypatch, fail: tuple[str, str, int] | None = None) -> None:
         self.seen: dict[str, list[tuple[str, int]]] = {}
         self.fail = fail
-        for name, index_at in (("_key_task", 2), ("_cut_task", None), ("_map_task", 2), ("_reduce_task", 2)):
+        for name, index_at in (
+            ("_key_task", "group"),
+            ("_cut_task", None),
+            ("_map_task", "group"),
+            ("_reduce_task", "shard"),
+        ):
             monkeypatch.setattr(
                 finalize_module, name, self._spy(name, getattr(finalize_module, name), index_at)
             )
 
     def _spy(self, name, real, index_at):
-        def call(*args):
-            kind, index = args[1], args[index_at] if index_at is not None else -1
+        def call(ctx, item):
+            kind, index = item.kind, getattr(item, index_at) if index_at is not None else -1
             if self.fail == (name, kind, index):
                 self.fail = None
                 raise Interrupted(f"{name} {kind} {index}")
             self.seen.setdefault(name, []).append((kind, index))
-            return real(*args)
+            return real(ctx, item)
 
         return call
 

@@ -256,7 +256,11 @@ def test_ingest_tasks_are_pinned_to_the_drivers_node_only_when_local_files_are_o
     from pipeline.io.locations import parse_location
     from pipeline.io.readers import InputFile, InputSource
     from pipeline.io.staging import ObjectStoreFiles
-    from pipeline.runtime.ingest.tasks import pinned_to
+    from pipeline.runtime.executor import place_tasks
+    from pipeline.runtime.ingest.tasks import on_drivers_disk
+
+    def pinned_to(source, staging, nodes, driver):
+        return place_tasks(on_drivers_disk(source, staging), nodes, driver, cluster_cpus=3).node
 
     def node(node_id: str, host: str) -> dict:
         return {"NodeID": node_id, "NodeManagerAddress": host, "Alive": True}

@@ -20,21 +20,22 @@ A resumed finalize keeps the plan (when the staged parts, rows_per_shard and for
 already mapped and the shards already recorded, and runs the rest. Every task's writes are idempotent (fixed names,
 whole-file replaces), so a task Ray re-runs after a lost node does no harm.
 
-Tasks take one CPU each. With a local path involved (local staging or a local OUTPUT) on a cluster that spans
-several hosts, they are pinned to the driver's node, the only one that sees that disk; otherwise Ray spreads them.
-Without Ray (finalize called on its own, as in unit tests) the same task functions run one after another here.
+The tasks are plain functions of (context, item), run by runtime/executor.py: Ray tasks of one CPU each when Ray is
+up. With a local path involved (local staging or a local OUTPUT) on a cluster that spans several hosts, they are
+pinned to the driver's node, the only one that sees that disk (in the driver itself when that node offers Ray no
+CPUs); otherwise Ray spreads them. Without Ray (finalize called on its own, as in unit tests) the same task
+functions run one after another here.
 """
 
 from __future__ import annotations
 
 import json
-import sys
 import time
 from collections import Counter
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import pyarrow as pa
@@ -43,12 +44,12 @@ import pyarrow.parquet as pq
 import structlog
 
 from pipeline.config import StorageConfig
-from pipeline.io.locations import Location, RetryStats
+from pipeline.io.locations import Location
 from pipeline.io.staging import STAGED_SCHEMA, LocalFiles, PartFiles, StagingArea, with_later_columns
 from pipeline.io.writers import MANIFEST_NAME, OutputTarget, output_target, shard_encoder
 from pipeline.local_files import atomic_write_json
 from pipeline.manifest import Manifest
-from pipeline.runtime.locality import must_pin_to_driver
+from pipeline.runtime.executor import IN_PROCESS, TaskExecutor, ray_placement
 from pipeline.stages.shard import (
     assign_shards,
     cut_ranks,
@@ -208,11 +209,39 @@ def _keys(ctx: _Context, path: str, kind: str) -> pa.Array:
     return ctx.read(path, ["key"]).column("key").combine_chunks()
 
 
-# -- the tasks (plain functions: Ray tasks on a cluster, calls in this process without one) -------------------------
+# -- the tasks (plain functions of (context, item): runtime/executor.py runs them) -----------------------------------
 
 
-def _key_task(ctx: _Context, kind: str, group: int, parts: list[str], bounds: list[bytes]) -> list[int]:
+class GroupCall(NamedTuple):
+    """A key or map task's item: one group of consecutive staged parts of a kind, and the keys to route them by."""
+
+    kind: str
+    group: int
+    parts: list[str]
+    bounds: list[bytes]
+
+
+class CutCall(NamedTuple):
+    """A cut task's item: one bucket's keys (its key pieces, or the staged parts when there is one bucket)."""
+
+    kind: str
+    sources: list[str]
+    offsets: list[int]  # the sorted positions in this bucket where a shard starts
+    check_duplicates: bool
+
+
+class ReduceCall(NamedTuple):
+    """A reduce task's item: one shard of `count`, and the pieces (or staged parts) that hold its rows."""
+
+    kind: str
+    shard: int
+    count: int
+    sources: list[str]
+
+
+def _key_task(ctx: _Context, call: GroupCall) -> list[int]:
     """Plan, step 1: the sort keys of one group of parts, written per bucket; returns the rows of each bucket."""
+    kind, group, parts, bounds = call
     boundaries = pa.array(bounds, pa.binary())
     buckets: dict[int, list[pa.Table]] = {}
     for table in _batches(ctx, parts, KEY_COLUMNS[kind]):
@@ -227,11 +256,10 @@ def _key_task(ctx: _Context, kind: str, group: int, parts: list[str], bounds: li
     return counts
 
 
-def _cut_task(
-    ctx: _Context, kind: str, sources: list[str], offsets: list[int], check_duplicates: bool
-) -> tuple[list[bytes], str | None]:
+def _cut_task(ctx: _Context, call: CutCall) -> tuple[list[bytes], str | None]:
     """Plan, step 2: one bucket's keys, sorted; the keys at `offsets` (exact shard boundaries) and the first
     result id staged twice, if any. `sources`: its key pieces, or the staged parts when there is one bucket."""
+    kind, sources, offsets, check_duplicates = call
     keys = pa.chunked_array([_keys(ctx, path, kind) for path in sources], pa.binary()).combine_chunks()
     ordered = keys.take(pc.sort_indices(keys))
     duplicate = first_duplicate(ordered) if check_duplicates else None
@@ -265,10 +293,9 @@ class _Pieces:
         self.held_bytes = 0
 
 
-def _map_task(
-    ctx: _Context, kind: str, group: int, parts: list[str], bounds: list[bytes]
-) -> dict[str, list[tuple[str, int]]]:
+def _map_task(ctx: _Context, call: GroupCall) -> dict[str, list[tuple[str, int]]]:
     """Route the rows of one group of parts to their shards, as pieces; returns (and records) {shard: pieces}."""
+    kind, group, parts, bounds = call
     boundaries = pa.array(bounds, pa.binary())
     pieces = _Pieces(ctx, kind, group)
     for table in _batches(ctx, parts, READ_COLUMNS):
@@ -280,9 +307,10 @@ def _map_task(
     return written
 
 
-def _reduce_task(ctx: _Context, kind: str, shard: int, count: int, sources: list[str]) -> dict[str, Any]:
+def _reduce_task(ctx: _Context, call: ReduceCall) -> dict[str, Any]:
     """Write one shard: its pieces (or the staged parts), sorted, through the format's encoder; then record its
     ShardInfo. Memory: one shard."""
+    kind, shard, count, sources = call
     tables = [ctx.read(path, READ_COLUMNS) for path in sources]
     table = pa.concat_tables(tables) if tables else STAGED_SCHEMA.empty_table().select(READ_COLUMNS)
     table = sort_table(table, kind)
@@ -314,91 +342,34 @@ def _reduce_task(ctx: _Context, kind: str, shard: int, count: int, sources: list
 # -- where the tasks run ---------------------------------------------------------------------------------------------
 
 
-def _running_ray() -> Any | None:
-    ray = sys.modules.get("ray")  # never imported: certainly not running (and no second spent importing it)
-    return ray if ray is not None and ray.is_initialized() else None
-
-
 def _this_host() -> str:
     import ray
 
     return ray.util.get_node_ip_address()
 
 
-def _on_node(fn: Callable[..., Any], *args: Any) -> tuple[str, Any, dict[str, int]]:
-    """A task: `fn(*args)`, where it ran, and the storage retries it made (counted per process, so the driver adds
-    them to its own count, which the manifest reports)."""
-    import ray
-
-    before = RetryStats.snapshot()
-    value = fn(*args)
-    return ray.get_runtime_context().get_node_id(), value, RetryStats.since(before)["by_operation"]
-
-
-class _Tasks:
-    """Runs the task functions: as Ray tasks when Ray is up, else one after another in this process. Counts which
-    nodes ran them."""
-
-    def __init__(self, local_paths: bool, reserve_cpus: bool = True) -> None:
-        self.ray = _running_ray()
-        self.placement: Counter[str] = Counter()
-        self.host: str | None = None  # the driver's node address, with Ray
-        self.where = "in the driver"  # for the log
-        self._remote: Any = None
-        if self.ray is None:
-            return
-        ray = self.ray
-        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
-
-        node_id = ray.get_runtime_context().get_node_id()
-        nodes = ray.nodes()
-        here = next((n for n in nodes if n["NodeID"] == node_id), {})
-        strategy: Any = "SPREAD"
-        if must_pin_to_driver(local_paths, nodes, node_id):
-            if here.get("Resources", {}).get("CPU", 0) < 1:
-                # A head that offers no CPUs to tasks (KubeRay's usual `num-cpus: 0`) could never run them.
-                log.warning(
-                    "finalize runs in the driver: its files are on this node's disk, which has no CPUs for Ray "
-                    "tasks; an s3:// OUTPUT lets the cluster do it"
-                )
-                self.ray = None
-                return
-            strategy = NodeAffinitySchedulingStrategy(node_id, soft=False)
-        self.host = here.get("NodeManagerAddress")
-        self.where = "spread over the cluster" if strategy == "SPREAD" else "on the driver's node"
-        # Warm engines (runtime/engines/warm_keeper.py) outlive the job's engine phase and keep their CPUs: a task waiting for one
-        # would wait for their idle time. Then tasks take no Ray CPU, and at most twice the CPUs run at once.
-        self._remote = ray.remote(num_cpus=1 if reserve_cpus else 0)(_on_node).options(
-            scheduling_strategy=strategy
+def _executor(local_paths: bool, reserve_cpus: bool) -> TaskExecutor:
+    """Ray tasks when Ray is up (pinned to the driver's node when `local_paths` must be, else spread), else calls
+    in this process. Tasks take one CPU each, or none with `reserve_cpus` off (warm engines hold the CPUs).
+    A failed task is raised once every other task has settled (keep_going): the shards that finish are recorded,
+    so a resume has less to redo."""
+    placement = ray_placement(local_paths)
+    if placement is not None and placement.node is not None and placement.cpus < 1:
+        # A head that offers no CPUs to tasks (KubeRay's usual `num-cpus: 0`) is meant to run none.
+        log.warning(
+            "finalize runs in the driver: its files are on this node's disk, which has no CPUs for Ray "
+            "tasks; an s3:// OUTPUT lets the cluster do it"
         )
-        self._in_flight = None if reserve_cpus else 2 * max(1, int(ray.cluster_resources().get("CPU", 1)))
+        placement = None
+    return TaskExecutor(placement, reserve_cpus, keep_going=True)
 
-    def run(self, fn: Callable[..., Any], calls: Sequence[tuple[Any, ...]]) -> list[Any]:
-        if self.ray is None:
-            results = []
-            for args in calls:
-                results.append(fn(*args))
-                self.placement["driver"] += 1
-            return results
-        refs: list[Any] = []
-        pending: list[Any] = []
-        for args in calls:
-            if self._in_flight is not None and len(pending) >= self._in_flight:
-                _, pending = self.ray.wait(pending, num_returns=1, fetch_local=False)
-            refs.append(self._remote.remote(fn, *args))
-            pending.append(refs[-1])
-        if refs:
-            # Every task settles before a failure is raised: shards that finish are recorded, so a resume has less
-            # to redo.
-            self.ray.wait(refs, num_returns=len(refs), fetch_local=False)
-        results = []
-        for node_id, value, retries in self.ray.get(refs):
-            self.placement[node_id[:8]] += 1
-            for operation, n in retries.items():
-                for _ in range(n):
-                    RetryStats.record(operation)
-            results.append(value)
-        return results
+
+def _by_node_label(tasks_by_node: Counter[str]) -> dict[str, int]:
+    """Tasks per node as the manifest names it: a node id's first 8 characters, or "driver" (in this process)."""
+    labelled: Counter[str] = Counter()
+    for node, tasks in tasks_by_node.items():
+        labelled["driver" if node == IN_PROCESS else node[:8]] += tasks
+    return dict(sorted(labelled.items()))
 
 
 # -- the plan ----------------------------------------------------------------------------------------------------------
@@ -420,7 +391,12 @@ def _sample(ctx: _Context, kind: str, parts: list[str], buckets: int) -> pa.Arra
 
 
 def _make_plan(
-    ctx: _Context, tasks: _Tasks, parts: dict[str, list[str]], rows: dict[str, list[int]], rows_per_shard: int
+    ctx: _Context,
+    tasks: TaskExecutor,
+    tasks_by_node: Counter[str],
+    parts: dict[str, list[str]],
+    rows: dict[str, list[int]],
+    rows_per_shard: int,
 ) -> dict[str, Any]:
     """Exact shard boundaries for both kinds (see the module docstring). Raises AccountingError on a result id
     staged twice — before anything in OUTPUT is touched."""
@@ -437,10 +413,10 @@ def _make_plan(
         bounds = splitters(_sample(ctx, kind, parts[kind], count), count)
         bucket_splitters[kind] = bounds.to_pylist()
         if len(bounds):
-            key_calls += [(ctx, kind, g, group, bucket_splitters[kind]) for g, group in enumerate(groups)]
-    counts = iter(tasks.run(_key_task, key_calls))
+            key_calls += [GroupCall(kind, g, group, bucket_splitters[kind]) for g, group in enumerate(groups)]
+    counts = iter(tasks.map(_key_task, ctx, key_calls, tasks_by_node=tasks_by_node))
 
-    cut_calls, cut_kinds = [], []
+    cut_calls: list[CutCall] = []
     for kind in KINDS:
         entry = plan[kind]
         if bucket_splitters[kind]:
@@ -456,10 +432,10 @@ def _make_plan(
         check = kind == "results"  # error records are keyed by source position, which the input makes unique
         for bucket, n in enumerate(bucket_rows):
             if n and (check or bucket in cuts):
-                cut_calls.append((ctx, kind, sources[bucket], cuts.get(bucket, []), check))
-                cut_kinds.append(kind)
+                cut_calls.append(CutCall(kind, sources[bucket], cuts.get(bucket, []), check))
     boundaries: dict[str, list[bytes]] = {kind: [] for kind in KINDS}
-    for kind, (keys, duplicate) in zip(cut_kinds, tasks.run(_cut_task, cut_calls), strict=True):
+    cuts_found = tasks.map(_cut_task, ctx, cut_calls, tasks_by_node=tasks_by_node)
+    for (kind, *_), (keys, duplicate) in zip(cut_calls, cuts_found, strict=True):
         if duplicate is not None:
             raise AccountingError(f"custom_id {duplicate!r} staged twice as a result")
         boundaries[kind] += keys  # buckets in order, offsets in order: the cuts in order
@@ -510,16 +486,15 @@ def write_outputs(
             f"but the input has {expected_rows}; output not committed"
         )
     shard_encoder(format)  # an unknown format fails here, before anything is written
-    tasks = _Tasks(
-        local_paths=isinstance(staging.files, LocalFiles) or target.is_local, reserve_cpus=reserve_cpus
-    )
+    tasks = _executor(isinstance(staging.files, LocalFiles) or target.is_local, reserve_cpus)
+    tasks_by_node: Counter[str] = Counter()  # Ray node id (or IN_PROCESS) → finalize tasks it ran
     ctx = _Context(
         staging.files,
         staging.finalize_dir,
         target.location,
         target.storage,
         format,
-        tasks.host,
+        tasks.placement.driver_address if tasks.placement is not None else None,
         _target=target,
     )
 
@@ -527,7 +502,7 @@ def write_outputs(
     plan = _load_plan(ctx, parts, rows_per_shard)
     resumed = plan is not None
     if plan is None:
-        plan = _make_plan(ctx, tasks, parts, rows, rows_per_shard)
+        plan = _make_plan(ctx, tasks, tasks_by_node, parts, rows, rows_per_shard)
         target.remove_previous_outputs()
         ctx.write_json(ctx.plan_path(), plan)  # after the removal: its presence means OUTPUT is ours to write
     counts = {kind: plan[kind]["shards"] for kind in KINDS}
@@ -541,7 +516,7 @@ def write_outputs(
 
     # Map: the groups of every kind with more than one shard left to write, unless mapped by an earlier attempt.
     pieces: dict[str, list[dict[str, list]]] = {kind: [] for kind in KINDS}
-    map_calls = []
+    map_calls: list[GroupCall] = []
     for kind in KINDS:
         if counts[kind] == 1 or len(done[kind]) == counts[kind]:
             continue
@@ -550,15 +525,15 @@ def write_outputs(
             record = ctx.read_json(ctx.mapped_record(kind, g)) if resumed else None
             pieces[kind].append(record)
             if record is None:
-                map_calls.append((ctx, kind, g, group, bounds))
+                map_calls.append(GroupCall(kind, g, group, bounds))
     planned = time.monotonic()
-    mapped = iter(tasks.run(_map_task, map_calls))
+    mapped = iter(tasks.map(_map_task, ctx, map_calls, tasks_by_node=tasks_by_node))
     for kind in KINDS:
         pieces[kind] = [record if record is not None else next(mapped) for record in pieces[kind]]
 
     # Reduce: every shard not yet recorded.
     routed = time.monotonic()
-    reduce_calls = []
+    reduce_calls: list[ReduceCall] = []
     for kind in KINDS:
         for shard in range(counts[kind]):
             if shard in done[kind]:
@@ -567,11 +542,10 @@ def write_outputs(
                 sources = parts[kind]
             else:
                 sources = [path for group in pieces[kind] for path, _ in group.get(str(shard), [])]
-            reduce_calls.append((ctx, kind, shard, counts[kind], sources))
-    for (_, kind, shard, _, _), record in zip(
-        reduce_calls, tasks.run(_reduce_task, reduce_calls), strict=True
-    ):
-        done[kind][shard] = record
+            reduce_calls.append(ReduceCall(kind, shard, counts[kind], sources))
+    written_shards = tasks.map(_reduce_task, ctx, reduce_calls, tasks_by_node=tasks_by_node)
+    for call, record in zip(reduce_calls, written_shards, strict=True):
+        done[call.kind][call.shard] = record
 
     shards = {kind: [done[kind][s]["shard"] for s in range(counts[kind])] for kind in KINDS}
     for kind, total in (("results", n_results), ("errors", n_errors)):
@@ -583,7 +557,7 @@ def write_outputs(
         plan_s=round(planned - started, 2),
         map_s=round(routed - planned, 2),
         reduce_s=round(time.monotonic() - routed, 2),
-        tasks=sum(tasks.placement.values()),
+        tasks=sum(tasks_by_node.values()),
         ran=tasks.where,
         shards_written=len(reduce_calls),
     )
@@ -612,7 +586,7 @@ def write_outputs(
         # the report's length charts.
         "usage_histograms": usage,
         # Which nodes ran finalize's tasks (a node id's first 8 characters, or "driver"), this attempt only.
-        "placement": {"finalize": dict(sorted(tasks.placement.items()))},
+        "placement": {"finalize": _by_node_label(tasks_by_node)},
     }
 
 

@@ -146,7 +146,6 @@ class BucketOutcome:
     replaced: Counter = field(default_factory=Counter)  # what those lines had been: REQUEST or an error code
     replaced_keyed: int = 0  # of them, requests with a prefix key
     pieces: list[int] = field(default_factory=list)  # pieces that staged a loser
-    node: str = ""
     seconds: float = 0.0
 
 

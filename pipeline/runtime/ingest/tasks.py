@@ -3,8 +3,8 @@ records, and only an aggregate comes back to the driver.
 
 The input is cut into pieces (`InputSource.plan_reads`: whole files, byte ranges of large JSONL files, row groups of
 Parquet files; an http(s) input is one piece) and four steps run as parallel tasks, each a plain function of
-(the job, one item), so one code path runs on two executors: Ray tasks when Ray is initialized, a loop in this
-process otherwise (unit tests; no Ray needed):
+(the job, one item), run by runtime/executor.py: as Ray tasks when Ray is initialized, in this process otherwise
+(unit tests; no Ray needed):
 
 1. scan: byte ranges are read once — newline counts (a JSONL range does not know how many lines precede it, so its
    line numbers start where the counts of the ranges ahead of it end; counting is a bytes.count, far cheaper than
@@ -23,24 +23,21 @@ process otherwise (unit tests; no Ray needed):
    is removed from its parts.
 
 The driver merges small per-task statistics. Its CPU and memory grow with the number of pieces, never with rows.
-Placement: a local input, or a local staging area (local OUTPUT), is on the driver's disk, so on a cluster that
-spans several hosts the tasks are pinned to the driver's node; otherwise (an s3:// input staged to s3://, or every
-node on the driver's host) they go wherever Ray finds room.
+Placement: a local input, or a local staging area (local OUTPUT), is on the driver's disk (`on_drivers_disk`), so on
+a cluster that spans several hosts the tasks are pinned to the driver's node; otherwise (an s3:// input staged to
+s3://, or every node on the driver's host) they go wherever Ray finds room.
 """
 
 from __future__ import annotations
 
 import math
-import sys
 import time
 from collections import Counter
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 from pipeline.config import InputLimits, StorageConfig
-from pipeline.io.locations import RetryStats
 from pipeline.io.readers import (
     HASH_RANGE_BYTES,
     RANGE_BYTES,
@@ -55,6 +52,7 @@ from pipeline.io.staging import INGEST_PREFIX, REQUEST_SCHEMA, LocalFiles, Stage
 from pipeline.json_codec import dumps_body
 from pipeline.planner import requested_max_tokens
 from pipeline.protocol import ErrorCode, dumps, failed_request_record
+from pipeline.runtime.executor import TaskExecutor, ray_placement
 from pipeline.runtime.ingest.dedup import (
     REQUEST,
     BucketOutcome,
@@ -67,7 +65,6 @@ from pipeline.runtime.ingest.dedup import (
     request_losers,
 )
 from pipeline.runtime.ingest.fit import Lengths, MeasureSpec, context_problem, tokenizers_loaded
-from pipeline.runtime.locality import must_pin_to_driver
 from pipeline.stages.intake import InputCounts, as_source, bad_row_check
 from pipeline.stages.prefix_key import prefix_key
 from pipeline.stages.validate import InvalidLine, LineValidator, ValidRequest
@@ -128,25 +125,16 @@ class IngestJob:
     part_rows: int
 
 
-def _here() -> str:
-    """The Ray node this runs on, or "local" outside Ray."""
-    ray = sys.modules.get("ray")
-    if ray is not None and ray.is_initialized():
-        return ray.get_runtime_context().get_node_id()
-    return "local"
-
-
 # --- step 1: scan -----------------------------------------------------------------------------------------------
 
 
 @dataclass
 class ScanOutcome:
     counts: list[tuple[list[int], str | None]]  # per range: (newlines per segment, sha256 or None)
-    node: str = ""
 
 
 def scan_ranges(job: IngestJob, ranges: list[ByteRange]) -> ScanOutcome:
-    return ScanOutcome([job.source.scan(r) for r in ranges], _here())
+    return ScanOutcome([job.source.scan(r) for r in ranges])
 
 
 # --- step 2: read ---------------------------------------------------------------------------------------------------
@@ -164,7 +152,6 @@ class PieceStats:
     parts: list[str] = field(default_factory=list)  # the request and error parts it staged
     size_bytes: int = 0  # http: the bytes downloaded
     fingerprint: str = ""  # http: the input's fingerprint (known once downloaded)
-    node: str = ""
     seconds: float = 0.0
     cpu_seconds: float = 0.0
     measure_seconds: float = 0.0
@@ -278,7 +265,7 @@ def read_piece(job: IngestJob, piece: InputPiece) -> PieceStats:
     """Step 2 for one piece: validate, key, measure and stage its rows; write its id claims to the buckets."""
     started, cpu = time.monotonic(), time.process_time()
     loaded_before = tokenizers_loaded()
-    stats = PieceStats(piece.index, node=_here())
+    stats = PieceStats(piece.index)
     source, file = job.source, piece.file
     source.limits = job.limits  # the reader enforces the line-length bound, the validator the rest
     validator = LineValidator(job.served, job.job_id, job.limits)
@@ -319,27 +306,20 @@ def read_piece(job: IngestJob, piece: InputPiece) -> PieceStats:
 
 def dedup_bucket(job: IngestJob, bucket: int) -> BucketOutcome:
     sources = [file.name for file in job.source.files]
-    outcome = find_duplicates(job.staging, bucket, sources, job.job_id, job.part_rows)
-    outcome.node = _here()
-    return outcome
+    return find_duplicates(job.staging, bucket, sources, job.job_id, job.part_rows)
 
 
-@dataclass
-class FixOutcome:
-    removed: int
-    node: str
-
-
-def fix_piece(job: IngestJob, item: tuple[int, list[str]]) -> FixOutcome:
+def fix_piece(job: IngestJob, item: tuple[int, list[str]]) -> int:
+    """Step 4 for one piece: what it staged for its losing lines removed; returns the rows removed."""
     piece, parts = item
-    return FixOutcome(drop_losers(job.staging, piece, parts), _here())
+    return drop_losers(job.staging, piece, parts)
 
 
 def _drop_results_task(job: IngestJob, parts: list[str]) -> int:
     return drop_loser_results(job.staging, parts, request_losers(job.staging))
 
 
-def _drop_loser_results(run: _InProcess | _RayTasks, job: IngestJob) -> int:
+def _drop_loser_results(run: TaskExecutor, job: IngestJob) -> int:
     """Rows the engines staged for requests that lost their custom_id, dropped (tasks over the engines' parts)."""
     staging = job.staging
     if not request_losers(staging).num_rows:
@@ -377,133 +357,21 @@ def settle_losers(staging: StagingArea, source: InputSource, parallel: bool | No
     return dropped
 
 
-# --- executors ----------------------------------------------------------------------------------------------------
-
-
-class _InProcess:
-    """Runs each step's tasks one after the other in this process (no Ray: unit tests, small tools)."""
-
-    parallelism = 1
-
-    def map(
-        self,
-        fn: Callable[[IngestJob, Any], Any],
-        job: IngestJob,
-        items: list[Any],
-        on_result: Callable[[Any], None] | None = None,
-    ) -> list[Any]:
-        results = []
-        for item in items:
-            results.append(fn(job, item))
-            if on_result is not None:
-                on_result(results[-1])
-        return results
-
-
-def _counting_retries(fn: Callable[[IngestJob, Any], Any], job: IngestJob, item: Any) -> tuple[Any, dict]:
-    """A task in a worker process: its result, and the storage retries it made there."""
-    before = RetryStats.snapshot()
-    result = fn(job, item)
-    return result, RetryStats.since(before)["by_operation"]
-
-
-class _RayTasks:
-    """Runs each step's tasks as Ray tasks, pinned to `node` when given (the input or the staging area is on that
-    node's disk), else spread over the cluster. A task takes one CPU; on a node that offers none (a head started
-    with num-cpus 0 keeps the driver) it takes none, so it can run at all. Either way at most `in_flight` tasks
-    are submitted at once: Ray holds what is queued, and a zero-CPU task would not wait for a free core. A task
-    that fails raises its own exception here, not Ray's wrapper."""
-
-    def __init__(self, node: str | None, reserve_cpus: bool = True) -> None:
-        import ray
-        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
-
-        self._ray = ray
-        self._job: tuple[IngestJob, Any] | None = None
-        if node is None:
-            self._strategy: Any = "SPREAD"
-            cpus = float(ray.cluster_resources().get("CPU", 0))
-        else:
-            self._strategy = NodeAffinitySchedulingStrategy(node, soft=False)
-            cpus = next(
-                (float(n["Resources"].get("CPU", 0)) for n in ray.nodes() if n.get("NodeID") == node), 0.0
-            )
-        # Engines started before ingest hold their CPUs while they load and wait for the fitted args; a task
-        # waiting for one of those CPUs would wait forever (a CPU pool takes every core by default).
-        self._cpus = 1 if cpus >= 1 and reserve_cpus else 0
-        self.parallelism = max(1, int(cpus))  # tasks that run at once
-        self.in_flight = 2 * self.parallelism
-
-    def map(
-        self,
-        fn: Callable[[IngestJob, Any], Any],
-        job: IngestJob,
-        items: list[Any],
-        on_result: Callable[[Any], None] | None = None,
-    ) -> list[Any]:
-        """The results in the order of `items`; `on_result` sees each as soon as its task is done."""
-        ray = self._ray
-        if self._job is None or self._job[0] is not job:
-            self._job = (job, ray.put(job))  # shipped once, not once per task
-        remote = ray.remote(_counting_retries).options(
-            num_cpus=self._cpus, max_retries=3, scheduling_strategy=self._strategy
-        )
-        refs: list[Any] = []
-        place: dict[Any, int] = {}
-        results: list[Any] = [None] * len(items)
-        pending: list[Any] = []
-
-        def settle(done: list[Any]) -> None:
-            for ref in done:
-                result, retries = ray.get(ref)  # a failure stops the step before the rest is submitted
-                RetryStats.add(retries)  # the job's storage statistics include what its tasks retried
-                results[place[ref]] = result
-                if on_result is not None:
-                    on_result(result)
-
-        try:
-            for index, item in enumerate(items):
-                if len(pending) >= self.in_flight:
-                    done, pending = ray.wait(pending, num_returns=1)
-                    settle(done)
-                ref = remote.remote(fn, self._job[1], item)
-                place[ref] = index
-                refs.append(ref)
-                pending.append(ref)
-            while pending:
-                done, pending = ray.wait(pending, num_returns=1)
-                settle(done)
-            return results
-        except ray.exceptions.RayTaskError as exc:
-            for ref in refs:
-                ray.cancel(ref)
-            cause = getattr(exc, "cause", None)
-            if isinstance(cause, Exception):
-                raise cause from None
-            raise
+# --- where the tasks run -------------------------------------------------------------------------------------------
 
 
 def _executor(
     parallel: bool | None, source: InputSource, staging: StagingArea, reserve_cpus: bool = True
-) -> _InProcess | _RayTasks:
-    ray = sys.modules.get("ray")
-    if parallel is None:
-        parallel = ray is not None and ray.is_initialized()
-    if not parallel:
-        return _InProcess()
-    import ray
-
-    driver = ray.get_runtime_context().get_node_id()
-    return _RayTasks(pinned_to(source, staging, ray.nodes(), driver), reserve_cpus)
+) -> TaskExecutor:
+    """Ray tasks when Ray is initialized (unless `parallel` is False), else a loop in this process."""
+    placement = ray_placement(on_drivers_disk(source, staging)) if parallel is not False else None
+    return TaskExecutor(placement, reserve_cpus)
 
 
-def pinned_to(
-    source: InputSource, staging: StagingArea, nodes: list[dict[str, Any]], driver: str
-) -> str | None:
-    """The node the ingest tasks must run on, or None to spread them: a local input or a local staging area is
-    on the driver's disk, which nodes on other hosts cannot read (nodes on the driver's host can)."""
-    local = source.kind == "local" or isinstance(staging.files, LocalFiles)
-    return driver if must_pin_to_driver(local, nodes, driver) else None
+def on_drivers_disk(source: InputSource, staging: StagingArea) -> bool:
+    """Whether ingest touches the driver's disk: a local input or a local staging area (nodes on other hosts cannot
+    read it; nodes on the driver's host can)."""
+    return source.kind == "local" or isinstance(staging.files, LocalFiles)
 
 
 def _scan_batches(scans: list[ByteRange]) -> list[list[ByteRange]]:
@@ -520,9 +388,9 @@ def _scan_batches(scans: list[ByteRange]) -> list[list[ByteRange]]:
     return batches
 
 
-def _count(placement: dict[str, dict[str, int]], step: str, nodes: list[str]) -> None:
+def _count(placement: dict[str, dict[str, int]], step: str, nodes: Counter[str]) -> None:
     if nodes:
-        placement[step] = dict(Counter(nodes))
+        placement[step] = dict(nodes)
 
 
 # --- the whole pass -------------------------------------------------------------------------------------------------
@@ -570,11 +438,12 @@ def ingest(
         buckets = max(1, min(MAX_BUCKETS, max(by_size, min(len(pieces), run.parallelism))))
     job = IngestJob(source, staging, served, job_id, source.limits, measure, buckets, part_rows)
     batches = _scan_batches(scans)
-    scanned = run.map(scan_ranges, job, batches)
+    scan_nodes: Counter[str] = Counter()
+    scanned = run.map(scan_ranges, job, batches, tasks_by_node=scan_nodes)
     counts = [count for outcome in scanned for count in outcome.counts]
     pieces = with_line_counts(pieces, scans, [newlines for newlines, _ in counts])
     report.seconds["scan"] = time.monotonic() - started
-    _count(report.placement, "scan", [outcome.node for outcome in scanned])
+    _count(report.placement, "scan", scan_nodes)
 
     started = time.monotonic()
     requests_dir = staging.requests_dir
@@ -585,17 +454,19 @@ def ingest(
             if mine:
                 on_requests(mine)
 
-    read: list[PieceStats] = run.map(read_piece, job, pieces, hand_over)
+    read_nodes: Counter[str] = Counter()
+    read: list[PieceStats] = run.map(read_piece, job, pieces, hand_over, tasks_by_node=read_nodes)
     report.seconds["read"] = time.monotonic() - started
-    _count(report.placement, "read", [stats.node for stats in read])
+    _count(report.placement, "read", read_nodes)
 
     started = time.monotonic()
-    found: list[BucketOutcome] = run.map(dedup_bucket, job, list(range(buckets)))
+    dedup_nodes: Counter[str] = Counter()
+    found: list[BucketOutcome] = run.map(dedup_bucket, job, list(range(buckets)), tasks_by_node=dedup_nodes)
     parts = {stats.piece: stats.parts for stats in read}
     fixes = sorted({piece for outcome in found for piece in outcome.pieces})
     if on_requests is not None:  # handed over already: their losers are settled once the engines are done
         parts = {piece: [p for p in mine if not p.startswith(requests_dir)] for piece, mine in parts.items()}
-    fixed: list[FixOutcome] = run.map(fix_piece, job, [(piece, parts[piece]) for piece in fixes])
+    run.map(fix_piece, job, [(piece, parts[piece]) for piece in fixes], tasks_by_node=dedup_nodes)
     if on_requests is None:
         # A job resumed after a streamed run was cut short may hold rows its engines made of losing requests.
         _drop_loser_results(run, job)
@@ -604,7 +475,7 @@ def ingest(
         for bucket in range(buckets):
             staging.files.delete_tree(bucket_dir(staging, bucket))
     report.seconds["dedup"] = time.monotonic() - started
-    _count(report.placement, "dedup", [outcome.node for outcome in found] + [fix.node for fix in fixed])
+    _count(report.placement, "dedup", dedup_nodes)
 
     for stats in read:
         report.lines += stats.rows
