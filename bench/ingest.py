@@ -52,7 +52,8 @@ def main() -> None:
     from pipeline.io.readers import input_source
     from pipeline.io.staging import StagingArea
     from pipeline.models import resolve_model
-    from pipeline.runtime.ingest.fit import fit_job, measuring
+    from pipeline.runtime.ingest.fit import fit_job
+    from pipeline.runtime.ingest.measure import measuring
     from pipeline.runtime.ingest.tasks import ingest
 
     jsonl, parquet = generate(args.work, args.rows)

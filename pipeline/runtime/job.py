@@ -31,6 +31,7 @@ import structlog
 from pipeline import __version__
 from pipeline.config import JobConfig, StorageConfig, effective_pools, merge_overrides
 from pipeline.engines.base import EngineSpec, backend, engine_class
+from pipeline.fit_record import decision_of
 from pipeline.io.locations import RetryStats
 from pipeline.io.readers import InputSource
 from pipeline.io.staging import JobStateError, StagingArea
@@ -53,7 +54,8 @@ from pipeline.observe.report import request_usage, write_report
 from pipeline.runtime.commit.finalize import FORMAT_VERSION, commit, write_outputs
 from pipeline.runtime.engines.launch import EngineLaunch, EngineRun, models_summary
 from pipeline.runtime.engines.monitor import preemption_remedy, summarize_engines
-from pipeline.runtime.ingest.fit import apply_fit, fit_job, measuring, nothing_to_fit
+from pipeline.runtime.ingest.fit import apply_fit, fit_job, nothing_to_fit
+from pipeline.runtime.ingest.measure import measuring
 from pipeline.runtime.ingest.tasks import ingest, settle_losers
 from pipeline.runtime.preflight import (
     PreflightError,
@@ -250,7 +252,7 @@ def run_job(config: JobConfig, show_progress: bool = True, resume: bool = False)
                     prefix_keyed=report.keyed,
                 )
                 if report.lengths is not None:
-                    state.lengths = report.lengths.to_dict()
+                    state.lengths = report.lengths
                 state.ingest = IngestRecord(
                     nodes=report.nodes(),
                     tasks_by_node=report.placement,
@@ -279,7 +281,7 @@ def run_job(config: JobConfig, show_progress: bool = True, resume: bool = False)
             recorder.stage_started("engines")  # they start now, overlapping ingest and fitting
             launch = EngineLaunch(config, spec, staging, job_id, pool_models, source.rows_at_most())
             if not resume and launch.can_stream and nothing_to_fit(config):
-                settled = apply_fit(config, {})
+                settled = apply_fit(config, None)
                 launch.stream(settled, engine_spec(settled, model))
                 streaming = True
         run = EngineRun()
@@ -339,10 +341,11 @@ def run_job(config: JobConfig, show_progress: bool = True, resume: bool = False)
         )
         wall = time.monotonic() - t0
         engines = summarize_engines(run.snapshot)
+        decision = decision_of(state.fit)
         remedy = preemption_remedy(
             engines.get("num_preemptions", 0),
             engines.get("effective_args", {}),
-            (state.fit or {}).get("longest_sequence"),
+            decision.longest_sequence if decision else None,
         )
         if remedy and not run.preemption_warned:
             log.warning(remedy)

@@ -40,6 +40,8 @@ from pathlib import Path
 from typing import Any
 
 from pipeline.config import InputLimits, StorageConfig
+from pipeline.engines.fitting import tokenizers_loaded
+from pipeline.fit_record import Lengths
 from pipeline.io.locations import RetryStats
 from pipeline.io.readers import (
     HASH_RANGE_BYTES,
@@ -66,7 +68,7 @@ from pipeline.runtime.ingest.dedup import (
     losers_dir,
     request_losers,
 )
-from pipeline.runtime.ingest.fit import Lengths, MeasureSpec, context_problem, tokenizers_loaded
+from pipeline.runtime.ingest.measure import MeasureSpec, context_problem
 from pipeline.runtime.locality import must_pin_to_driver
 from pipeline.stages.intake import InputCounts, as_source, bad_row_check
 from pipeline.stages.prefix_key import prefix_key
