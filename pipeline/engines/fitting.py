@@ -51,7 +51,7 @@ class FitTarget:
 
 
 # A backend's fit strategy: (the job's model, the backend's engine args, engine.fit.default_max_tokens).
-FitStrategy = Callable[[ResolvedModel, dict[str, Any], int], "FitTarget | str"]
+FitStrategy = Callable[[ResolvedModel, dict[str, Any], int], FitTarget | str]
 
 
 def own_requests(name: str, count: Counter) -> Counter:
