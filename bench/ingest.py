@@ -49,11 +49,14 @@ def main() -> None:
 
     from bench.dataplane import generate
     from pipeline.config import JobConfig
+    from pipeline.fit_record import decision_of
     from pipeline.io.readers import input_source
     from pipeline.io.staging import StagingArea
     from pipeline.models import resolve_model
-    from pipeline.runtime.ingest.fit import fit_job, measuring
+    from pipeline.runtime.ingest.fit import fit_job
+    from pipeline.runtime.ingest.measure import measuring
     from pipeline.runtime.ingest.tasks import ingest
+    from pipeline.state import JobInput, JobState
 
     jsonl, parquet = generate(args.work, args.rows)
     path = jsonl if args.format == "jsonl" else parquet
@@ -75,12 +78,12 @@ def main() -> None:
     ranges = {"range_bytes": int(args.range_mb * (1 << 20))} if args.range_mb else {}
     report = ingest(source, model.name, staging, job_id="bench", measure=measuring(config, model), **ranges)
     t1 = time.monotonic()
-    state = {
-        "job_id": "bench",
-        "input": {"lines": report.lines, "valid": report.valid, "invalid": report.invalid},
-        **({"lengths": report.lengths.to_dict()} if report.lengths else {}),
-    }
+    counts = JobInput(
+        fingerprint=report.fingerprint, lines=report.lines, valid=report.valid, invalid=report.invalid
+    )
+    state = JobState(job_id="bench", config=config, input=counts, lengths=report.lengths, ingested=True)
     fit_job(config, model, staging, state)
+    decision = decision_of(state.fit)
     t2, c2 = time.monotonic(), time.process_time()
     print(
         json.dumps(
@@ -97,7 +100,7 @@ def main() -> None:
                 "steps_s": {step: round(s, 2) for step, s in report.seconds.items()},
                 "tasks_by_node": report.placement,
                 "tokenizer_loads": report.tokenizer_loads,
-                "measured": state["fit"].get("measured"),
+                "measured": decision.measured.model_dump() if decision and decision.measured else None,
             },
             indent=2,
         )

@@ -2,7 +2,7 @@
 
 `Manifest.model_dump(mode="json")` is exactly what is written (runtime/commit/finalize.py `commit`). Sections with a fixed
 shape are models; those whose keys are engines, pools, steps or a backend's own args are typed maps. `input` and
-`ingest` are the job state's own records (pipeline/state.py).
+`ingest` are the job state's own records (pipeline/state.py), `engine.fitted` its fit record (pipeline/fit_record.py).
 
 A pure module (pydantic only, no Ray, no vLLM).
 """
@@ -14,6 +14,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, field_serializer
 
+from pipeline.fit_record import FitRecord
 from pipeline.models import ResolvedModel
 from pipeline.state import IngestRecord, InputSummary
 
@@ -88,8 +89,9 @@ class EngineReport(_Section):
     first_ready_at: dt.datetime | None = Field(
         description="When the first engine was ready (engine start ends, generation begins)."
     )
-    fitted: dict[str, Any] | None = Field(
-        description="The engine args fitted to the data: what, from what and why (runtime/ingest/fit.py)."
+    fitted: FitRecord | None = Field(
+        description="The engine args fitted to the data: what, from what and why (pipeline/fit_record.py, "
+        "decided by runtime/ingest/fit.py)."
     )
     probed: dict[str, Any] | None = Field(
         default=None,

@@ -2,8 +2,8 @@
 
     job_id, config          written when the job starts: its identity and its spec (what `resume` re-reads)
     model                   the model the job serves, as resolved when ingest began
-    input, lengths, ingest  written once ingest has run (`ingested`): what was read, measured, and where
-    fit                     the engine args fitted to the data (runtime/ingest/fit.py), decided once
+    input, lengths, ingest  written once ingest has run (`ingested`): what was read, measured (a Lengths), and where
+    fit                     the engine args fitted to the data (a FitRecord, runtime/ingest/fit.py), decided once
 
 The driver writes it after each step (staging.write_job) and reads it back (staging.read_job): on resume, and
 for the fitted args it hands the engines.
@@ -13,11 +13,10 @@ A pure module (pydantic only, no Ray, no vLLM): io/staging.py reads and writes i
 
 from __future__ import annotations
 
-from typing import Any
-
 from pydantic import BaseModel, ConfigDict, Field
 
 from pipeline.config import JobConfig
+from pipeline.fit_record import FitRecord, Lengths
 from pipeline.models import ResolvedModel
 
 __all__ = ["InputSummary", "JobInput", "IngestRecord", "JobState"]
@@ -103,10 +102,10 @@ class JobState(_Kept):
         default=None, description="The job's own model (its first pool's), as resolved when ingest began."
     )
     input: JobInput | None = Field(default=None, description="What ingest read and validated.")
-    lengths: dict[str, Any] | None = Field(
+    lengths: Lengths | None = Field(
         default=None,
-        description="The request lengths ingest measured, for fitting (runtime.fit.Lengths.to_dict()); None "
-        "when the job is not fitted or was not measured during ingest.",
+        description="The request lengths ingest measured, for fitting (pipeline/fit_record.py); None when the job "
+        "is not fitted or was not measured during ingest.",
     )
     ingest: IngestRecord | None = Field(default=None, description="Where ingest ran, per step.")
     ingested: bool = Field(
@@ -114,9 +113,9 @@ class JobState(_Kept):
         description="Ingest finished: the work list and its error records are staged. Until then a resumed job "
         "redoes ingest whole.",
     )
-    fit: dict[str, Any] | None = Field(
+    fit: FitRecord | None = Field(
         default=None,
-        description="The engine args fitted to the data: what, from what and why (runtime/ingest/fit.py; the "
-        "manifest's engine.fitted). Its shape depends on the backend and on whether fitting ran. None until "
-        "decided.",
+        description="The engine args fitted to the data: what, from what and why (pipeline/fit_record.py, decided "
+        "by runtime/ingest/fit.py; the manifest's engine.fitted): fitting off, skipped, or its decision. None "
+        "until decided.",
     )

@@ -13,9 +13,12 @@ import re
 import time
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from pipeline.protocol import ErrorCode
+
+if TYPE_CHECKING:
+    from pipeline.engines.fitting import FitStrategy
 
 
 @dataclass(frozen=True)
@@ -221,26 +224,28 @@ class Backend:
 
     name: str
     engine: str  # "module:Class", imported only when used, so `nightshift --help` never imports vLLM
-    # What fitting can know before any engine starts (runtime/ingest/fit.py): "tokenizer+kv" — the model's own tokenizer
-    # and chat template, and the KV cache the hardware holds (max_model_len and max_num_seqs are fitted);
-    # "word-count" — the fake's own token count (max_model_len is fitted); None — nothing: the engine args are
-    # someone else's (a server's), so fitting is skipped.
-    fitting: Literal["tokenizer+kv", "word-count"] | None
+    # What fitting can know before any engine starts: "module:function", the backend's fit strategy beside its
+    # engine (engines/fitting.py; imported only when a job is fitted), or None — nothing: the engine args are
+    # someone else's (a server's), so fitting is skipped, for `no_fit_reason`.
+    fitting: str | None
     # Where the model comes from: "local" — a directory, hub id or embedded model the engine loads itself;
     # "server" — the backend's servers serve their own, named by their /v1/models.
     model_source: Literal["local", "server"]
     # Runs vLLM in this job's processes: `run` makes doctor's install checks first.
     runs_vllm: bool
     no_fit_reason: str | None = None  # why fitting is skipped, for the manifest (fitting None)
-
-    @property
-    def fits_max_num_seqs(self) -> bool:
-        return self.fitting == "tokenizer+kv"
+    # Whether fitting sizes max_num_seqs to the KV cache (vLLM); the fake's concurrency is its own setting.
+    fits_max_num_seqs: bool = False
 
 
 BACKENDS: dict[str, Backend] = {
     "vllm": Backend(
-        "vllm", "pipeline.engines.vllm_engine:VllmEngine", "tokenizer+kv", "local", runs_vllm=True
+        "vllm",
+        "pipeline.engines.vllm_engine:VllmEngine",
+        "pipeline.engines.vllm_engine:fit_target",
+        "local",
+        runs_vllm=True,
+        fits_max_num_seqs=True,
     ),
     "http": Backend(
         "http",
@@ -250,7 +255,13 @@ BACKENDS: dict[str, Backend] = {
         runs_vllm=False,
         no_fit_reason="the http backend sends requests to servers whose engine args are their own",
     ),
-    "fake": Backend("fake", "pipeline.engines.fake:FakeEngine", "word-count", "local", runs_vllm=False),
+    "fake": Backend(
+        "fake",
+        "pipeline.engines.fake:FakeEngine",
+        "pipeline.engines.fake:fit_target",
+        "local",
+        runs_vllm=False,
+    ),
 }
 BACKEND_NAMES: tuple[str, ...] = tuple(BACKENDS)
 
@@ -265,6 +276,15 @@ def backend(name: str) -> Backend:
 def engine_class(name: str) -> type[Engine]:
     module_name, class_name = backend(name).engine.split(":")
     return getattr(importlib.import_module(module_name), class_name)
+
+
+def fit_strategy(name: str) -> FitStrategy | None:
+    """The backend's fit strategy (engines/fitting.py), None when its engine args are not nightshift's to fit."""
+    ref = backend(name).fitting
+    if ref is None:
+        return None
+    module_name, function_name = ref.split(":")
+    return getattr(importlib.import_module(module_name), function_name)
 
 
 def build_engine(spec: EngineSpec) -> Engine:

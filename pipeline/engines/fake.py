@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import os
+from collections.abc import Sequence
 from typing import Any
 
 from pipeline.endpoints import Endpoint, FakeContext, endpoint_for
@@ -22,6 +23,8 @@ from pipeline.engines.base import (
     EngineStats,
     unexpected_error_result,
 )
+from pipeline.engines.fitting import FitTarget, own_requests
+from pipeline.models import ResolvedModel
 from pipeline.planner import requested_max_tokens
 from pipeline.protocol import ErrorCode
 
@@ -178,3 +181,30 @@ class FakeEngine(Engine):
             kv_cache_tokens=int(self.args.get("kv_cache_tokens") or self.max_model_len * self.max_num_seqs),
             extra={"peak_requests_inside": self.peak_inside},
         )
+
+
+def fit_target(model: ResolvedModel, args: dict[str, Any], default_max_tokens: int) -> FitTarget:
+    """The fake's fit strategy: prompts counted as it counts them (`sequence_tokens`), its output budget
+    max_tokens or output_tokens (`args`: the job's engine.fake), and the stand-in model limit. Its concurrency is
+    max_concurrency, so max_num_seqs is not fitted; `default_max_tokens` (a real chat's open-ended budget) does not
+    apply: the fake never runs past output_tokens."""
+    default_output = args.get("output_tokens", 16)
+
+    def count(requests: Sequence[tuple[str, dict]]) -> list[list[int] | Exception]:
+        return [sequence_tokens(url, body) for url, body in requests]
+
+    def output(url: str, body: dict) -> tuple[int, bool]:
+        endpoint = endpoint_for(url)
+        if endpoint is None or not endpoint.generates:
+            return 0, False  # pooling routes generate nothing
+        return int(requested_max_tokens(body) or default_output), False
+
+    return FitTarget(
+        counted_by="the fake engine's word count",
+        count=own_requests(model.name, count),
+        output_budget=output,
+        model_limit=FAKE_MAX_MODEL_LEN,
+        block_size=lambda args, device: 16,
+        capacity=lambda args, device: None,
+        notes=["fake engine: its concurrency is engine.fake.max_concurrency; max_num_seqs is not fitted"],
+    )

@@ -18,6 +18,7 @@ namespace `vllm serve` would parse, under their own names.
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import json
 import logging
 import os
@@ -36,6 +37,8 @@ from pipeline.engines.base import (
     EngineStats,
     error_code_for,
 )
+from pipeline.engines.fitting import FitTarget, KvCapacity, own_requests, prompt_counter
+from pipeline.models import ResolvedModel
 from pipeline.protocol import ErrorCode
 
 log = structlog.get_logger(__name__)
@@ -403,3 +406,86 @@ def _on_cpu() -> bool:
     from vllm.platforms import current_platform
 
     return current_platform.is_cpu()
+
+
+# --- fitting (engines/fitting.py): what the driver and the ingest tasks can know before an engine starts --------
+
+
+def fit_target(model: ResolvedModel, args: dict[str, Any], default_max_tokens: int) -> FitTarget | str:
+    """vLLM's fit strategy: prompts counted with the model's tokenizer and chat template; the KV capacity from the
+    model config on CPU, or from num_gpu_blocks_override (on GPUs the capacity is known only once an engine has
+    measured its memory); the output budget vLLM would allow. `args`: the job's engine.vllm."""
+    from pipeline.planner import (
+        DeviceBudget,
+        PlanError,
+        default_block_size,
+        generation_max_tokens,
+        max_sequences,
+        model_shape,
+        output_budget,
+        plan_pool,
+    )
+    from pipeline.tokens import load_chat_template
+
+    model_dir = _model_dir(model)
+    if model_dir is None:
+        return f"model {model.path!r} is not a local directory or in the local Hugging Face cache"
+    try:
+        shape = model_shape(model_dir)
+    except PlanError as exc:
+        return f"cannot read the model's shape: {exc}"
+    chat_template = args.get("chat_template")
+    try:
+        load_chat_template(chat_template)
+    except ValueError as exc:  # a --chat-template that names no file: the engine would refuse it as well
+        return str(exc)
+    if importlib.util.find_spec("transformers") is None:
+        return "measuring requests needs the model's tokenizer: pip install 'nightshift-batch[model]'"
+    generation_default = generation_max_tokens(
+        model_dir, args.get("generation_config", "auto"), args.get("override_generation_config")
+    )
+
+    def block_size(args: dict, device: str) -> int:
+        extra = args.get("extra") or {}
+        return int(extra.get("block_size") or default_block_size(device, shape.is_mla))
+
+    def capacity(args: dict, device: str) -> KvCapacity | None:
+        extra = args.get("extra") or {}
+        block = block_size(args, device)
+        if extra.get("num_gpu_blocks_override"):
+            blocks = int(extra["num_gpu_blocks_override"])
+        elif device == "cpu":
+            try:
+                budget = DeviceBudget.cpu(int(args.get("cpu_kvcache_space_gib") or 2))
+                blocks = plan_pool(shape, budget, None, block, extra.get("kv_cache_dtype", "auto")).kv_blocks
+            except PlanError:
+                return None
+        else:
+            return None  # GPU memory is known to the engine, not to the driver
+        usable = max(0, blocks - 1)  # vLLM's block pool keeps one block as its null block
+        return KvCapacity(usable, block, lambda context: max_sequences(shape, usable, context, block))
+
+    return FitTarget(
+        counted_by=f"{model.name} tokenizer + chat template",
+        # The tokenizer loads on the first count, once per process (`prompt_counter`): the driver, which only
+        # decides, never loads it; each ingest worker loads it once, whatever the number of its tasks.
+        count=own_requests(
+            model.name,
+            lambda requests: prompt_counter(model_dir, chat_template, model.task).count_batch(requests),
+        ),
+        output_budget=lambda url, body: output_budget(url, body, generation_default, default_max_tokens),
+        model_limit=shape.max_model_len_limit,
+        block_size=block_size,
+        capacity=capacity,
+    )
+
+
+def _model_dir(model: ResolvedModel) -> str | None:
+    if model.source != "hub-id":
+        return model.path
+    try:
+        from huggingface_hub import snapshot_download
+
+        return snapshot_download(model.path, local_files_only=True)
+    except Exception:  # noqa: BLE001 - hub errors vary by version; the cause is always "not cached"
+        return None

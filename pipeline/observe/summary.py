@@ -7,6 +7,8 @@ from typing import Any
 
 import typer
 
+from pipeline.fit_record import decision_of, read_fit_record
+
 
 def summary_lines(manifest: dict[str, Any], output: Path) -> list[str]:
     counts = manifest["counts"]
@@ -40,21 +42,21 @@ def summary_lines(manifest: dict[str, Any], output: Path) -> list[str]:
 
 
 def fitted_line(fitted: dict[str, Any] | None) -> str:
-    """'max_model_len 512 (fitted), max_num_seqs 22 (fitted), 1 request over the context' — empty when not fitted."""
-    if not fitted or not fitted.get("max_model_len"):
+    """'max_model_len 512 (fitted), max_num_seqs 22 (fitted), 1 request over the context' — empty when not fitted.
+    `fitted`: the manifest's engine.fitted, as written (a fit record, pipeline/fit_record.py)."""
+    decision = decision_of(read_fit_record(fitted))
+    if decision is None:
         return ""
-    length = fitted["max_model_len"]
-    parts = [f"max_model_len {length['value']} ({length['source']})"]
-    seqs = fitted.get("max_num_seqs") or {}
+    length = decision.max_model_len
+    parts = [f"max_model_len {length.value} ({length.source})"]
+    seqs = decision.max_num_seqs
     if len(seqs) == 1:
         (only,) = seqs.values()
-        parts.append(f"max_num_seqs {only['value']} ({only['source']})")
+        parts.append(f"max_num_seqs {only.value} ({only.source})")
     elif seqs:
-        parts.append(
-            "max_num_seqs " + ", ".join(f"{n} {s['value']} ({s['source']})" for n, s in seqs.items())
-        )
-    if fitted.get("context_length_exceeded"):
-        parts.append(f"{fitted['context_length_exceeded']} request(s) too long for the model, not run")
+        parts.append("max_num_seqs " + ", ".join(f"{n} {s.value} ({s.source})" for n, s in seqs.items()))
+    if decision.context_length_exceeded:
+        parts.append(f"{decision.context_length_exceeded} request(s) too long for the model, not run")
     return ", ".join(parts)
 
 

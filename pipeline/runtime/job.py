@@ -6,10 +6,13 @@
     runtime/preflight.py  input and output reachable and usable, before any work
     runtime/session.py    the Ray session (a private instance, or a cluster's address)
     runtime/ingest/tasks.py     read + validate + measure as tasks on the cluster: the work list, the first error records
+    runtime/ingest/measure.py    requests measured as fitting counts them (in the ingest tasks)
     runtime/ingest/fit.py        engine args fitted to the measured requests
     runtime/engines/launch.py       pools of engine actors leasing chunks from the work queue (work_queue.py, worker.py)
     runtime/stage/sink.py       engines stage their own results; only acknowledgements reach the queue
     runtime/commit/finalize.py   sorted, sharded output, then the manifest, written last
+
+`run_job` is that order and nothing else: each step is a function below it, sharing the run's `_Job`.
 
 Staging is the checkpoint: a job interrupted at any point is continued by `resume`, which re-runs only the
 requests that have no staged row yet.
@@ -31,6 +34,7 @@ import structlog
 from pipeline import __version__
 from pipeline.config import JobConfig, StorageConfig, effective_pools, merge_overrides
 from pipeline.engines.base import EngineSpec, backend, engine_class
+from pipeline.fit_record import decision_of
 from pipeline.io.locations import RetryStats
 from pipeline.io.readers import InputSource
 from pipeline.io.staging import JobStateError, StagingArea
@@ -54,7 +58,8 @@ from pipeline.prices import check_pools, parse_hosted_price
 from pipeline.runtime.commit.finalize import FORMAT_VERSION, commit, write_outputs
 from pipeline.runtime.engines.launch import EngineLaunch, EngineRun, models_summary
 from pipeline.runtime.engines.monitor import preemption_remedy, summarize_engines
-from pipeline.runtime.ingest.fit import apply_fit, fit_job, measuring, nothing_to_fit
+from pipeline.runtime.ingest.fit import apply_fit, fit_job, nothing_to_fit
+from pipeline.runtime.ingest.measure import measuring
 from pipeline.runtime.ingest.tasks import ingest, settle_losers
 from pipeline.runtime.preflight import (
     PreflightError,
@@ -171,10 +176,75 @@ def _prepare(config: JobConfig, resume: bool) -> tuple[InputSource, OutputTarget
 
 def run_job(config: JobConfig, show_progress: bool = True, resume: bool = False) -> JobOutcome:
     """Run (or, with resume=True, continue) one job; returns when the output is committed."""
-    started_at = dt.datetime.now(dt.timezone.utc)
-    t0 = time.monotonic()
-    cpu0 = time.process_time()
-    retries_before = RetryStats.snapshot()
+    clock = _RunClock.start()
+    job = _open_job(config, resume)
+    try:
+        job.staging.create()
+        job.recorder.run_started()
+        # Ingest runs as tasks on the cluster, so Ray starts first.
+        start_ray(config.resources.address)
+        engines = _start_engines(job)
+        try:
+            _ingest(job, engines)
+            fitted = _fit(job)
+            counters = _validated_counters(job.state)
+            run, work = _run_engines(job, engines, fitted, counters, show_progress)
+        except BaseException:
+            engines.abort()
+            raise
+        manifest = _finalize(job, engines, fitted, run, work, counters, clock)
+        commit(job.output, job.staging, manifest)
+        return JobOutcome(job.output.where, manifest.model_dump(mode="json"), counters, run.pools)
+    finally:
+        job.recorder.close()
+
+
+# --- the steps of run_job --------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _RunClock:
+    """When this run began, by the wall clock, the monotonic clock and this process's CPU time, and the storage
+    retries counted before it: the manifest reports the run's share of each."""
+
+    started_at: dt.datetime
+    t0: float
+    cpu0: float
+    retries_before: dict[str, Any]
+
+    @classmethod
+    def start(cls) -> _RunClock:
+        return cls(
+            dt.datetime.now(dt.timezone.utc), time.monotonic(), time.process_time(), RetryStats.snapshot()
+        )
+
+
+@dataclass
+class _Job:
+    """One run of a job, as its steps share it: where it reads and writes, its state, its models, its recorder."""
+
+    config: JobConfig  # as given: fitting makes the config the engines run (`_fit`)
+    resume: bool
+    source: InputSource
+    output: OutputTarget
+    staging: StagingArea
+    state: JobState
+    pool_models: dict[str, ResolvedModel]  # the model of each pool (the first pool's is the job's own)
+    probed: dict[str, Any]  # what the backend told of itself before any work (an http job's servers)
+    recorder: JobRecorder
+
+    @property
+    def model(self) -> ResolvedModel:
+        return next(iter(self.pool_models.values()))
+
+    @property
+    def job_id(self) -> str:
+        return self.state.job_id
+
+
+def _open_job(config: JobConfig, resume: bool) -> _Job:
+    """Preflight: input and output checked, the job's state (fresh or stored), its models and backend checked, and
+    its recorder started — everything that can refuse the job before any work."""
     source, output, staging, state = _prepare(config, resume)
     # The model of each pool (a pool without one serves the job's); an http job's servers probed, before any work.
     pool_models, probed = job_models(config)
@@ -187,16 +257,21 @@ def run_job(config: JobConfig, show_progress: bool = True, resume: bool = False)
     engine_class(spec.backend).check_spec(spec)
     for unused in config.engine.unused_settings():
         log.warning(unused)
-    job_id = state.job_id
     try:
         check_pools(config.observe.gpu_hour_price, [p.name for p in effective_pools(config)])
     except ValueError as exc:
         raise PreflightError(str(exc)) from exc
+    recorder = _start_recorder(config, staging, state.job_id, model, spec.backend)
+    return _Job(config, resume, source, output, staging, state, pool_models, probed, recorder)
 
-    # The job's timeline (kept in staging) and, with --metrics-port, its /metrics: started before any work, so a
-    # port already taken stops the job here with what to change.
+
+def _start_recorder(
+    config: JobConfig, staging: StagingArea, job_id: str, model: ResolvedModel, backend_name: str
+) -> JobRecorder:
+    """The job's timeline (kept in staging) and, with --metrics-port, its /metrics: started before any work, so a
+    port already taken stops the job here with what to change."""
     recorder = JobRecorder.for_staging(
-        staging, {"job_id": job_id, "model": model.name, "backend": spec.backend}
+        staging, {"job_id": job_id, "model": model.name, "backend": backend_name}
     )
     if config.observe.metrics_port is not None:
         try:
@@ -207,211 +282,267 @@ def run_job(config: JobConfig, show_progress: bool = True, resume: bool = False)
                 "choose a free port"
             ) from exc
         log.info("metrics", url=f"http://0.0.0.0:{port}/metrics")
-    try:
-        staging.create()
-        recorder.run_started()
+    return recorder
 
-        handed_over: list[float] = []  # when ingest handed the engines their first requests (streaming)
 
-        def hand_over(parts: list[str]) -> None:
-            assert launch is not None
-            launch.add_work(parts)
-            if not handed_over:
-                handed_over.append(time.time())
+@dataclass
+class _Engines:
+    """The job's engine actors, once started (runtime/engines/launch.py), and whether they take requests while
+    ingest still reads them (streaming)."""
 
-        def prepare_work() -> JobConfig:
-            if not state.ingested:
-                # A validation pass cut short is redone whole: it is cheap next to generation, and partial parts of it
-                # could otherwise be staged twice.
-                staging.discard_ingest()
-                recorder.stage_started("ingest")
-                state.model = model
-                staging.write_job(state)
-                # Each line goes to a model some pool serves (model_not_found otherwise); the model's task rejects a
-                # route it cannot serve at validation (unsupported_task), before any engine.
-                served = {m.name: m.task for m in pool_models.values()}
-                # Validated and measured by tasks on the cluster; too-long prompts are error records already.
-                report = ingest(
-                    source,
-                    served,
-                    staging,
-                    job_id=job_id,
-                    limits=config.limits,
-                    measure=measuring(config, model),
-                    reserve_cpus=launch is None,
-                    on_requests=hand_over if streaming else None,
-                )
-                state.input = JobInput(
-                    location=source.describe(),
-                    fingerprint=report.fingerprint,
-                    size_bytes=report.size_bytes,
-                    lines=report.lines,
-                    valid=report.valid,
-                    invalid=report.invalid,
-                    prefix_keyed=report.keyed,
-                )
-                if report.lengths is not None:
-                    state.lengths = report.lengths.to_dict()
-                state.ingest = IngestRecord(
-                    nodes=report.nodes(),
-                    tasks_by_node=report.placement,
-                    seconds={step: round(s, 3) for step, s in report.seconds.items()},
-                    range_bytes=report.range_bytes,
-                    streamed=streaming,
-                    finished_at=time.time(),
-                    first_work_handed_over_at=handed_over[0] if handed_over else None,
-                )
-                state.ingested = True
-                staging.write_job(state)
-                recorder.stage_ended("ingest")
-            # Engine args fitted to the measured aggregate (runtime/ingest/fit.py; kept in state).
-            recorder.stage_started("fit")
-            fitted = fit_job(config, model, staging, state)
-            recorder.stage_ended("fit")
-            return fitted
+    launch: EngineLaunch | None = None
+    streaming: bool = False
+    handed_over_at: float | None = None  # when ingest handed them their first requests (streaming)
 
-        # Ingest runs as tasks on the cluster, so Ray starts first. On a fresh job the engines start right after it:
-        # their processes and imports overlap ingest and fitting, and they wait for the fitted args (runtime/engines/launch.py).
-        start_ray(config.resources.address)
-        # When nothing is fitted to the input, they take requests while ingest still reads the rest (streaming).
-        launch: EngineLaunch | None = None
-        streaming = False
-        if not state.ingested:
-            recorder.stage_started("engines")  # they start now, overlapping ingest and fitting
-            launch = EngineLaunch(config, spec, staging, job_id, pool_models, source.rows_at_most())
-            if not resume and launch.can_stream and nothing_to_fit(config):
-                settled = apply_fit(config, {})
-                launch.stream(settled, engine_spec(settled, model))
-                streaming = True
-        run = EngineRun()
-        try:
-            config = prepare_work()
-            spec = engine_spec(config, model)
-            lines = state.input.lines
-            log.info("input validated", lines=lines, valid=state.input.valid, invalid=state.input.invalid)
-            counters = JobCounters(total=lines)
-            counters.add_invalid(state.input.invalid)
-            if streaming:
-                assert launch is not None
-                launch.close_input(state.input.prefix_keyed, state.fit)
-                run = launch.wait(counters, show_progress, recorder)
-                # Requests that lost their custom_id to an earlier line may have run before that was known.
-                dropped = settle_losers(staging, source)
-                counters.done -= dropped
-                state.ingest.rows_dropped_after_running = dropped
-                work = PendingWork([], 0)
-                pending = 0
-            else:
-                settle_losers(staging, source)  # a resumed job whose streamed run was cut short
-                # On resume, the work list without what engines staged before (runtime/stage/pending.py).
-                work = pending_work(staging, state.input.valid)
-                counters.done += work.finished_rows
-                pending = state.input.valid - work.finished_rows
-            if pending > 0:
-                if launch is None:
-                    recorder.stage_started("engines")
-                launch = launch or EngineLaunch(config, spec, staging, job_id, pool_models, pending)
-                launch.feed(config, spec, work.files, state.input.prefix_keyed)
-                run = launch.wait(counters, show_progress, recorder)
-            elif launch is not None and not streaming:
-                launch.cancel()
-                launch.wait(counters, show_progress=False)
-        except BaseException:
-            if launch is not None:
-                launch.abort()
-            raise
-        if launch is not None:
-            recorder.stage_ended("engines")
+    def hand_over(self, parts: list[str]) -> None:
+        """Streaming: more of the work list is staged."""
+        assert self.launch is not None
+        self.launch.add_work(parts)
+        if self.handed_over_at is None:
+            self.handed_over_at = time.time()
 
-        recorder.stage_started("finalize")
-        outputs = write_outputs(
-            output,
-            staging,
-            config.output_options.rows_per_shard,
-            lines,
-            format=config.output_options.format,
-            reserve_cpus=launch is None or launch.warm is None,
-        )
-        usage_histograms = outputs.pop("usage_histograms")
-        usage = request_usage(usage_histograms)
-        # Where each stage's tasks ran (node id prefixes): ingest's steps, finalize's; engines are in engine.per_engine.
-        placement = Placement(
-            ingest=state.ingest.tasks_by_node if state.ingest else None, **outputs.pop("placement")
-        )
-        wall = time.monotonic() - t0
-        engines = summarize_engines(run.snapshot)
-        remedy = preemption_remedy(
-            engines.get("num_preemptions", 0),
-            engines.get("effective_args", {}),
-            (state.fit or {}).get("longest_sequence"),
-        )
-        if remedy and not run.preemption_warned:
-            log.warning(remedy)
-        manifest = Manifest(
-            format_version=FORMAT_VERSION,
-            nightshift_version=__version__,
-            job_id=job_id,
-            created_at=started_at,
-            finished_at=dt.datetime.now(dt.timezone.utc),
-            input=state.input.summary(),
-            ingest=state.ingest,  # where validation ran (Ray node ids), per step
-            model=model,
-            # Rows answered and tokens, per served model (a job may serve one model per pool).
-            models=models_summary(pool_models, run.pools),
-            engine=EngineReport(
-                backend=spec.backend,
-                args=engines.get("effective_args") or spec.args,
-                sampling_defaults=engines.get("sampling_defaults", {}),
-                engines=engines.get("engines", 0),
-                reused=engines.get("reused", 0),
-                kv_cache_tokens_per_engine=engines.get("kv_cache_tokens_per_engine"),
-                in_flight=engines.get("in_flight"),
-                per_engine=engines.get("per_engine"),
-                kv_cache_usage_peak=engines.get("kv_cache_usage_peak"),
-                cpu_cores=engines.get("cpu_cores") or None,
-                first_ready_at=_utc(engines.get("first_ready_at")),  # engine start ends, generation begins
-                fitted=state.fit,
-                probed=probed or None,
-            ),
-            **outputs,  # counts, shards, tokens
-            placement=placement,
-            wall_time_s=round(wall, 3),
-            throughput=Throughput(
-                rows_per_s=round(counters.done / wall, 2) if wall else 0.0,
-                output_tokens_per_s=round(counters.completion_tokens / wall, 2) if wall else 0.0,
-            ),
-            preemptions=engines.get("num_preemptions", 0),
-            preemption_warning=remedy,
-            prefix_cache_hit_rate=engines.get("prefix_cache_hit_rate"),
-            routing=run.routing,
-            recovery=Recovery(
-                resumed=bool(resume),
-                rows_from_earlier_runs=work.finished_rows,
-                requests_retried_after_engine_failure=run.retried_requests,
-                duplicate_deliveries_dropped=run.duplicates_dropped,
-                leases=run.leases,
-                **run.recovery,
-            ),
-            pools=run.pools,
-            storage=StorageRetries(**RetryStats.since(retries_before)),
-            # What coordinating cost this process (all its threads): the cluster does the per-row work, so this
-            # should grow with files, chunks and shards, not with rows.
-            driver=DriverCost(
-                cpu_s=round(time.process_time() - cpu0, 3),
-                peak_rss_bytes=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
-            ),
-            usage=usage,
-            cost=_cost(config, run, engines, wall, t0, outputs),
-        )
-        recorder.stage_ended("finalize")
-        manifest.stages = recorder.timeline.stages
-        if config.observe.report:
-            # Before the manifest: a committed job's report is complete; a report that fails costs the job nothing.
-            manifest.report = write_report(output, manifest, recorder.timeline, usage_histograms)
-        commit(output, staging, manifest)
-        return JobOutcome(output.where, manifest.model_dump(mode="json"), counters, run.pools)
-    finally:
-        recorder.close()
+    def abort(self) -> None:
+        if self.launch is not None:
+            self.launch.abort()
+
+
+def _start_engines(job: _Job) -> _Engines:
+    """On a fresh job the engines start right away: their processes and imports overlap ingest and fitting, and
+    they wait for the fitted args. When nothing is fitted to the input, they take requests while ingest still reads
+    the rest (streaming). A job ingested before starts them only if work is left (`_run_engines`)."""
+    engines = _Engines()
+    if job.state.ingested:
+        return engines
+    config = job.config
+    job.recorder.stage_started("engines")  # they start now, overlapping ingest and fitting
+    spec = engine_spec(config, job.model)
+    engines.launch = EngineLaunch(
+        config, spec, job.staging, job.job_id, job.pool_models, job.source.rows_at_most()
+    )
+    if not job.resume and engines.launch.can_stream and nothing_to_fit(config):
+        settled = apply_fit(config, None)
+        engines.launch.stream(settled, engine_spec(settled, job.model))
+        engines.streaming = True
+    return engines
+
+
+def _ingest(job: _Job, engines: _Engines) -> None:
+    """Read, validate and measure the input as tasks on the cluster (runtime/ingest/tasks.py): the work list and the
+    first error records staged, the state written. Done once: a job ingested before goes on from its state."""
+    state, staging, recorder = job.state, job.staging, job.recorder
+    if state.ingested:
+        return
+    # A validation pass cut short is redone whole: it is cheap next to generation, and partial parts of it could
+    # otherwise be staged twice.
+    staging.discard_ingest()
+    recorder.stage_started("ingest")
+    state.model = job.model
+    staging.write_job(state)
+    # Each line goes to a model some pool serves (model_not_found otherwise); the model's task rejects a route it
+    # cannot serve at validation (unsupported_task), before any engine.
+    served = {m.name: m.task for m in job.pool_models.values()}
+    # Validated and measured by tasks on the cluster; too-long prompts are error records already.
+    report = ingest(
+        job.source,
+        served,
+        staging,
+        job_id=job.job_id,
+        limits=job.config.limits,
+        measure=measuring(job.config, job.model),
+        reserve_cpus=engines.launch is None,
+        on_requests=engines.hand_over if engines.streaming else None,
+    )
+    state.input = JobInput(
+        location=job.source.describe(),
+        fingerprint=report.fingerprint,
+        size_bytes=report.size_bytes,
+        lines=report.lines,
+        valid=report.valid,
+        invalid=report.invalid,
+        prefix_keyed=report.keyed,
+    )
+    if report.lengths is not None:
+        state.lengths = report.lengths
+    state.ingest = IngestRecord(
+        nodes=report.nodes(),
+        tasks_by_node=report.placement,
+        seconds={step: round(s, 3) for step, s in report.seconds.items()},
+        range_bytes=report.range_bytes,
+        streamed=engines.streaming,
+        finished_at=time.time(),
+        first_work_handed_over_at=engines.handed_over_at,
+    )
+    state.ingested = True
+    staging.write_job(state)
+    recorder.stage_ended("ingest")
+
+
+def _fit(job: _Job) -> JobConfig:
+    """The config the engines run: engine args fitted to the measured aggregate (runtime/ingest/fit.py), decided
+    once and kept in the state."""
+    job.recorder.stage_started("fit")
+    fitted = fit_job(job.config, job.model, job.staging, job.state)
+    job.recorder.stage_ended("fit")
+    return fitted
+
+
+def _validated_counters(state: JobState) -> JobCounters:
+    """The job's progress counters, starting from what ingest found: every line, the invalid ones done."""
+    log.info("input validated", lines=state.input.lines, valid=state.input.valid, invalid=state.input.invalid)
+    counters = JobCounters(total=state.input.lines)
+    counters.add_invalid(state.input.invalid)
+    return counters
+
+
+def _run_engines(
+    job: _Job, engines: _Engines, config: JobConfig, counters: JobCounters, show_progress: bool
+) -> tuple[EngineRun, PendingWork]:
+    """The engines run the work list still to run (`config`: the fitted one); returns what they report and the
+    work they were given (on resume, without what engines staged before: runtime/stage/pending.py)."""
+    state, staging, recorder = job.state, job.staging, job.recorder
+    spec = engine_spec(config, job.model)
+    run = EngineRun()
+    if engines.streaming:
+        assert engines.launch is not None
+        engines.launch.close_input(state.input.prefix_keyed, state.fit)
+        run = engines.launch.wait(counters, show_progress, recorder)
+        # Requests that lost their custom_id to an earlier line may have run before that was known.
+        dropped = settle_losers(staging, job.source)
+        counters.done -= dropped
+        state.ingest.rows_dropped_after_running = dropped
+        work, pending = PendingWork([], 0), 0
+    else:
+        settle_losers(staging, job.source)  # a resumed job whose streamed run was cut short
+        work = pending_work(staging, state.input.valid)
+        counters.done += work.finished_rows
+        pending = state.input.valid - work.finished_rows
+    if pending > 0:
+        if engines.launch is None:
+            recorder.stage_started("engines")
+            engines.launch = EngineLaunch(config, spec, staging, job.job_id, job.pool_models, pending)
+        engines.launch.feed(config, spec, work.files, state.input.prefix_keyed)
+        run = engines.launch.wait(counters, show_progress, recorder)
+    elif engines.launch is not None and not engines.streaming:
+        engines.launch.cancel()
+        engines.launch.wait(counters, show_progress=False)
+    if engines.launch is not None:
+        recorder.stage_ended("engines")
+    return run, work
+
+
+def _finalize(
+    job: _Job,
+    engines: _Engines,
+    config: JobConfig,
+    run: EngineRun,
+    work: PendingWork,
+    counters: JobCounters,
+    clock: _RunClock,
+) -> Manifest:
+    """Sorted, sharded output (runtime/commit/finalize.py), the manifest that accounts for it, and the report
+    beside it; the manifest is not written yet (committing writes it last)."""
+    state, output, recorder = job.state, job.output, job.recorder
+    recorder.stage_started("finalize")
+    outputs = write_outputs(
+        output,
+        job.staging,
+        config.output_options.rows_per_shard,
+        state.input.lines,
+        format=config.output_options.format,
+        reserve_cpus=engines.launch is None or engines.launch.warm is None,
+    )
+    usage_histograms = outputs.pop("usage_histograms")
+    manifest = _manifest(job, config, run, work, counters, clock, outputs, request_usage(usage_histograms))
+    recorder.stage_ended("finalize")
+    manifest.stages = recorder.timeline.stages
+    if config.observe.report:
+        # Before the manifest: a committed job's report is complete; a report that fails costs the job nothing.
+        manifest.report = write_report(output, manifest, recorder.timeline, usage_histograms)
+    return manifest
+
+
+def _manifest(
+    job: _Job,
+    config: JobConfig,
+    run: EngineRun,
+    work: PendingWork,
+    counters: JobCounters,
+    clock: _RunClock,
+    outputs: dict[str, Any],
+    usage: Any,
+) -> Manifest:
+    """The job's account (pipeline/manifest.py): what it read, ran and wrote, where, how fast, at what cost."""
+    state, spec = job.state, engine_spec(config, job.model)
+    # Where each stage's tasks ran (node id prefixes): ingest's steps, finalize's; engines are in engine.per_engine.
+    placement = Placement(
+        ingest=state.ingest.tasks_by_node if state.ingest else None, **outputs.pop("placement")
+    )
+    wall = time.monotonic() - clock.t0
+    engines = summarize_engines(run.snapshot)
+    decision = decision_of(state.fit)
+    remedy = preemption_remedy(
+        engines.get("num_preemptions", 0),
+        engines.get("effective_args", {}),
+        decision.longest_sequence if decision else None,
+    )
+    if remedy and not run.preemption_warned:
+        log.warning(remedy)
+    return Manifest(
+        format_version=FORMAT_VERSION,
+        nightshift_version=__version__,
+        job_id=job.job_id,
+        created_at=clock.started_at,
+        finished_at=dt.datetime.now(dt.timezone.utc),
+        input=state.input.summary(),
+        ingest=state.ingest,  # where validation ran (Ray node ids), per step
+        model=job.model,
+        # Rows answered and tokens, per served model (a job may serve one model per pool).
+        models=models_summary(job.pool_models, run.pools),
+        engine=EngineReport(
+            backend=spec.backend,
+            args=engines.get("effective_args") or spec.args,
+            sampling_defaults=engines.get("sampling_defaults", {}),
+            engines=engines.get("engines", 0),
+            reused=engines.get("reused", 0),
+            kv_cache_tokens_per_engine=engines.get("kv_cache_tokens_per_engine"),
+            in_flight=engines.get("in_flight"),
+            per_engine=engines.get("per_engine"),
+            kv_cache_usage_peak=engines.get("kv_cache_usage_peak"),
+            cpu_cores=engines.get("cpu_cores") or None,
+            first_ready_at=_utc(engines.get("first_ready_at")),  # engine start ends, generation begins
+            fitted=state.fit,
+            probed=job.probed or None,
+        ),
+        **outputs,  # counts, shards, tokens
+        placement=placement,
+        wall_time_s=round(wall, 3),
+        throughput=Throughput(
+            rows_per_s=round(counters.done / wall, 2) if wall else 0.0,
+            output_tokens_per_s=round(counters.completion_tokens / wall, 2) if wall else 0.0,
+        ),
+        preemptions=engines.get("num_preemptions", 0),
+        preemption_warning=remedy,
+        prefix_cache_hit_rate=engines.get("prefix_cache_hit_rate"),
+        routing=run.routing,
+        recovery=Recovery(
+            resumed=bool(job.resume),
+            rows_from_earlier_runs=work.finished_rows,
+            requests_retried_after_engine_failure=run.retried_requests,
+            duplicate_deliveries_dropped=run.duplicates_dropped,
+            leases=run.leases,
+            **run.recovery,
+        ),
+        pools=run.pools,
+        storage=StorageRetries(**RetryStats.since(clock.retries_before)),
+        # What coordinating cost this process (all its threads): the cluster does the per-row work, so this
+        # should grow with files, chunks and shards, not with rows.
+        driver=DriverCost(
+            cpu_s=round(time.process_time() - clock.cpu0, 3),
+            peak_rss_bytes=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+        ),
+        usage=usage,
+        cost=_cost(config, run, engines, wall, clock.t0, outputs),
+    )
 
 
 def _cost(

@@ -1,7 +1,7 @@
 """Ingest in pieces with id buckets (runtime/ingest/tasks.py, runtime/ingest/dedup.py) against the one-pass reference.
 
 The reference is the validator with its one set of ids, reading the input in one stream (`iter_validated`), and
-fitting's own measuring pass over the staged work list (`fit.measure`). However the input is cut into pieces and the
+fitting's own measuring pass over the staged work list (`measure.measure`). However the input is cut into pieces and the
 ids into buckets, the result must be the same: the same error records byte for byte (ids included), the same work
 list in the same order, the same counts, the same Lengths."""
 
@@ -19,11 +19,14 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from pipeline.config import JobConfig
+from pipeline.engines import fake
+from pipeline.engines.fitting import FitTarget
+from pipeline.fit_record import Lengths
 from pipeline.io.readers import input_source
 from pipeline.io.staging import StagingArea
 from pipeline.models import ResolvedModel
 from pipeline.planner import output_budget
-from pipeline.runtime.ingest import fit
+from pipeline.runtime.ingest import measure
 from pipeline.runtime.ingest.dedup import bucket_of
 from pipeline.runtime.ingest.tasks import IngestReport, ingest
 from pipeline.stages.intake import InputCounts, iter_validated
@@ -179,7 +182,7 @@ def word_target(limit: int):
             out.append(ValueError("template error") if text == "BAD" else [len(text.split())])
         return out
 
-    return fit.FitTarget(
+    return FitTarget(
         counted_by="words",
         count=count,
         output_budget=lambda url, body: output_budget(url, body, None, 50),
@@ -191,10 +194,10 @@ def word_target(limit: int):
 
 @pytest.fixture
 def words(monkeypatch):
-    monkeypatch.setitem(fit._TARGETS, "word-count", lambda config, model: word_target(100))
+    monkeypatch.setattr(fake, "fit_target", lambda model, args, default_max_tokens: word_target(100))
     config = JobConfig.model_validate({"engine": {"backend": "fake"}})
     model = ResolvedModel(name=MODEL, path="/nowhere", revision=None, source="local-dir")
-    spec = fit.measuring(config, model)
+    spec = measure.measuring(config, model)
     assert spec is not None and spec.limit == 100
     return spec
 
@@ -210,8 +213,8 @@ REQUESTS = st.lists(
 )
 
 
-def _summary(lengths: fit.Lengths) -> dict:
-    return {**lengths.summary(), "seconds": None, "too_long": lengths.too_long}
+def _summary(lengths: Lengths) -> dict:
+    return {**lengths.summary().model_dump(), "seconds": None, "too_long": lengths.too_long}
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
@@ -237,7 +240,7 @@ def test_measuring_in_the_tasks_agrees_with_fittings_pass(
 
     serial = staging_at(root / "serial")
     before = ingest(path, MODEL, serial, job_id=JOB, parallel=False)
-    lengths = fit.measure(serial, words.target(), words.limit, job_id=JOB)
+    lengths = measure.measure(serial, words.target(), words.limit, job_id=JOB)
 
     assert _summary(report.lengths) == _summary(lengths)
     assert error_records(measured) == error_records(serial)

@@ -1,5 +1,5 @@
 """When a warm engine can serve the next job's plan as it is (engines.base.engine_covers), and when it must be
-rebuilt."""
+rebuilt; and what the registry says fitting can know of each backend (its fit strategy)."""
 
 from __future__ import annotations
 
@@ -67,3 +67,48 @@ def test_an_engine_filling_in_its_own_args_is_not_rebuilt():
         assert await worker._engine() is not first
 
     asyncio.run(go())
+
+
+# --- the registry names each backend's fit strategy (engines/fitting.py) --------------------------------------
+
+
+def test_each_backend_names_its_fit_strategy_or_why_it_has_none():
+    from pipeline.engines.base import BACKENDS, fit_strategy
+    from pipeline.engines.fake import fit_target as fake_fit
+    from pipeline.engines.vllm_engine import fit_target as vllm_fit
+
+    assert fit_strategy("vllm") is vllm_fit and fit_strategy("fake") is fake_fit
+    assert fit_strategy("http") is None and BACKENDS["http"].no_fit_reason
+    assert [name for name, entry in BACKENDS.items() if entry.fits_max_num_seqs] == ["vllm"]
+    with pytest.raises(ValueError, match="unknown engine backend"):
+        fit_strategy("nope")
+
+
+def test_fit_strategies_import_neither_ray_nor_vllm():
+    import subprocess
+    import sys
+
+    code = (
+        "import sys\n"
+        "from pipeline.engines.base import BACKENDS, fit_strategy\n"
+        "[fit_strategy(name) for name in BACKENDS]\n"
+        "heavy = {'ray', 'ray.data', 'vllm', 'torch', 'transformers'} & set(sys.modules)\n"
+        "assert not heavy, heavy\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_the_fake_strategy_counts_as_the_fake_engine_and_skips_another_models_requests():
+    from pipeline.engines.fake import FAKE_MAX_MODEL_LEN, fit_target
+    from pipeline.models import ResolvedModel
+
+    model = ResolvedModel(name="m", path="/nowhere", revision=None, source="local-dir")
+    target = fit_target(model, {"output_tokens": 7}, 256)
+    chat = {"messages": [{"role": "user", "content": "one two three"}]}
+    counts = target.count(
+        [("/v1/chat/completions", chat), ("/v1/chat/completions", {**chat, "model": "other"})]
+    )
+    assert counts[0] and counts[1] == []  # another model's request starts no sequence of this one
+    assert target.output_budget("/v1/chat/completions", chat) == (7, False)
+    assert target.output_budget("/v1/chat/completions", {**chat, "max_tokens": 3}) == (3, False)
+    assert target.model_limit == FAKE_MAX_MODEL_LEN and target.capacity({}, "cpu") is None

@@ -89,7 +89,7 @@ def local_ray():
 
     if ray.is_initialized():
         ray.shutdown()
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
     # pytest imports this file under a name Ray's workers cannot import: its task functions go by value.
     cloudpickle.register_pickle_by_value(sys.modules[__name__])
     try:

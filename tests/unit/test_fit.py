@@ -1,4 +1,5 @@
-"""Fitting engine args to the data (runtime/ingest/fit.py) and the prompt counter it uses (tokens.py): pure, no Ray."""
+"""Fitting engine args to the data (runtime/ingest/fit.py, measuring in runtime/ingest/measure.py, the fit record
+in fit_record.py) and the prompt counter it uses (tokens.py): pure, no Ray."""
 
 from __future__ import annotations
 
@@ -8,19 +9,13 @@ from pathlib import Path
 import pyarrow.parquet as pq
 
 from pipeline.config import DEFAULT_MAX_NUM_SEQS, JobConfig
+from pipeline.engines.fitting import FitTarget, KvCapacity
+from pipeline.fit_record import FitDecision, FitOff, Lengths
 from pipeline.io.staging import StagingArea
 from pipeline.models import ResolvedModel
 from pipeline.planner import output_budget
-from pipeline.runtime.ingest.fit import (
-    FitTarget,
-    KvCapacity,
-    Lengths,
-    apply_fit,
-    choose_max_num_seqs,
-    fit_job,
-    fit_max_model_len,
-    measure,
-)
+from pipeline.runtime.ingest.fit import apply_fit, choose_max_num_seqs, fit_job, fit_max_model_len
+from pipeline.runtime.ingest.measure import measure
 from pipeline.state import JobInput, JobState
 from pipeline.tokens import PromptCounter
 from tests.conftest import staged_rows
@@ -139,7 +134,7 @@ def test_a_gpu_with_known_capacity_is_not_capped():
 
 def test_a_gpu_pool_left_unfitted_gets_no_cpu_default():
     gpu = JobConfig.model_validate({"pools": [{"name": "a100", "gpus_per_engine": 1}]})
-    assert apply_fit(gpu, {"enabled": False}).engine.vllm.max_num_seqs is None
+    assert apply_fit(gpu, FitOff(enabled=False, reason="off")).engine.vllm.max_num_seqs is None
     record = vllm_record(a100=(None, "engine"))
     fitted = apply_fit(gpu, record)
     assert fitted.engine.vllm.max_num_seqs is None and "max_num_seqs" not in fitted.pools[0].engine_overrides
@@ -215,10 +210,10 @@ def test_fit_job_with_the_fake_engine_fits_the_context_and_rejects_too_long_rows
     config = fit_job(fake_job(tmp_path), MODEL, staging, state)
     record = state.fit
     # The fake counts words of "user: w w ...": 41 for b, + 4 output tokens (its output_tokens default).
-    assert record["max_model_len"]["source"] == "fitted"
-    assert record["max_model_len"]["value"] == 48 == config.engine.vllm.max_model_len
-    assert record["measured"]["prompt_plus_max_tokens"]["max"] == 45
-    assert record["context_length_exceeded"] == 1
+    assert record.max_model_len.source == "fitted"
+    assert record.max_model_len.value == 48 == config.engine.vllm.max_model_len
+    assert record.measured.prompt_plus_max_tokens.max == 45
+    assert record.context_length_exceeded == 1
     assert state.input.valid == 2 and state.input.invalid == 2
     assert staging.read_job().fit == record  # kept for resume
     assert request_ids(staging) == ["a", "b"]
@@ -236,29 +231,28 @@ def test_a_given_max_model_len_wins_and_is_checked_against_the_data(tmp_path):
     config = fit_job(fake_job(tmp_path, vllm={"max_model_len": 32}), MODEL, staging, state)
     assert config.engine.vllm.max_model_len == 32
     record = state.fit
-    assert record["max_model_len"]["source"] == "given" and record["max_model_len"]["needed"] == 80
-    assert record["context_length_exceeded"] == 1  # over the model's own limit: rejected whatever was given
-    assert any("max_model_len 32 is less than these requests need (80" in w for w in record["warnings"])
+    assert record.max_model_len.source == "given" and record.max_model_len.needed == 80
+    assert record.context_length_exceeded == 1  # over the model's own limit: rejected whatever was given
+    assert any("max_model_len 32 is less than these requests need (80" in w for w in record.warnings)
     assert request_ids(staging) == ["a", "b"]
 
 
 def test_max_num_seqs_is_sized_for_what_the_requests_need_under_a_given_max_model_len(tmp_path, monkeypatch):
-    from pipeline.runtime.ingest import fit as fit_module
+    from pipeline.engines import vllm_engine
 
     target = word_target(limit=8192, block=16, capacity=capacity(100))  # 1,600 tokens of KV
-    monkeypatch.setitem(fit_module._TARGETS, "tokenizer+kv", lambda config, model: target)
+    monkeypatch.setattr(vllm_engine, "fit_target", lambda model, args, default_max_tokens: target)
     rows = [chat("a", 10, 1, max_tokens=20), chat("b", 70, 2, max_tokens=10)]  # b grows to 80 tokens
     staging = staged(tmp_path, [rows])
     config = JobConfig.model_validate({"engine": {"vllm": {"max_model_len": 4096, "max_num_seqs": 64}}})
     state = fake_state(2, 2)
     fitted = fit_job(config, MODEL, staging, state)
-    seqs = state.fit["max_num_seqs"]["default"]
-    assert state.fit["longest_sequence"] == 80
-    assert (seqs["sized_for_tokens"], seqs["fits"], seqs["source"]) == (80, 20, "given")
+    seqs = state.fit.max_num_seqs["default"]
+    assert state.fit.longest_sequence == 80
+    assert (seqs.sized_for_tokens, seqs.fits, seqs.source) == (80, 20, "given")
     assert fitted.engine.vllm.max_num_seqs == 64  # given: kept, with a warning naming the number that fits
     assert any(
-        "max_num_seqs 64 is more than" in w and "lower --max-num-seqs to 20" in w
-        for w in state.fit["warnings"]
+        "max_num_seqs 64 is more than" in w and "lower --max-num-seqs to 20" in w for w in state.fit.warnings
     )
 
     # Without max_num_seqs it is fitted; a chat without max_tokens could grow to the whole context instead.
@@ -266,7 +260,7 @@ def test_max_num_seqs_is_sized_for_what_the_requests_need_under_a_given_max_mode
     state = fake_state(3, 3)
     config = JobConfig.model_validate({"engine": {"vllm": {"max_model_len": 160}}})
     fitted = fit_job(config, MODEL, open_ended, state)
-    assert state.fit["longest_sequence"] is None
+    assert state.fit.longest_sequence is None
     assert fitted.engine.vllm.max_num_seqs == 10  # 100 blocks / 10 blocks of 160 tokens
 
 
@@ -275,16 +269,23 @@ def test_no_fit_turns_it_off(tmp_path):
     state = fake_state(2, 2)
     config = fit_job(fake_job(tmp_path, fit={"enabled": False}), MODEL, staging, state)
     assert config.engine.vllm.max_model_len is None
-    assert state.fit == {"enabled": False, "reason": "turned off (--no-fit / engine.fit.enabled: false)"}
+    assert state.fit == FitOff(enabled=False, reason="turned off (--no-fit / engine.fit.enabled: false)")
+    assert state.fit.model_dump() == {
+        "enabled": False,
+        "reason": "turned off (--no-fit / engine.fit.enabled: false)",
+    }
     assert request_ids(staging) == ["a", "huge"]
 
 
-def vllm_record(**seqs) -> dict:
-    return {
-        "enabled": True,
-        "max_model_len": {"value": 512, "source": "fitted"},
-        "max_num_seqs": {name: {"value": v, "source": s} for name, (v, s) in seqs.items()},
-    }
+def vllm_record(**seqs) -> FitDecision:
+    return FitDecision.model_validate(
+        {
+            "enabled": True,
+            "counted_by": "words",
+            "max_model_len": {"value": 512, "source": "fitted", "model_limit": 8192, "block_size": 16},
+            "max_num_seqs": {name: {"value": v, "source": s, "why": ""} for name, (v, s) in seqs.items()},
+        }
+    )
 
 
 def test_apply_fit_sets_only_what_was_not_given():
@@ -294,7 +295,7 @@ def test_apply_fit_sets_only_what_was_not_given():
     given = JobConfig.model_validate({"engine": {"vllm": {"max_num_seqs": 8}}})
     kept = apply_fit(given, vllm_record(default=(8, "given")))
     assert kept.engine.vllm.max_num_seqs == 8
-    unfitted = apply_fit(config, {"enabled": False})
+    unfitted = apply_fit(config, FitOff(enabled=False, reason="off"))
     assert (unfitted.engine.vllm.max_model_len, unfitted.engine.vllm.max_num_seqs) == (
         None,
         DEFAULT_MAX_NUM_SEQS,
@@ -359,9 +360,9 @@ def test_a_template_error_is_the_requests_alone():
 
 
 def test_embedded_model_capacity_leaves_out_the_null_block(embedded_model):
-    from pipeline.runtime.ingest.fit import _vllm_target
+    from pipeline.engines.vllm_engine import fit_target
 
-    target = _vllm_target(JobConfig(), embedded_model)
+    target = fit_target(embedded_model, JobConfig().engine.vllm.model_dump(), 256)
     assert not isinstance(target, str), target
     kv = target.capacity({"cpu_kvcache_space_gib": 2, "extra": {}}, "cpu")
     # 2 GiB / (128 tokens x 23,040 B) = 728 blocks, one of which vLLM keeps as its null block.
@@ -442,7 +443,8 @@ def test_lengths_merged_in_any_order_equal_one_pass_in_input_order():
         for chunk in chunks:
             merged.merge(chunk)
         assert merged == one_pass
-    assert Lengths.from_dict(json.loads(json.dumps(one_pass.to_dict()))) == one_pass
+    assert Lengths.model_validate_json(one_pass.model_dump_json()) == one_pass
+    assert Lengths.model_validate(json.loads(json.dumps(one_pass.model_dump(mode="json")))) == one_pass
 
 
 def test_fit_job_decides_from_the_lengths_ingest_measured_without_measuring_again(tmp_path):
@@ -454,11 +456,12 @@ def test_fit_job_decides_from_the_lengths_ingest_measured_without_measuring_agai
     lengths = Lengths()
     lengths.add("a", [4], 20, False, 8192, at=(0, 1))
     lengths.too_long = 1
-    state = fake_state(3, 2).model_copy(update={"lengths": lengths.to_dict()})
+    state = fake_state(3, 2)
+    state.lengths = lengths
     config = fit_job(fake_job(tmp_path), MODEL, staging, state)
     record = state.fit
-    assert record["max_model_len"]["value"] == 32 == config.engine.vllm.max_model_len
-    assert record["context_length_exceeded"] == 1 and record["measured"]["longest_request"] == "a"
-    assert any("1 request(s) cannot run within the model's limit" in w for w in record["warnings"])
+    assert record.max_model_len.value == 32 == config.engine.vllm.max_model_len
+    assert record.context_length_exceeded == 1 and record.measured.longest_request == "a"
+    assert any("1 request(s) cannot run within the model's limit" in w for w in record.warnings)
     assert (state.input.valid, state.input.invalid) == (2, 1)  # ingest counted the rejection already
     assert request_ids(staging) == ["a", "huge"]  # nothing measured or dropped here

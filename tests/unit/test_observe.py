@@ -353,3 +353,24 @@ def test_status_of_a_running_and_of_an_interrupted_job(tmp_path):
 def test_status_of_no_job(tmp_path):
     result = CliRunner().invoke(app, ["status", str(tmp_path)])
     assert result.exit_code == 2 and "holds no nightshift job" in result.output
+
+
+def test_the_summary_names_the_fitted_args_from_the_manifests_fit_record():
+    from pipeline.observe.summary import fitted_line
+
+    fitted = json.loads((Path(__file__).resolve().parents[1] / "fixtures/state/manifest.json").read_text())[
+        "engine"
+    ]["fitted"]
+    assert fitted_line(fitted) == "max_model_len 80 (fitted)"
+    pools = {
+        "a": {"value": 22, "source": "fitted", "why": ""},
+        "b": {"value": 8, "source": "given", "why": ""},
+    }
+    both = {**fitted, "max_num_seqs": pools, "context_length_exceeded": 2}
+    assert fitted_line(both) == (
+        "max_model_len 80 (fitted), max_num_seqs a 22 (fitted), b 8 (given), "
+        "2 request(s) too long for the model, not run"
+    )
+    assert fitted_line({**fitted, "max_num_seqs": {"a": pools["a"]}}).endswith("max_num_seqs 22 (fitted)")
+    assert fitted_line({"enabled": False, "reason": "off"}) == "" and fitted_line(None) == ""
+    assert fitted_line({"enabled": True, "skipped": "no tokenizer"}) == ""

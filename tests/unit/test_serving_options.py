@@ -12,6 +12,7 @@ from typer.testing import CliRunner
 from pipeline.cli import app
 from pipeline.config import ConfigError, JobConfig, PoolConfig, VllmEngineArgs, merge_overrides
 from pipeline.engines.base import EngineSpec
+from pipeline.fit_record import FitDecision
 from pipeline.io.staging import StagingArea
 from pipeline.models import ResolvedModel, model_task, served_name
 from pipeline.planner import generation_max_tokens
@@ -105,10 +106,15 @@ def _resolved(name: str, path: str, task: str) -> ResolvedModel:
 
 def test_a_pool_of_another_model_drops_the_job_models_fitted_args():
     spec = EngineSpec("vllm", "/chat", "chat", {"max_model_len": 512, "max_num_seqs": 40, "dtype": "auto"})
-    fit = {
-        "max_model_len": {"source": "fitted", "value": 512},
-        "max_num_seqs": {"chat": {"source": "fitted"}, "embed": {"source": "fitted"}},
-    }
+    fit = FitDecision(
+        enabled=True,
+        counted_by="words",
+        max_model_len={"source": "fitted", "value": 512, "model_limit": 8192, "block_size": 16},
+        max_num_seqs={
+            "chat": {"source": "fitted", "value": 40, "why": ""},
+            "embed": {"source": "fitted", "value": 40, "why": ""},
+        },
+    )
     chat = PoolConfig(name="chat")
     assert pool_spec(spec, _resolved("chat", "/chat", "generate"), fit, chat) is spec
     embed = pool_spec(spec, _resolved("minilm", "/minilm", "embed"), fit, PoolConfig(name="embed"))

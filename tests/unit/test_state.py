@@ -42,7 +42,11 @@ def full_state() -> JobState:
         lengths={"requests": 2, "longest_at": [0, 1]},
         ingest=IngestRecord(nodes=["n1"], tasks_by_node={"read": {"n1": 2}}, seconds={"read": 0.5}),
         ingested=True,
-        fit={"enabled": True, "max_model_len": {"value": 80, "source": "fitted"}},
+        fit={
+            "enabled": True,
+            "counted_by": "words",
+            "max_model_len": {"value": 80, "source": "fitted", "model_limit": 8192, "block_size": 16},
+        },
     )
 
 
@@ -71,7 +75,7 @@ def test_a_job_json_written_before_the_state_was_typed_loads_and_dumps_back_unch
     assert state.ingested and state.input.valid == 17 and state.input.invalid == 2
     assert state.input.fingerprint.startswith("sha256:") and state.input.prefix_keyed == 0
     assert state.config.engine.backend == "fake" and state.model.name == "smollm2-135m-instruct"
-    assert state.ingest.tasks_by_node["dedup"] and state.fit["max_model_len"]["value"] == 80
+    assert state.ingest.tasks_by_node["dedup"] and state.fit.max_model_len.value == 80
     # Fields this version added are left at their defaults; everything recorded comes back as it was.
     assert state.model_dump(mode="json", exclude_unset=True) == recorded_job
 
@@ -123,3 +127,59 @@ def test_the_manifest_names_every_key_it_holds():
     data["counts"]["unexpected"] = 1
     with pytest.raises(ValidationError, match="unexpected"):
         Manifest.model_validate(data)
+
+
+# --- the fit records (pipeline/fit_record.py) ------------------------------------------------------------------
+
+
+def test_each_kind_of_fit_record_loads_as_its_type_and_dumps_back_the_same_keys():
+    from pipeline.fit_record import FitDecision, FitOff, FitSkipped, decision_of
+
+    off = {"enabled": False, "reason": "turned off (--no-fit / engine.fit.enabled: false)"}
+    skipped = {"enabled": True, "skipped": "measuring requests needs the model's tokenizer"}
+    decided = recorded("job.json")["fit"]
+    for data, kind in ((off, FitOff), (skipped, FitSkipped), (decided, FitDecision)):
+        state = full_state().model_copy(update={"fit": None})
+        state.fit = data  # validated on assignment, as fit_job stores it
+        assert type(state.fit) is kind
+        assert state.model_dump(mode="json")["fit"] == data
+        assert (decision_of(state.fit) is not None) == (kind is FitDecision)
+    assert decision_of(None) is None
+
+
+def test_a_fit_record_of_the_first_fitting_version_still_loads(tmp_path):
+    """The first fitting version wrote no longest_sequence, measured nothing under a given max_model_len, and named
+    per-pool keys differently: the record loads (its keys kept), and resume applies what it decided."""
+    old = recorded("job.json")
+    old["fit"] = {
+        "enabled": True,
+        "counted_by": "m tokenizer + chat template",
+        "max_model_len": {"value": 512, "source": "given", "model_limit": 8192, "block_size": 16},
+        "max_num_seqs": {
+            "default": {
+                "value": 22,
+                "source": "fitted",
+                "max_model_len": 512,
+                "kv_cache_tokens": 11264,
+                "fits_at_max_model_len": 22,
+                "why": "the KV cache holds 22",
+            }
+        },
+        "notes": ["max_model_len given: requests not measured"],
+        "warnings": [],
+    }
+    state = staged_job(tmp_path, old).read_job()
+    assert state.fit.measured is None and state.fit.longest_sequence is None
+    assert state.fit.fitted_max_num_seqs() == {"default": 22} and state.fit.fitted_max_model_len() is None
+    assert state.model_dump(mode="json", exclude_unset=True)["fit"] == old["fit"]
+
+
+def test_lengths_in_the_state_are_typed_and_written_as_before(tmp_path):
+    from pipeline.fit_record import Lengths
+
+    recorded_job = recorded("job.json")
+    state = staged_job(tmp_path, recorded_job).read_job()
+    assert isinstance(state.lengths, Lengths) and state.lengths.longest_at == (0, 5)
+    assert state.model_dump(mode="json")["lengths"] == recorded_job["lengths"]
+    merged = Lengths().merge(state.lengths)
+    assert merged == state.lengths and merged.summary().model_dump() == recorded_job["fit"]["measured"]

@@ -24,6 +24,7 @@ import structlog
 
 from pipeline.config import DEFAULT_MAX_NUM_SEQS, JobConfig, PoolConfig, effective_pools
 from pipeline.engines.base import EngineSpec, engine_class
+from pipeline.fit_record import FitRecord, decision_of
 from pipeline.io.staging import StagingArea
 from pipeline.models import ResolvedModel
 from pipeline.observe.progress import JobCounters, ProgressDisplay
@@ -274,10 +275,10 @@ class EngineLaunch:
             )
         self.route = False
         self.keyed_rows = 0
-        self._fit: dict[str, Any] | None = None
+        self._fit: FitRecord | None = None
         self._fed = False
 
-    def _spec_of(self, spec: EngineSpec, pool: PoolConfig, fit: dict[str, Any] | None) -> EngineSpec:
+    def _spec_of(self, spec: EngineSpec, pool: PoolConfig, fit: FitRecord | None) -> EngineSpec:
         model = self.pool_models.get(pool.name)
         return pool_spec(spec, model, fit, pool) if model is not None else spec
 
@@ -323,7 +324,7 @@ class EngineLaunch:
         (queue,) = self.queues.values()
         ray.get(queue.add_files.remote(parts))
 
-    def close_input(self, keyed_rows: int, fit: dict[str, Any] | None) -> None:
+    def close_input(self, keyed_rows: int, fit: FitRecord | None) -> None:
         """The work list is complete (streaming)."""
         import ray
 
@@ -397,7 +398,8 @@ class EngineLaunch:
 
         monitor, queues = self.monitor, list(self.queues.values())
         # Live engine numbers (KV usage, preemptions, prefix hits) in the display and logs; warns once on preemptions.
-        watch = EngineWatch.of_monitor(monitor, self._fit)
+        decision = decision_of(self._fit)
+        watch = EngineWatch.of_monitor(monitor, decision.longest_sequence if decision else None)
         seen = {"rows": 0, "failed": 0, "prompt_tokens": 0, "completion_tokens": 0}
         progress_pools: dict[str, dict[str, Any]] = {}
 
@@ -482,21 +484,18 @@ def _tail(plans: Iterable[FeedPlan]) -> int:
     return min(65536, max(32768, 16 * sum(p.max_engines * p.chunk_rows for p in plans)))
 
 
-def pool_spec(
-    spec: EngineSpec, model: ResolvedModel, fit: dict[str, Any] | None, pool: PoolConfig
-) -> EngineSpec:
+def pool_spec(spec: EngineSpec, model: ResolvedModel, fit: FitRecord | None, pool: PoolConfig) -> EngineSpec:
     """The engine spec of a pool serving `model`. Engine args fitted to the data are the job model's: a pool of
     another model drops them (vLLM then sizes its context and batch from the model itself) and keeps what was
     given."""
     if model.path == spec.model_path and model.name == spec.served_model_name:
         return spec
     args = dict(spec.args)
-    fit = fit or {}
-    if (fit.get("max_model_len") or {}).get(
-        "source"
-    ) == "fitted" and "max_model_len" not in pool.engine_overrides:
+    decision = decision_of(fit)
+    fitted_len = decision is not None and decision.fitted_max_model_len() is not None
+    if fitted_len and "max_model_len" not in pool.engine_overrides:
         args["max_model_len"] = None
-    if (fit.get("max_num_seqs") or {}).get(pool.name, {}).get("source") != "given":
+    if not (decision and decision.max_num_seqs_given(pool.name)):
         cpu_default = DEFAULT_MAX_NUM_SEQS if pool.gpus_per_engine == 0 else None
         args["max_num_seqs"] = pool.engine_overrides.get("max_num_seqs", cpu_default)
     return replace(spec, model_path=model.path, served_model_name=model.name, args=args)

@@ -270,12 +270,12 @@ class EngineWatch:
 
     @classmethod
     def of_monitor(
-        cls, monitor: Any, fitted: dict[str, Any] | None = None, every_s: float = 2.0
+        cls, monitor: Any, longest_sequence: int | None = None, every_s: float = 2.0
     ) -> EngineWatch:
+        """`longest_sequence`: the fit record's, when fitting bounded every request's output."""
         import ray
 
-        longest = (fitted or {}).get("longest_sequence")
-        return cls(lambda: ray.get(monitor.snapshot.remote(), timeout=10), every_s, longest)
+        return cls(lambda: ray.get(monitor.snapshot.remote(), timeout=10), every_s, longest_sequence)
 
     def poll(self) -> dict[str, Any]:
         with self._lock:

@@ -36,9 +36,9 @@ from dataclasses import dataclass, field
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from pipeline.fit_record import Lengths
 from pipeline.io.staging import INGEST_PREFIX, StagedRow, StagingArea
 from pipeline.protocol import ErrorCode, dumps
-from pipeline.runtime.ingest.fit import Lengths
 from pipeline.stages.validate import duplicate_line
 
 ID_SCHEMA = pa.schema(

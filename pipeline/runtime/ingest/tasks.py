@@ -38,6 +38,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from pipeline.config import InputLimits, StorageConfig
+from pipeline.engines.fitting import tokenizers_loaded
+from pipeline.fit_record import Lengths
 from pipeline.io.readers import (
     HASH_RANGE_BYTES,
     RANGE_BYTES,
@@ -64,7 +66,7 @@ from pipeline.runtime.ingest.dedup import (
     losers_dir,
     request_losers,
 )
-from pipeline.runtime.ingest.fit import Lengths, MeasureSpec, context_problem, tokenizers_loaded
+from pipeline.runtime.ingest.measure import MeasureSpec, context_problem
 from pipeline.stages.intake import InputCounts, as_source, bad_row_check
 from pipeline.stages.prefix_key import prefix_key
 from pipeline.stages.validate import InvalidLine, LineValidator, ValidRequest
