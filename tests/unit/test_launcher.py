@@ -13,7 +13,7 @@ import pytest
 import yaml
 
 from pipeline.config import JobConfig
-from pipeline.runtime.launcher import start_job
+from pipeline.runtime.launcher import STOP_GRACE_SECONDS, start_job
 from tests.fake_job_process import install_fake_python, wait_for_records
 
 pytestmark = pytest.mark.timeout(60)
@@ -44,6 +44,13 @@ def _env(tmp_path: Path, behaviour: str) -> dict[str, str]:
 
 def _record(tmp_path: Path) -> dict:
     return wait_for_records(tmp_path / "record.jsonl", 1)[0]
+
+
+def test_there_is_one_grace_and_the_server_replica_waits_longer_than_it():
+    from pipeline.server.app import BatchAPI
+
+    assert STOP_GRACE_SECONDS == 60.0
+    assert BatchAPI._deployment_config.graceful_shutdown_timeout_s > STOP_GRACE_SECONDS
 
 
 def test_a_new_job_runs_from_its_job_file_with_the_secret_only_in_its_environment(tmp_path, fake_python):
