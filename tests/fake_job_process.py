@@ -38,9 +38,9 @@ if behaviour == "abort-once":
 if behaviour == "ignore-sigint":
     signal.signal(signal.SIGINT, signal.SIG_IGN)
 try:
+    print("fake job started", flush=True)
     with open(path, "a") as f:
         f.write(json.dumps(record) + "\\n")  # the test waits for this line: the child is ready for signals
-    print("fake job started", flush=True)
     if behaviour.startswith("exit:"):
         sys.exit(int(behaviour[5:]))
     time.sleep(30)

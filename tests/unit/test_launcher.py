@@ -42,6 +42,14 @@ def _env(tmp_path: Path, behaviour: str) -> dict[str, str]:
     return {"FAKE_RECORD": str(tmp_path / "record.jsonl"), "FAKE_BEHAVIOUR": behaviour}
 
 
+def _start(tmp_path: Path, behaviour: str, job: JobConfig | None = None, resume: bool = False, **options):  # noqa: ANN202 - JobProcess
+    """The job (by default a plain one) started with the fake child behaving as `behaviour`."""
+    job = job or _job(tmp_path)
+    return start_job(
+        job, resume=resume, job_file=tmp_path / "job.yaml", env=_env(tmp_path, behaviour), **options
+    )
+
+
 def _record(tmp_path: Path) -> dict:
     return wait_for_records(tmp_path / "record.jsonl", 1)[0]
 
@@ -56,9 +64,7 @@ def test_there_is_one_grace_and_the_server_replica_waits_longer_than_it():
 def test_a_new_job_runs_from_its_job_file_with_the_secret_only_in_its_environment(tmp_path, fake_python):
     job = _job(tmp_path, api_key=SECRET, api_key_env="MY_ENDPOINT_KEY")
     job_file = tmp_path / "job.yaml"
-    child = start_job(
-        job, resume=False, job_file=job_file, flags=["--no-progress"], env=_env(tmp_path, "exit:0")
-    )
+    child = _start(tmp_path, "exit:0", job, flags=["--no-progress"])
     assert child.wait() == 0
     seen = _record(tmp_path)
     assert seen["argv"] == ["-m", "pipeline", "run", "--config", str(job_file), "--no-progress"]
@@ -76,7 +82,7 @@ def test_a_new_job_runs_from_its_job_file_with_the_secret_only_in_its_environmen
 
 def test_a_job_without_a_named_variable_gets_its_key_under_the_default_one(tmp_path, fake_python):
     job = _job(tmp_path, api_key=SECRET, api_key_env=None)
-    child = start_job(job, resume=False, job_file=tmp_path / "job.yaml", env=_env(tmp_path, "exit:0"))
+    child = _start(tmp_path, "exit:0", job)
     assert child.wait() == 0
     seen = _record(tmp_path)
     assert seen["env"]["NIGHTSHIFT_API_KEY"] == SECRET
@@ -86,9 +92,7 @@ def test_a_job_without_a_named_variable_gets_its_key_under_the_default_one(tmp_p
 def test_a_resumed_job_is_named_by_its_output_and_still_gets_its_secret(tmp_path, fake_python):
     job = _job(tmp_path, api_key=SECRET, api_key_env="MY_ENDPOINT_KEY")
     job_file = tmp_path / "job.yaml"
-    child = start_job(
-        job, resume=True, job_file=job_file, flags=["--no-progress"], env=_env(tmp_path, "exit:4")
-    )
+    child = _start(tmp_path, "exit:4", job, resume=True, flags=["--no-progress"])
     assert child.wait() == 4  # the child's exit code, as it gave it
     seen = _record(tmp_path)
     assert seen["argv"] == [
@@ -100,13 +104,7 @@ def test_a_resumed_job_is_named_by_its_output_and_still_gets_its_secret(tmp_path
 
 
 def test_a_child_that_ignores_sigint_is_killed_after_the_grace(tmp_path, fake_python):
-    child = start_job(
-        _job(tmp_path),
-        resume=False,
-        job_file=tmp_path / "job.yaml",
-        env=_env(tmp_path, "ignore-sigint"),
-        grace=1.0,
-    )
+    child = _start(tmp_path, "ignore-sigint", grace=1.0)
     _record(tmp_path)
     t0 = time.monotonic()
     assert child.stop() == -signal.SIGKILL
@@ -115,13 +113,7 @@ def test_a_child_that_ignores_sigint_is_killed_after_the_grace(tmp_path, fake_py
 
 def test_a_polled_child_is_killed_once_its_grace_has_passed(tmp_path, fake_python):
     """The server's way: wait a poll at a time, interrupting (again and again) between polls."""
-    child = start_job(
-        _job(tmp_path),
-        resume=False,
-        job_file=tmp_path / "job.yaml",
-        env=_env(tmp_path, "ignore-sigint"),
-        grace=1.0,
-    )
+    child = _start(tmp_path, "ignore-sigint", grace=1.0)
     _record(tmp_path)
     assert child.wait(0.1) is None  # still running
     t0 = time.monotonic()
@@ -136,13 +128,7 @@ def test_a_polled_child_is_killed_once_its_grace_has_passed(tmp_path, fake_pytho
 def test_a_child_that_aborts_on_sigint_ends_within_the_grace_with_its_log(tmp_path, fake_python):
     log_file = tmp_path / "job.log"
     log_file.write_text("an earlier attempt\n")
-    child = start_job(
-        _job(tmp_path),
-        resume=False,
-        job_file=tmp_path / "job.yaml",
-        env=_env(tmp_path, "abort-on-sigint"),
-        log_file=log_file,
-    )
+    child = _start(tmp_path, "abort-on-sigint", log_file=log_file)
     _record(tmp_path)
     t0 = time.monotonic()
     assert child.stop() == 130
@@ -158,12 +144,7 @@ def test_sigint_reaches_the_child_even_where_the_launcher_ignores_it(tmp_path, f
     """A shell's background job starts with SIGINT ignored, and exec keeps that: the child gets it back."""
     previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
-        child = start_job(
-            _job(tmp_path),
-            resume=False,
-            job_file=tmp_path / "job.yaml",
-            env=_env(tmp_path, "abort-on-sigint"),
-        )
+        child = _start(tmp_path, "abort-on-sigint")
     finally:
         signal.signal(signal.SIGINT, previous)
     seen = _record(tmp_path)
