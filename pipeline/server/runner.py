@@ -205,7 +205,9 @@ class BatchRunner:
         resumed one needs only where it runs: its checkpoint holds the rest."""
         job = self.config.job
         out = str(self.data.output(batch_id))
-        resources = job.resources.model_copy(update={"address": self.ray_address})
+        resources = job.resources
+        if self.ray_address is not None:  # the cluster this replica runs in
+            resources = resources.model_copy(update={"address": self.ray_address})
         if resume:
             return job.model_copy(update={"output": out, "resources": resources})
         batch = self.store.batch(batch_id)
