@@ -6,6 +6,6 @@
     commit/   range-partitioned shard tasks, then the manifest (the commit marker)
 
 Beside them: `job.py` (the order of the steps, on the driver), `session.py` (start or join Ray), `preflight.py`
-(checks before any work), `shifts.py` (the night window), `locality.py` (the pin-to-driver rule) and
-`background.py` (a driver-side thread helper).
+(checks before any work), `shifts.py` (the night window), `launcher.py` (a job as a child process, for the night
+window and the server), `locality.py` (the pin-to-driver rule) and `background.py` (a driver-side thread helper).
 """

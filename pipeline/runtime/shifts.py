@@ -2,7 +2,7 @@
 job the way Ctrl-C does — its abort path releases the engines, every staged row stays in `_staging/`, the rows in
 flight are dropped and run again later — then wait for the next opening and resume, all from the one command,
 until the job commits. Resuming re-runs only rows without a staged result, so the output is the uninterrupted
-run's. Each shift's job is a child process (`ShiftJob`: why, there).
+run's. Each shift's job is a child process, started and stopped by runtime/launcher.py (`ShiftJob`).
 
 The window's arithmetic is `pipeline/hours.py`; the clock is injected, so the orchestration is tested with a fake
 one and a fake job. `NIGHTSHIFT_TEST_CLOCK` (tests only) starts the clock at a given instant and makes waiting
@@ -14,8 +14,6 @@ from __future__ import annotations
 import datetime as dt
 import os
 import signal
-import subprocess
-import sys
 import tempfile
 import threading
 import time
@@ -25,9 +23,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Protocol, TypeVar
 
 import structlog
-import yaml
 
 from pipeline.hours import Hours
+from pipeline.runtime.launcher import start_job
 
 if TYPE_CHECKING:
     from pipeline.config import JobConfig
@@ -140,19 +138,13 @@ def run_in_hours(
             release()
 
 
-STOP_GRACE_SECONDS = (
-    60.0  # a shift's job told to stop (SIGINT) gets this long to abort cleanly before SIGKILL
-)
-
-
 class ShiftJob:
-    """One job, run shift after shift, each shift as a child `nightshift run` / `nightshift resume` process.
+    """One job, run shift after shift, each shift as a child `nightshift run` / `nightshift resume` process
+    (runtime/launcher.py: why a child, and how it is started and stopped).
 
-    Why a child per shift and not the job in this process: when the window closes, the job's engines must be gone
-    before anything resumes it. A child's exit guarantees that (its Ray driver ends, and Ray ends the driver's
-    actors; a private local Ray ends with it), where a job interrupted in-process leaves Ray Data's executor
-    winding its engines down in the background — still staging rows as the next shift lists what is pending,
-    which would count them twice. The child gets SIGINT, the signal Ctrl-C sends: its abort path runs.
+    A child per shift because when the window closes, the job's engines must be gone before anything resumes it,
+    and a child's exit guarantees that (its Ray driver ends, and Ray ends the driver's actors; a private local Ray
+    ends with it).
     """
 
     def __init__(self, job: JobConfig, resume: bool, flags: list[str]) -> None:
@@ -170,59 +162,22 @@ class ShiftJob:
             return False
         return True
 
-    def _command(self, workdir: Path) -> tuple[list[str], dict[str, str]]:
-        env = dict(os.environ)
-        if self.resume or (self.shifts and self._checkpointed()):
-            where = [
-                *(["--address", self.job.resources.address] if self.job.resources.address else []),
-                *(
-                    ["--s3-endpoint-url", self.job.storage.s3_endpoint_url]
-                    if self.job.storage.s3_endpoint_url
-                    else []
-                ),
-                *(["--s3-region", self.job.storage.s3_region] if self.job.storage.s3_region else []),
-            ]
-            return [
-                sys.executable,
-                "-m",
-                "pipeline",
-                "resume",
-                str(self.job.output),
-                *where,
-                *self.flags,
-            ], env
-        job = self.job
-        if self.shifts:
-            # An earlier shift was cut short before its checkpoint existed: what it left in OUTPUT is its own.
-            job = job.model_copy(update={"overwrite": True})
-        spec = job.model_dump(mode="json", exclude_none=True)
-        http = job.engine.http
-        if http.api_key is not None:  # never written to a file: the child reads it from its environment
-            name = http.api_key_env or "NIGHTSHIFT_API_KEY"
-            env[name] = http.api_key.get_secret_value()
-            spec["engine"]["http"]["api_key_env"] = name
-        path = workdir / "job.yaml"
-        path.write_text(yaml.safe_dump(spec, sort_keys=False))
-        return [sys.executable, "-m", "pipeline", "run", "--config", str(path), *self.flags], env
-
     def __call__(self) -> int:
         """Run one shift; its exit code (0: the job committed). WindowClosed stops the child first."""
         with tempfile.TemporaryDirectory(prefix="nightshift-shift-") as workdir:
-            command, env = self._command(Path(workdir))
+            resume = self.resume or bool(self.shifts and self._checkpointed())
+            job = self.job
+            if self.shifts and not resume:
+                # An earlier shift was cut short before its checkpoint existed: what it left in OUTPUT is its own.
+                job = job.model_copy(update={"overwrite": True})
             self.shifts += 1
-            proc = subprocess.Popen(command, env=env, stdin=subprocess.DEVNULL)
+            child = start_job(job, resume=resume, job_file=Path(workdir) / "job.yaml", flags=self.flags)
             try:
-                return proc.wait()
+                return child.wait()
             except KeyboardInterrupt:
-                if proc.poll() == 0:
+                if child.poll() == 0:
                     return 0  # the job committed just as the window closed: done, nothing to stop or resume
                 # The window closed (or Ctrl-C, which the child, in our process group, received too): let its
                 # abort path end it; what it staged is kept.
-                proc.send_signal(signal.SIGINT)
-                try:
-                    proc.wait(STOP_GRACE_SECONDS)
-                except subprocess.TimeoutExpired:
-                    log.warning("the job did not stop in time: killed", pid=proc.pid)
-                    proc.kill()
-                    proc.wait()
+                child.stop()
                 raise

@@ -10,10 +10,13 @@ from typing import Any
 
 from ray import serve
 
+from pipeline.runtime.launcher import STOP_GRACE_SECONDS
 from pipeline.server.routes import BatchService, create_app
 from pipeline.server.settings import ServerConfig
 
 APP_NAME = "nightshift"
+# The job's stop grace, then the drain of open requests and the warm engines' release, with room to spare.
+REPLICA_SHUTDOWN_SECONDS = STOP_GRACE_SECONDS + 30.0
 
 
 @serve.deployment(
@@ -24,8 +27,9 @@ APP_NAME = "nightshift"
     # The replica only coordinates; the cores are for the jobs' engines and tasks.
     ray_actor_options={"num_cpus": 0},
     max_ongoing_requests=256,
-    # A batch's job gets this long to stop cleanly (SIGINT) when the replica shuts down.
-    graceful_shutdown_timeout_s=20,
+    # The replica's shutdown stops the batches' jobs (SIGINT) and waits for them, each within its grace: Serve
+    # must wait longer than that grace, or it kills the replica (and with it the jobs) mid-grace.
+    graceful_shutdown_timeout_s=REPLICA_SHUTDOWN_SECONDS,
 )
 @serve.ingress()
 class BatchAPI:

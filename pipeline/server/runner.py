@@ -3,8 +3,9 @@ resume` for one whose checkpoint exists (a restarted server), joined to the serv
 
 Why a child process and not a thread of the API replica: a job's driver must be stoppable — a cancel or an expired
 window sends it SIGINT, and the job's own abort path releases its engines while every staged row stays on disk —
-and a thread cannot be stopped. The child dies with its parent (PR_SET_PDEATHSIG), so a killed server leaves no
-orphan driving its batch; the restarted server resumes it from the checkpoint.
+and a thread cannot be stopped. runtime/launcher.py starts and stops it: SIGINT, its grace, then SIGKILL. The child
+dies with the thread that started it (PR_SET_PDEATHSIG), so a killed server leaves no orphan driving its batch; the
+restarted server resumes it from the checkpoint.
 
 With a night window (`hours`), batches start or resume only inside it; at its end a running batch's job gets the
 same SIGINT (a batch already finalizing is let finish), the batch stays `in_progress` with the counts of its
@@ -21,12 +22,8 @@ it commits: request_counts are always rows that exist on disk.
 
 from __future__ import annotations
 
-import ctypes
 import hashlib
 import os
-import signal
-import subprocess
-import sys
 import threading
 import time
 from collections import Counter
@@ -34,9 +31,10 @@ from pathlib import Path
 from typing import Any
 
 import structlog
-import yaml
 
+from pipeline.config import JobConfig
 from pipeline.io.staging import StagingArea
+from pipeline.runtime.launcher import JobProcess, start_job
 from pipeline.runtime.shifts import SystemClock, clock_from_environment
 from pipeline.server import outputs
 from pipeline.server.schemas import FINAL_STATUSES, BatchError
@@ -44,20 +42,6 @@ from pipeline.server.settings import ServerConfig
 from pipeline.server.store import Store, new_id
 
 log = structlog.get_logger(__name__)
-
-STOP_GRACE_SECONDS = 30.0  # a job told to stop (SIGINT) gets this long to abort cleanly before SIGKILL
-
-
-def _prepare_child() -> None:
-    libc = ctypes.CDLL("libc.so.6", use_errno=True)
-    # PR_SET_PDEATHSIG: the kernel sends SIGTERM to the job when the thread that started it exits — here, the
-    # batch's watcher thread, which lives exactly as long as the job is wanted.
-    libc.prctl(1, signal.SIGTERM)
-    # Ray's worker threads block SIGINT (and a process may ignore it), and both survive exec: undo them, so the
-    # job's Python turns our SIGINT into KeyboardInterrupt and aborts cleanly. (libc's signal(), because Python's
-    # refuses to run outside the main thread, which this forked thread is not.)
-    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
-    libc.signal(signal.SIGINT, 0)  # SIG_DFL
 
 
 class DataDir:
@@ -93,7 +77,7 @@ class BatchRunner:
         self._lock = threading.Condition()
         self._queue: list[tuple[str, str]] = []  # (batch_id, owner), oldest first
         self._running: dict[str, str] = {}  # batch_id -> owner
-        self._procs: dict[str, subprocess.Popen] = {}
+        self._procs: dict[str, JobProcess] = {}
         self._cancel: set[str] = set()
         self._stopping = False
         self.hours = config.window()
@@ -122,13 +106,16 @@ class BatchRunner:
 
     def stop(self) -> None:
         """Server shutdown: stop the jobs without giving their batches a final status, so the next server
-        resumes them."""
+        resumes them. Returns once they have ended: each within its grace, else killed (the replica's Serve
+        shutdown timeout is longer than the grace, server/app.py, so a replica stop lets it run out)."""
         with self._lock:
             self._stopping = True
-            procs = list(self._procs.values())
+            jobs = list(self._procs.values())
             self._lock.notify_all()
-        for proc in procs:
-            proc.send_signal(signal.SIGINT)
+        for job in jobs:
+            job.interrupt()
+        for job in jobs:
+            job.stop()
         if self.keeper is not None:
             import ray
 
@@ -147,9 +134,9 @@ class BatchRunner:
             for q in queued:
                 self._queue.remove(q)
             self._cancel.add(batch_id)
-            proc = self._procs.get(batch_id)
-        if proc is not None:
-            proc.send_signal(signal.SIGINT)
+            job = self._procs.get(batch_id)
+        if job is not None:
+            job.interrupt()
         elif queued:
             self._finish_cut_short(batch_id, "cancelled")
 
@@ -213,27 +200,34 @@ class BatchRunner:
             ).start()
 
     # -- one batch --------------------------------------------------------------------------------------------
-    def _command(self, batch_id: str) -> list[str]:
-        out = self.data.output(batch_id)
-        common = ["--no-progress", *(["--address", self.ray_address] if self.ray_address else [])]
-        if (out / "_staging" / "job.json").is_file():
-            return [sys.executable, "-m", "pipeline", "resume", str(out), *common]
-        job = self.config.job.model_dump(mode="json", exclude_none=True)
+    def _job(self, batch_id: str, resume: bool) -> JobConfig:
+        """The batch's job: the server's job with the batch's input, output and identity, on this cluster. A
+        resumed one needs only where it runs: its checkpoint holds the rest."""
+        job = self.config.job
+        out = str(self.data.output(batch_id))
+        resources = job.resources
+        if self.ray_address is not None:  # the cluster this replica runs in
+            resources = resources.model_copy(update={"address": self.ray_address})
+        if resume:
+            return job.model_copy(update={"output": out, "resources": resources})
         batch = self.store.batch(batch_id)
         assert batch is not None
-        job.update(
-            input=str(self.data.upload(batch.input_file_id)),
-            output=str(out),
-            job_id=batch_id,
-            overwrite=True,  # a first attempt cut short before its checkpoint existed may have left a directory
-        )
         # A batch serves its one endpoint: a line for another route is that line's error record.
-        job.setdefault("limits", {})["only_url"] = batch.endpoint
+        limits = job.limits.model_copy(update={"only_url": batch.endpoint})
+        engine = job.engine
         if self.keeper is not None:
-            job.setdefault("engine", {})["warm_engines"] = self.keeper_name
-        spec = self.data.batch(batch_id) / "job.yaml"
-        spec.write_text(yaml.safe_dump(job, sort_keys=False))
-        return [sys.executable, "-m", "pipeline", "run", "--config", str(spec), *common]
+            engine = engine.model_copy(update={"warm_engines": self.keeper_name})
+        return job.model_copy(
+            update={
+                "input": str(self.data.upload(batch.input_file_id)),
+                "output": out,
+                "job_id": batch_id,
+                "overwrite": True,  # a first attempt cut short before its checkpoint existed may have left one
+                "limits": limits,
+                "engine": engine,
+                "resources": resources,
+            }
+        )
 
     def _run(self, batch_id: str) -> None:
         paused = False
@@ -258,27 +252,22 @@ class BatchRunner:
         paused = False
         rc = 0
         if not outputs.committed(out):
-            log_path = self.data.batch(batch_id) / "job.log"
-            with open(log_path, "ab") as job_log:
-                proc = subprocess.Popen(
-                    self._command(batch_id),
-                    stdin=subprocess.DEVNULL,
-                    stdout=job_log,
-                    stderr=job_log,
-                    preexec_fn=_prepare_child,  # noqa: PLW1509 - prctl only; no locks taken
-                    env=_job_environment(),
-                )
+            resume = (out / "_staging" / "job.json").is_file()
+            job = start_job(
+                self._job(batch_id, resume),
+                resume=resume,
+                job_file=self.data.batch(batch_id) / "job.yaml",
+                flags=["--no-progress"],
+                env=_ray_token_environment(),
+                log_file=self.data.batch(batch_id) / "job.log",
+            )
             with self._lock:
-                self._procs[batch_id] = proc
+                self._procs[batch_id] = job
                 if self._stopping:
-                    proc.send_signal(signal.SIGINT)
-            stop_sent: float | None = None
-            while True:
-                try:
-                    rc = proc.wait(timeout=self.config.poll_seconds)
-                    break
-                except subprocess.TimeoutExpired:
-                    pass
+                    job.interrupt()
+            # Polled, not waited for: between polls the counts are read and the reasons to stop it checked. A job
+            # told to stop that outlives its grace is killed inside wait().
+            while (exit_code := job.wait(self.config.poll_seconds)) is None:
                 self._observe(batch_id, out)
                 batch = self.store.batch(batch_id)
                 if cut_short is None and batch_id in self._cancel:
@@ -298,11 +287,9 @@ class BatchRunner:
                         batch=batch_id,
                         completed=batch.request_counts.completed,
                     )
-                if (cut_short or self._stopping or paused) and stop_sent is None:
-                    proc.send_signal(signal.SIGINT)
-                    stop_sent = time.monotonic()
-                if stop_sent is not None and time.monotonic() - stop_sent > STOP_GRACE_SECONDS:
-                    proc.kill()
+                if cut_short or self._stopping or paused:
+                    job.interrupt()  # once: the grace counts from the first
+            rc = exit_code
             self._drop_engines(batch_id, release_idle=paused)
             if self._stopping:
                 return False  # left unfinished on purpose: the next server resumes it
@@ -432,21 +419,20 @@ class BatchRunner:
         )
 
 
-def _job_environment() -> dict[str, str]:
-    """The job joins this cluster with the token this replica's Ray uses. A token given to the cluster (the
-    environment, or nightshift's head token) the job finds itself; a private local Ray (`nightshift serve` without
-    --address) keeps Ray's own default token file, which the job must be pointed at (nightshift does not read it
-    implicitly: see cluster/auth.py)."""
+def _ray_token_environment() -> dict[str, str]:
+    """What the job's environment needs beyond this replica's to join this cluster with the token this replica's
+    Ray uses. A token given to the cluster (the environment, or nightshift's head token) the job finds itself; a
+    private local Ray (`nightshift serve` without --address) keeps Ray's own default token file, which the job must
+    be pointed at (nightshift does not read it implicitly: see cluster/auth.py)."""
     from cluster.auth import TOKEN_ENV, TOKEN_PATH_ENV, default_token_path
 
-    env = dict(os.environ)
     ray_default = Path.home() / ".ray" / "auth_token"
     if (
-        not (env.get(TOKEN_ENV) or env.get(TOKEN_PATH_ENV) or default_token_path().is_file())
+        not (os.environ.get(TOKEN_ENV) or os.environ.get(TOKEN_PATH_ENV) or default_token_path().is_file())
         and ray_default.is_file()
     ):
-        env[TOKEN_PATH_ENV] = str(ray_default)
-    return env
+        return {TOKEN_PATH_ENV: str(ray_default)}
+    return {}
 
 
 def _last_error(log_path: Path, rc: int) -> str:

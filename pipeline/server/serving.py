@@ -1,6 +1,7 @@
 """`nightshift serve`: start (or join) Ray, run the Serve application on HOST:PORT, and stay up until SIGINT or
 SIGTERM; then shut Serve down, which stops the batches' jobs without giving them a final status, so the next
-server resumes them."""
+server resumes them. Deleting the application waits for the replica's graceful shutdown, which waits for the jobs,
+each within its stop grace (runtime/launcher.py; server/app.py: Serve's timeout is longer)."""
 
 from __future__ import annotations
 

@@ -322,3 +322,57 @@ def test_the_runner_waits_for_the_window_and_expires_what_waited_too_long(tmp_pa
     assert runner._queue == [("batch_new", "owner")]
     runner.clock.t = at("2025-03-10 22:30")
     assert runner._closed_until() is None
+
+
+# ------------------------------------------------------------------------------------- shifts as child processes
+
+
+def _shift_job(tmp_path, monkeypatch, behaviour: str):  # noqa: ANN202 - ShiftJob
+    """A ShiftJob whose children are the fake job (tests/fake_job_process.py)."""
+    from pipeline.config import JobConfig
+    from pipeline.runtime.shifts import ShiftJob
+    from tests.fake_job_process import install_fake_python
+
+    install_fake_python(tmp_path, monkeypatch)
+    monkeypatch.setenv("FAKE_RECORD", str(tmp_path / "record.jsonl"))
+    monkeypatch.setenv("FAKE_BEHAVIOUR", behaviour)
+    job = JobConfig(input=str(tmp_path / "in.jsonl"), output=str(tmp_path / "out"))
+    return ShiftJob(job, resume=False, flags=["--no-progress"])
+
+
+def test_each_shift_runs_the_job_or_resumes_it_from_its_checkpoint(tmp_path, monkeypatch):
+    import yaml
+
+    from tests.fake_job_process import wait_for_records
+
+    shift = _shift_job(tmp_path, monkeypatch, "exit:0")
+    checkpointed = False
+    monkeypatch.setattr(shift, "_checkpointed", lambda: checkpointed)
+    assert shift() == 0  # the first shift: a new job, from its job file
+    assert shift() == 0  # cut short before its checkpoint existed: run again, over what it left
+    checkpointed = True
+    assert shift() == 0  # resumed from the checkpoint
+    first, second, third = wait_for_records(tmp_path / "record.jsonl", 3)
+    assert first["argv"][:4] == ["-m", "pipeline", "run", "--config"] and first["argv"][-1] == "--no-progress"
+    assert yaml.safe_load(first["job_file"])["overwrite"] is False
+    assert yaml.safe_load(second["job_file"])["overwrite"] is True
+    assert third["argv"] == ["-m", "pipeline", "resume", str(tmp_path / "out"), "--no-progress"]
+    assert shift.shifts == 3
+
+
+def test_a_closing_window_stops_the_shifts_child_and_the_next_opening_runs_it_again(
+    tmp_path, monkeypatch, capfd
+):
+    """The window closes 4 s into the first shift (time for the child to start, on a busy machine too): its child
+    gets SIGINT and ends by its abort path; the next opening (skipped to) starts the second shift, which finishes
+    the job."""
+    from tests.fake_job_process import wait_for_records
+
+    shift = _shift_job(tmp_path, monkeypatch, "abort-once")
+    clock = SkippingClock(at("2025-03-10 22:03:56"))
+    released = []
+    assert run_in_hours(Hours.parse("22:00-22:04", "UTC"), shift, clock, lambda: released.append(1)) == 0
+    assert shift.shifts == 2 and released == [1]
+    assert len(wait_for_records(tmp_path / "record.jsonl", 2)) == 2
+    # The children write to this process's own stdout: the first one ended by its abort path.
+    assert capfd.readouterr().out.count("interrupted; finished rows are kept") == 1

@@ -108,3 +108,43 @@ def test_the_serve_application_import_path_builds():
     with pytest.raises(ConfigError, match="only on loopback"):
         app_builder({"host": "0.0.0.0", "auth": {"disabled": True}})
     assert ServerConfig().limits.max_requests_per_batch == 50_000
+
+
+def test_a_batchs_job_is_the_servers_job_with_the_batchs_own_input_output_and_cluster(tmp_path, monkeypatch):
+    """The job file the runner hands the launcher: the server's job with the batch's input, output, identity,
+    endpoint, warm engines and cluster; its api_key only in the child's environment."""
+    import time
+
+    import yaml
+
+    from pipeline.runtime.launcher import job_environment, write_job_file
+    from pipeline.server.runner import BatchRunner, DataDir
+
+    data = DataDir(tmp_path)
+    data.create()
+    store = Store(data.database)
+    store.add_batch("batch_x", "owner", "/v1/embeddings", "file-x", "24h", None, 3, int(time.time()) + 60)
+    http = {"endpoints": ["http://127.0.0.1:9"], "api_key": "sk-server-side-secret-0123"}
+    config = ServerConfig(
+        job={"engine": {"backend": "http", "http": http}, "limits": {"max_line_bytes": 4096}}
+    )
+    runner = BatchRunner(config, store, data, "10.0.0.1:6379")
+    runner.keeper = object()  # warm engines on
+
+    job = runner._job("batch_x", resume=False)
+    write_job_file(job, tmp_path / "job.yaml")
+    # What the runner wrote before the launcher existed (it passed --address on the command line instead).
+    expected = config.job.model_dump(mode="json", exclude_none=True)
+    expected.update(input=str(data.upload("file-x")), output=str(data.output("batch_x")), job_id="batch_x")
+    expected.update(overwrite=True)
+    expected["limits"]["only_url"] = "/v1/embeddings"
+    expected["engine"]["warm_engines"] = runner.keeper_name
+    expected["engine"]["http"]["api_key_env"] = "NIGHTSHIFT_API_KEY"
+    expected["resources"]["address"] = "10.0.0.1:6379"
+    assert yaml.safe_load((tmp_path / "job.yaml").read_text()) == expected
+    assert "sk-server-side-secret" not in (tmp_path / "job.yaml").read_text()
+    assert job_environment(job)["NIGHTSHIFT_API_KEY"] == "sk-server-side-secret-0123"
+
+    resumed = runner._job("batch_x", resume=True)
+    assert (resumed.output, resumed.resources.address) == (str(data.output("batch_x")), "10.0.0.1:6379")
+    assert job_environment(resumed)["NIGHTSHIFT_API_KEY"] == "sk-server-side-secret-0123"
