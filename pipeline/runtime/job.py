@@ -1,16 +1,17 @@
 """One batch job, end to end — the order of the steps; each step lives in its own module:
 
-    preflight ─▶ ingest ─▶ fit ─▶ (resume filter) ─▶ feed: engine actors ─▶ sink: staged parts ─▶ finalize
+    preflight ─▶ ingest ─▶ fit ─▶ (resume filter) ─▶ engines ─▶ stage ─▶ commit
                  └── engine actors start, load and wait for the fitted args ──┘
 
-    runtime/preflight.py  input and output reachable and usable, before any work
-    runtime/session.py    the Ray session (a private instance, or a cluster's address)
-    runtime/ingest/tasks.py     read + validate + measure as tasks on the cluster: the work list, the first error records
-    runtime/ingest/measure.py    requests measured as fitting counts them (in the ingest tasks)
-    runtime/ingest/fit.py        engine args fitted to the measured requests
-    runtime/engines/launch.py       pools of engine actors leasing chunks from the work queue (work_queue.py, worker.py)
-    runtime/stage/sink.py       engines stage their own results; only acknowledgements reach the queue
-    runtime/commit/finalize.py   sorted, sharded output, then the manifest, written last
+    runtime/preflight.py           input and output reachable and usable, before any work
+    runtime/session.py             the Ray session (a private instance, or a cluster's address)
+    runtime/ingest/tasks.py        read + validate + measure as tasks on the cluster: the work list, first errors
+    runtime/ingest/measure.py      requests measured as fitting counts them (in the ingest tasks)
+    runtime/ingest/fit.py          engine args fitted to the measured requests (on the driver)
+    runtime/engines/launch.py      pools of engine actors (engine_actor.py) leasing chunks from the work queue
+    runtime/stage/sink.py          engines stage their own results; only acknowledgements reach the queue
+    runtime/commit/finalize.py     sorted, sharded output, then the manifest, written last
+    runtime/executor.py            how ingest's and finalize's tasks run: Ray tasks, or in this process
 
 `run_job` is that order and nothing else: each step is a function below it, sharing the run's `_Job`.
 

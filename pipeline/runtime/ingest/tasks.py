@@ -13,7 +13,7 @@ Parquet files; an http(s) input is one piece) and four steps run as parallel tas
    last ones to finish are short (`range_bytes`, unless given: the input / 8 per worker, 8 to 64 MiB).
 2. read (`read_piece`): each piece's rows are validated (`LineValidator.check`, without a duplicate set), keyed for
    prefix routing and, when the job is fitted, measured with the counter fitting uses (a tokenizer loads once per
-   worker process, fit.prompt_counter); a request that can never fit the model becomes a context_length_exceeded
+   worker process, engines/fitting.prompt_counter); a request that can never fit the model becomes a context_length_exceeded
    error record here. The piece stages its requests (`_staging/requests/`) and error records (`_staging/errors/`),
    part names fixed by the piece (a task run again replaces its parts), and writes its custom_id claims to id
    buckets.
@@ -217,7 +217,7 @@ class _PieceOutput:
 
 
 class _Measure:
-    """Measures valid requests a batch at a time, as fitting would (fit.measure): too-long ones become errors."""
+    """Measures valid requests a batch at a time, as fitting would (ingest/measure.measure): too-long ones become errors."""
 
     def __init__(self, spec: MeasureSpec, out: _PieceOutput, job_id: str | None) -> None:
         self.spec = spec
