@@ -143,31 +143,24 @@ def make_input(tmp_path):
     return make
 
 
-# `make test` runs the suite on two pytest-xdist workers. A module is one unit of work, so its module- and
-# session-scoped fixtures (a job, a Ray instance, a server) are built once, on one worker. The modules that start
-# the real vLLM engine form one unit, run in turn on one worker: two engines starting at once on a 2-core box would
-# fight over its cores (their core claims and start slots) and each would start late, while the other worker's
-# fake-engine and unit tests need little of the box beside them. The documented install spends minutes in pip
-# before its engine starts, so it is a unit of its own and runs beside the engine modules.
-REAL_ENGINE_UNIT = "real-engine"
-_OWN_UNIT = {"tests/e2e/test_documented_install.py"}
+# `make test` runs the suite on two pytest-xdist workers (`--dist loadgroup`). A module is one unit of work, so its
+# module- and session-scoped fixtures (a job, a Ray instance, a server) are built once, on one worker. The tests
+# that start the real vLLM engine form one group, run in turn on one worker: two engines starting at once on
+# a 2-core box would fight over its cores (their core claims and start slots) and each would start late, while
+# the other worker's fake-engine and unit tests need little of the box beside them. The documented install spends
+# minutes in pip before its engine starts, so it is a group of its own and runs beside the engine group.
+REAL_ENGINE_GROUP = "real-engine"
+_OWN_GROUP = {"tests/e2e/test_documented_install.py"}
 
 
-def work_unit(nodeid: str) -> str:
-    """The unit of work an xdist worker runs as a whole: the test's module, or all the real-engine modules."""
-    path = nodeid.split("::", 1)[0]
-    return REAL_ENGINE_UNIT if path.startswith("tests/e2e/") and path not in _OWN_UNIT else path
-
-
-@pytest.hookimpl(optionalhook=True)
-def pytest_xdist_make_scheduler(config, log):
-    from xdist.scheduler import LoadScopeScheduling
-
-    class ByWorkUnit(LoadScopeScheduling):
-        def _split_scope(self, nodeid: str) -> str:
-            return work_unit(nodeid)
-
-    return ByWorkUnit(config, log)
+def pytest_collection_modifyitems(config, items):
+    root = Path(str(config.rootpath))
+    for item in items:
+        if item.get_closest_marker("xdist_group"):
+            continue
+        path = Path(str(item.path)).relative_to(root).as_posix()
+        engine = path.startswith("tests/e2e/") and path not in _OWN_GROUP
+        item.add_marker(pytest.mark.xdist_group(REAL_ENGINE_GROUP if engine else path))
 
 
 def pytest_sessionfinish(session):
