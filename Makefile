@@ -34,7 +34,7 @@ run: install
 	@echo "results: $(OUT)/results-*.jsonl   errors: $(OUT)/errors-*.jsonl   manifest: $(OUT)/manifest.json"
 
 test: install chromium
-	$(PY) -m pytest -q -n 2 --dist loadgroup --durations=25
+	$(PY) -m pytest -q --durations=25
 
 # The report test opens report.html in headless Chromium; installed here when missing and apt-get can (else the
 # test is skipped and says why).
@@ -44,7 +44,7 @@ chromium:
 		echo "chromium could not be installed: the report screenshot test will be skipped")
 
 test-fast: install
-	$(PY) -m pytest -q -n 2 --dist loadgroup -m "not slow"
+	$(PY) -m pytest -q -m "not slow"
 
 lint: install
 	$(VENV)/bin/ruff check pipeline cluster tests bench

@@ -143,43 +143,8 @@ def make_input(tmp_path):
     return make
 
 
-# `make test` runs the suite on two pytest-xdist workers (`--dist loadgroup`). A module is one unit of work, so its
-# module- and session-scoped fixtures (a job, a Ray instance, a server) are built once, on one worker. The tests
-# that start the real vLLM engine form one group, run in turn on one worker: two engines starting at once on
-# a 2-core box would fight over its cores (their core claims and start slots) and each would start late, while
-# the other worker's fake-engine and unit tests need little of the box beside them. The documented install spends
-# minutes in pip before its engine starts, so it is a group of its own and runs beside the engine group.
-REAL_ENGINE_GROUP = "real-engine"
-_OWN_GROUP = {"tests/e2e/test_documented_install.py"}
-
-
-def pytest_collection_modifyitems(config, items):
-    root = Path(str(config.rootpath))
-    for item in items:
-        if item.get_closest_marker("xdist_group"):
-            continue
-        path = Path(str(item.path)).relative_to(root).as_posix()
-        engine = path.startswith("tests/e2e/") and path not in _OWN_GROUP
-        item.add_marker(pytest.mark.xdist_group(REAL_ENGINE_GROUP if engine else path))
-
-
-def pytest_sessionfinish(session):
-    """On an xdist worker: hand the failure figures this worker measured to the controller, which prints them."""
-    from tests.failure_figures import FIGURES
-
-    if hasattr(session.config, "workeroutput"):
-        session.config.workeroutput["failure_figures"] = list(FIGURES)
-
-
-@pytest.hookimpl(optionalhook=True)
-def pytest_testnodedown(node, error):
-    from tests.failure_figures import FIGURES
-
-    FIGURES.extend(getattr(node, "workeroutput", {}).get("failure_figures", []))
-
-
 def pytest_terminal_summary(terminalreporter):
-    """Print what the failure tests measured (see tests/failure_figures.py), on every worker's behalf."""
+    """Print what the failure tests measured (see tests/failure_figures.py)."""
     from tests.failure_figures import FIGURES, summary_lines
 
     if FIGURES:
