@@ -23,6 +23,17 @@ class Interrupted(Exception):
     """The driver dying part way, as seen from finalize."""
 
 
+@pytest.fixture(autouse=True)
+def without_ray():
+    """These tests interrupt the task functions in this process: a Ray an earlier module left running would run
+    them as Ray tasks instead (finalize runs on Ray whenever it is initialized)."""
+    import sys
+
+    ray = sys.modules.get("ray")
+    if ray is not None and ray.is_initialized():
+        ray.shutdown()
+
+
 @pytest.fixture
 def staged(tmp_path: Path) -> Path:
     """An OUTPUT whose staging holds every row of a job, not yet finalized."""
