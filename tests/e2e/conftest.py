@@ -24,3 +24,12 @@ def run_cli(*args: str, timeout: float = 900, env: dict | None = None) -> subpro
 @pytest.fixture(scope="session")
 def e2e_dir(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("e2e")
+
+
+@pytest.fixture(scope="session")
+def warm(tmp_path_factory, embedded_model):
+    """The session's warm cluster (tests/e2e/warm_cluster.py): jobs that join it share its engines."""
+    from tests.e2e.warm_cluster import warm_cluster
+
+    with warm_cluster(tmp_path_factory.mktemp("warm-home")) as cluster:
+        yield cluster

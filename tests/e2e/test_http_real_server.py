@@ -90,13 +90,20 @@ def _comparable(body: dict) -> dict:
     return {"text": text, "finish_reason": choice["finish_reason"], "usage": body["usage"]}
 
 
-def test_http_bodies_equal_the_in_process_engines(e2e_dir, vllm_server, embedded_model):
+def test_http_bodies_equal_the_in_process_engines(e2e_dir, vllm_server, warm):
     server, url = vllm_server
     input_path = write_lines(e2e_dir / "http-in.jsonl", LINES)
-    # The in-process job first: its engine run overlaps the server's start (both are ~30 s here).
+    # The in-process job first, on the session's warm engine (one sequence at a time, as the server): it runs while
+    # the server starts.
     local = e2e_dir / "http-local-out"
     proc = run_cli(
-        "run", str(input_path), str(local), "--max-num-seqs", "1", "--num-engines", "1", "--no-progress"
+        "run",
+        str(input_path),
+        str(local),
+        "-c",
+        str(warm.job_file(e2e_dir)),
+        *warm.job_args(),
+        "--no-progress",
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     _wait_ready(server, url, e2e_dir / "vllm-server.log")

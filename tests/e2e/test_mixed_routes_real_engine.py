@@ -11,6 +11,7 @@ import pytest
 
 from tests.conftest import read_jsonl, write_lines
 from tests.e2e.conftest import run_cli
+from tests.e2e.warm_cluster import CHAT_CONTEXT
 
 pytestmark = pytest.mark.slow
 
@@ -84,28 +85,22 @@ SERVED_BY = {
 
 
 @pytest.fixture(scope="session")
-def mixed_job(e2e_dir, embedded_model):
+def mixed_job(e2e_dir, warm):
+    """On the session's warm engines (tests/e2e/warm_cluster.py): what is checked is where each line ran and what
+    came back, not the engines' start."""
     input_path = write_lines(e2e_dir / "mixed-routes.jsonl", LINES)
     config = e2e_dir / "two-models.yaml"
     config.write_text(
+        f"engine: {{warm_engines: {warm.keeper}}}\n"
         "pools:\n"
-        "  - {name: chat, cpus_per_engine: 1}\n"
+        f"  - {{name: chat, cpus_per_engine: 1, engine_overrides: {{max_model_len: {CHAT_CONTEXT}}}}}\n"
         "  - {name: embed, model: 'embedded:minilm', cpus_per_engine: 1}\n"
     )
     output = e2e_dir / "mixed-routes-out"
     proc = run_cli(
-        "run",
-        str(input_path),
-        str(output),
-        "--config",
-        str(config),
-        "--tool-call-parser",
-        "hermes",
-        "--enable-auto-tool-choice",
-        "--max-num-seqs",
-        "8",
+        "run", str(input_path), str(output), "--config", str(config), *warm.job_args(pools_in_config=True),
         "--no-progress",
-    )
+    )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
     results = {r["custom_id"]: r for r in read_jsonl(output.glob("results-*.jsonl"))}
     errors = {r["custom_id"]: r for r in read_jsonl(output.glob("errors-*.jsonl"))}
