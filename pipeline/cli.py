@@ -12,6 +12,7 @@ import typer
 
 from pipeline.config import ConfigError, JobConfig, UnreadableConfigFile, load_job_config, merge_overrides
 from pipeline.config_flags import FlagValues, with_config_flags
+from pipeline.server.settings import SERVE_FLAGS, ServerConfig, load_server_config
 
 app = typer.Typer(
     name="nightshift",
@@ -220,75 +221,32 @@ def status_command(
 
 
 @app.command()
+@with_config_flags(ServerConfig, *SERVE_FLAGS)
 def serve(
-    host: Annotated[str | None, typer.Option(help="Address to listen on. Default: 127.0.0.1.")] = None,
-    port: Annotated[int | None, typer.Option(help="Port to listen on. Default: 8000.")] = None,
-    address: Annotated[
-        str | None, typer.Option(help="Ray cluster to join; default: start a local Ray.")
-    ] = None,
-    data_dir: Annotated[
-        Path | None,
-        typer.Option(help="Files, batch outputs and the SQLite state. Default: ./nightshift-data."),
-    ] = None,
     config: Annotated[
         Path | None,
         typer.Option(
             "--config", "-c", help="Server config YAML (limits, auth, the job every batch runs as)."
         ),
     ] = None,
-    api_keys_file: Annotated[
-        Path | None, typer.Option(help="File of API keys, one per line. Also: $NIGHTSHIFT_API_KEYS.")
-    ] = None,
-    no_auth: Annotated[
-        bool, typer.Option("--no-auth", help="Accept requests without a key (loopback only).")
-    ] = False,
-    hours: Annotated[
-        str | None,
-        typer.Option(
-            help="Run batches only inside this daily window, HH:MM-HH:MM (may wrap midnight): running ones stop at "
-            "its end, finished rows kept, and resume at the next opening."
-        ),
-    ] = None,
-    timezone: Annotated[
-        str | None, typer.Option(help="--hours: the window's IANA timezone (default: local time).")
-    ] = None,
-    engine_idle_seconds: Annotated[
-        float | None,
-        typer.Option(
-            help="Keep engines warm this long after the last batch, for the next batch of the same model "
-            "(default 600; 0: every batch starts its own)."
-        ),
-    ] = None,
     log_format: Annotated[str, typer.Option(help="Logs: console or json.")] = "console",
+    *,
+    flags: FlagValues,
 ) -> None:
     """The OpenAI Files + Batches API on Ray Serve: point the `openai` client's base_url at http://HOST:PORT/v1."""
     from pipeline.observe.logs import configure_logging
     from pipeline.server.auth import Keyring
-    from pipeline.server.settings import load_server_config
 
     configure_logging(log_format)
     try:
-        settings = load_server_config(
-            config,
-            {
-                "host": host,
-                "port": port,
-                "address": address,
-                "data_dir": str(data_dir) if data_dir else None,
-                "auth.keys_file": str(api_keys_file) if api_keys_file else None,
-                "auth.disabled": True if no_auth else None,
-                "hours": hours,
-                "timezone": timezone,
-                "engine_idle_seconds": engine_idle_seconds,
-            },
-        )
+        settings = load_server_config(config, flags.overrides(), flags.labels)
         Keyring.load(settings.auth)  # keys are checked here, before Ray starts
         settings.data_dir.mkdir(parents=True, exist_ok=True)
     except ConfigError as exc:
         _fail(str(exc))
     except OSError as exc:
         _fail(
-            f"--data-dir {data_dir}: cannot be created ({exc.strerror or exc}); choose a writable directory"
+            f"--data-dir {settings.data_dir}: cannot be created ({exc.strerror or exc}); choose a writable directory"
         )
     from pipeline.server.serving import serve_forever
 

@@ -17,6 +17,7 @@ import types
 import typing
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, SecretStr
@@ -157,7 +158,7 @@ def _cli_type(config_flag: ConfigFlag) -> Any:
     if flag.parse is not None:
         return list[str] if flag.multiple else str
     field = _without_none(config_flag.annotation)
-    if field in (bool, int, float):
+    if field in (bool, int, float, Path):
         return field
     if typing.get_origin(field) is list:
         return list[str]

@@ -9,6 +9,7 @@ from typing import Annotated, Any
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints, ValidationError, field_validator
 
 from pipeline.config import ConfigError, JobConfig, format_validation_error, read_yaml_mapping, set_dotted
+from pipeline.config_flags import Flag
 
 
 class _Strict(BaseModel):
@@ -37,20 +38,32 @@ class ServerLimits(_Strict):
 
 
 class AuthSettings(_Strict):
-    keys_file: Path | None = Field(default=None, description="File of API keys, one per line (# comments).")
+    keys_file: Annotated[
+        Path | None, Flag("--api-keys-file", "File of API keys, one per line. Also: $NIGHTSHIFT_API_KEYS.")
+    ] = Field(default=None, description="File of API keys, one per line (# comments).")
     keys_env: str = Field(
         default="NIGHTSHIFT_API_KEYS", description="Environment variable holding API keys, comma-separated."
     )
-    disabled: bool = Field(
+    disabled: Annotated[bool, Flag("--no-auth", "Accept requests without a key (loopback only).")] = Field(
         default=False, description="No keys at all (--no-auth); allowed only when listening on loopback."
     )
 
 
 class ServerConfig(_Strict):
-    host: str = Field(default="127.0.0.1", description="Address the HTTP API listens on.")
-    port: int = Field(default=8000, ge=1, le=65535, description="Port the HTTP API listens on.")
-    address: str | None = Field(default=None, description="Ray cluster to join; default: start a local Ray.")
-    data_dir: Path = Field(
+    """The server's settings; the fields that carry a Flag are `nightshift serve`'s flags (SERVE_FLAGS)."""
+
+    host: Annotated[str, Flag("--host", "Address to listen on. Default: 127.0.0.1.")] = Field(
+        default="127.0.0.1", description="Address the HTTP API listens on."
+    )
+    port: Annotated[int, Flag("--port", "Port to listen on. Default: 8000.")] = Field(
+        default=8000, ge=1, le=65535, description="Port the HTTP API listens on."
+    )
+    address: Annotated[str | None, Flag("--address", "Ray cluster to join; default: start a local Ray.")] = (
+        Field(default=None, description="Ray cluster to join; default: start a local Ray.")
+    )
+    data_dir: Annotated[
+        Path, Flag("--data-dir", "Files, batch outputs and the SQLite state. Default: ./nightshift-data.")
+    ] = Field(
         default=Path("nightshift-data"), description="Files, batch outputs and the SQLite state live here."
     )
     auth: AuthSettings = Field(default_factory=AuthSettings, description="API keys.")
@@ -60,16 +73,30 @@ class ServerConfig(_Strict):
         description="The job config every batch runs with (model, engine, resources …); input and output are the "
         "batch's own.",
     )
-    hours: str | None = Field(
+    hours: Annotated[
+        str | None,
+        Flag(
+            "--hours",
+            "Run batches only inside this daily window, HH:MM-HH:MM (may wrap midnight): running ones stop at its "
+            "end, finished rows kept, and resume at the next opening.",
+        ),
+    ] = Field(
         default=None,
         description="Run batches only inside this daily window, HH:MM-HH:MM (may wrap midnight, e.g. 22:00-06:00): "
         "batches start or resume only inside it, and running ones are stopped at its end (they stay in_progress, "
         "their finished rows kept) and resume at the next opening.",
     )
-    timezone: str | None = Field(
-        default=None, description="The window's IANA timezone (default: the server's local time)."
-    )
-    engine_idle_seconds: float = Field(
+    timezone: Annotated[
+        str | None, Flag("--timezone", "--hours: the window's IANA timezone (default: local time).")
+    ] = Field(default=None, description="The window's IANA timezone (default: the server's local time).")
+    engine_idle_seconds: Annotated[
+        float,
+        Flag(
+            "--engine-idle-seconds",
+            "Keep engines warm this long after the last batch, for the next batch of the same model "
+            "(default 600; 0: every batch starts its own).",
+        ),
+    ] = Field(
         default=600.0,
         ge=0,
         description="Warm engines: batches of the same model reuse running engines, which stop after this long "
@@ -118,14 +145,32 @@ def is_loopback(host: str) -> bool:
     return is_loopback_host(host)
 
 
-def load_server_config(path: Path | None, overrides: dict[str, Any]) -> ServerConfig:
-    """The YAML file (if any) with flags (dotted keys, None = not given) over it; one line per problem."""
+def load_server_config(
+    path: Path | None, overrides: dict[str, Any], labels: dict[str, str] | None = None
+) -> ServerConfig:
+    """The YAML file (if any) with flags (dotted keys, None = not given) over it; one line per problem, a value
+    given as a flag named by its flag (`labels`: dotted key -> flag)."""
     data = read_yaml_mapping(path, "server config", "server config") if path is not None else {}
     set_dotted(data, overrides)
     try:
         config = ServerConfig.model_validate(data)
     except ValidationError as exc:
+        given = {k: v for k, v in (labels or {}).items() if overrides.get(k) is not None}
         where = f"server config {path}: " if path else ""
-        raise ConfigError(where + format_validation_error(exc)) from exc
+        raise ConfigError(where + format_validation_error(exc, given)) from exc
     config.check()
     return config
+
+
+# `nightshift serve`'s flags, in their --help order: the server's own fields (the job's flags are `run`'s).
+SERVE_FLAGS = (
+    "host",
+    "port",
+    "address",
+    "data_dir",
+    "auth.keys_file",
+    "auth.disabled",
+    "hours",
+    "timezone",
+    "engine_idle_seconds",
+)

@@ -126,3 +126,53 @@ def test_a_flag_must_exist_and_not_shadow_a_parameter():
 
         @with_config_flags(_Sample)
         def command(count: int = 0, *, flags: FlagValues) -> None: ...
+
+
+def _serve_settings(monkeypatch, args: list[str]):
+    """The ServerConfig `serve` would start with these arguments (nothing is started)."""
+    import pipeline.server.serving
+
+    seen = []
+    monkeypatch.setattr(pipeline.server.serving, "serve_forever", seen.append)
+    result = CliRunner().invoke(app, ["serve", *args], env={"COLUMNS": "240"})
+    return result, seen
+
+
+def test_serve_takes_the_servers_declared_flags_and_no_job_flag():
+    from pipeline.server.settings import SERVE_FLAGS, ServerConfig
+
+    result = CliRunner().invoke(app, ["serve", "--help"], env={"COLUMNS": "240"})
+    assert result.exit_code == 0
+    declared = [f for f in config_flags(ServerConfig) if not f.key.startswith("job.")]
+    assert sorted(f.key for f in declared) == sorted(SERVE_FLAGS)
+    for f in declared:
+        assert f.flag.decls in result.output, f.key
+    assert "--max-num-seqs" not in result.output  # the job every batch runs as is the server config's
+
+
+def test_serve_flags_reach_their_fields_over_the_config_file(tmp_path, monkeypatch):
+    config = tmp_path / "server.yaml"
+    config.write_text("port: 9000\nengine_idle_seconds: 5\nauth: {disabled: false}\n")
+    result, seen = _serve_settings(
+        monkeypatch,
+        ["-c", str(config), "--port", "9100", "--no-auth", "--data-dir", str(tmp_path / "data"), "--hours",
+         "22:00-06:00", "--timezone", "UTC"],
+    )  # fmt: skip
+    assert result.exit_code == 0, result.output
+    (settings,) = seen
+    assert (settings.port, settings.auth.disabled, settings.engine_idle_seconds) == (9100, True, 5.0)
+    assert settings.data_dir == (tmp_path / "data").resolve() and settings.hours == "22:00-06:00"
+
+
+@pytest.mark.parametrize(
+    ("args", "named"),
+    [
+        (["--port", "99999", "--no-auth"], "error: --port: Input should be less than or equal to 65535"),
+        (["--no-auth", "--host", "0.0.0.0"], "--no-auth is allowed only on loopback"),
+        (["--no-auth", "--hours", "25:00-06:00"], "--hours"),
+    ],
+)
+def test_a_bad_serve_flag_fails_before_anything_starts_naming_it(tmp_path, monkeypatch, args, named):
+    result, seen = _serve_settings(monkeypatch, ["--data-dir", str(tmp_path / "data"), *args])
+    assert result.exit_code == 2 and named in result.output, result.output
+    assert seen == []
