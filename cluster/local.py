@@ -262,17 +262,18 @@ def node_cluster(
     num_cpus: int = 1,
     no_auth: bool = False,
     timeout: float = 120.0,
+    environment: dict[str, str] | None = None,
 ) -> Iterator[NodeCluster]:
     """A head and `workers` worker nodes on this machine, each started by `nightshift node start` (with Ray token
-    authentication unless `no_auth`), the head's token kept under `home` (its NIGHTSHIFT_HOME); yields once every
-    node has joined, and stops them all on exit."""
+    authentication unless `no_auth`), the head's token kept under `home` (its NIGHTSHIFT_HOME), `environment` set
+    for every node's processes; yields once every node has joined, and stops them all on exit."""
     from cluster.auth import probe
 
     if no_auth and workers:
         raise ValueError("a --no-auth cluster is a single node: no worker can join it")
     gcs, dashboard, client, agent, *worker_agents = _free_ports(4 + workers)
     temp_dir = Path(tempfile.mkdtemp(prefix="ns-ray-"))  # short: Ray's socket paths live under it
-    env = _node_environment(home)
+    env = {**_node_environment(home), **(environment or {})}
     node_command = [sys.executable, "-m", "pipeline", "node", "start"]
     common = [
         f"--num-cpus={num_cpus}",

@@ -27,8 +27,8 @@ def e2e_dir(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
-def warm(tmp_path_factory, embedded_model):
-    """The session's warm cluster (tests/e2e/warm_cluster.py): jobs that join it share its engines."""
+def shared_engines(tmp_path_factory, embedded_model):
+    """The session's warm cluster (tests/e2e/warm_cluster.py): jobs that join it share its engines, started once."""
     from tests.e2e.warm_cluster import warm_cluster
 
     with warm_cluster(tmp_path_factory.mktemp("warm-home")) as cluster:

@@ -61,7 +61,7 @@ CASES = [
 
 
 @pytest.fixture(scope="module")
-def hostile_job(e2e_dir, warm):
+def hostile_job(e2e_dir, shared_engines):
     fuzz = hostile_corpus(60, seed=23)
     lines = [line for line, _ in CASES] + fuzz
     path = e2e_dir / "hostile.jsonl"
@@ -69,7 +69,13 @@ def hostile_job(e2e_dir, warm):
     output = e2e_dir / "hostile-out"
     # On the session's warm engines: what is checked is each line's outcome, not the engine's start.
     proc = run_cli(
-        "run", str(path), str(output), "-c", str(warm.job_file(e2e_dir)), *warm.job_args(), "--no-progress"
+        "run",
+        str(path),
+        str(output),
+        "-c",
+        str(shared_engines.job_file(e2e_dir)),
+        *shared_engines.job_args(),
+        "--no-progress",
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     expected = sum(1 for line in path.read_bytes().split(b"\n") if line.strip())

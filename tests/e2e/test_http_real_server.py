@@ -90,7 +90,7 @@ def _comparable(body: dict) -> dict:
     return {"text": text, "finish_reason": choice["finish_reason"], "usage": body["usage"]}
 
 
-def test_http_bodies_equal_the_in_process_engines(e2e_dir, vllm_server, warm):
+def test_http_bodies_equal_the_in_process_engines(e2e_dir, vllm_server, shared_engines):
     server, url = vllm_server
     input_path = write_lines(e2e_dir / "http-in.jsonl", LINES)
     # The in-process job first, on the session's warm engine (one sequence at a time, as the server): it runs while
@@ -101,8 +101,8 @@ def test_http_bodies_equal_the_in_process_engines(e2e_dir, vllm_server, warm):
         str(input_path),
         str(local),
         "-c",
-        str(warm.job_file(e2e_dir)),
-        *warm.job_args(),
+        str(shared_engines.job_file(e2e_dir)),
+        *shared_engines.job_args(),
         "--no-progress",
     )
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -85,20 +85,20 @@ SERVED_BY = {
 
 
 @pytest.fixture(scope="session")
-def mixed_job(e2e_dir, warm):
+def mixed_job(e2e_dir, shared_engines):
     """On the session's warm engines (tests/e2e/warm_cluster.py): what is checked is where each line ran and what
     came back, not the engines' start."""
     input_path = write_lines(e2e_dir / "mixed-routes.jsonl", LINES)
     config = e2e_dir / "two-models.yaml"
     config.write_text(
-        f"engine: {{warm_engines: {warm.keeper}}}\n"
+        f"engine: {{warm_engines: {shared_engines.keeper}}}\n"
         "pools:\n"
         f"  - {{name: chat, cpus_per_engine: 1, engine_overrides: {{max_model_len: {CHAT_CONTEXT}}}}}\n"
         "  - {name: embed, model: 'embedded:minilm', cpus_per_engine: 1}\n"
     )
     output = e2e_dir / "mixed-routes-out"
     proc = run_cli(
-        "run", str(input_path), str(output), "--config", str(config), *warm.job_args(pools_in_config=True),
+        "run", str(input_path), str(output), "--config", str(config), *shared_engines.job_args(pools_in_config=True),
         "--no-progress",
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]

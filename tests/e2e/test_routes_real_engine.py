@@ -88,15 +88,15 @@ def minilm():
 
 
 @pytest.fixture(scope="session")
-def pooling_job(e2e_dir, minilm, warm):
+def pooling_job(e2e_dir, minilm, shared_engines):
     """On the session's warm engines (tests/e2e/warm_cluster.py): what is checked is each body, not the engine's
     start."""
     lines = ORACLE_LINES[:5] + OTHER_LINES + ORACLE_LINES[5:]
     input_path = write_lines(e2e_dir / "pooling.jsonl", lines)
     output = e2e_dir / "pooling-out"
     proc = run_cli(
-        "run", str(input_path), str(output), "--model", "embedded:minilm", "-c", str(warm.job_file(e2e_dir)),
-        *warm.job_args(chat=False), "--no-progress",
+        "run", str(input_path), str(output), "--model", "embedded:minilm", "-c", str(shared_engines.job_file(e2e_dir)),
+        *shared_engines.job_args(chat=False), "--no-progress",
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
     results = {r["custom_id"]: r for r in read_jsonl(output.glob("results-*.jsonl"))}

@@ -57,7 +57,7 @@ def real_server(tmp_path_factory, embedded_model):
     srv.stop()
 
 
-def test_openai_client_round_trip_cold_cancelled_then_warm(real_server, tmp_path, capsys):
+def test_openai_client_round_trip_cold_cancelled_then_warm(real_server, shared_engines, tmp_path, capsys):
     """First batch: the engine starts. Second: cancelled mid-run on that engine (its requests leave the engine).
     Third: runs on the same engine, unharmed, and gives the rows `nightshift run` gives."""
     import openai
@@ -117,10 +117,17 @@ def test_openai_client_round_trip_cold_cancelled_then_warm(real_server, tmp_path
     assert manifest(cold)["engine"]["reused"] == 0 and manifest(warm)["engine"]["reused"] == 1
     assert warm_s < cold_s
 
-    # The same rows as `nightshift run` on the same file.
+    # The same rows as `nightshift run` on the same file, here on the session's warm engine (one sequence at a time,
+    # as the server's): what is compared is the rows, not an engine's start.
     local = tmp_path / "local-out"
     proc = run_cli(
-        "run", str(source), str(local), "--max-num-seqs", "1", "--num-engines", "1", "--no-progress"
+        "run",
+        str(source),
+        str(local),
+        "-c",
+        str(shared_engines.job_file(tmp_path)),
+        *shared_engines.job_args(),
+        "--no-progress",
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     expected = _rows(read_jsonl(local.glob("results-*.jsonl")))

@@ -85,11 +85,15 @@ class WarmCluster:
 @contextmanager
 def warm_cluster(home: Path) -> Iterator[WarmCluster]:
     """A one-node cluster (token auth, NIGHTSHIFT_HOME `home`) with a keeper owned by a holder process."""
+    from cluster.cpu_cores import LOCK_DIR_ENV
     from cluster.local import node_cluster
 
-    # Four logical CPUs on two cores: the two warm engines (one core each, claimed by cluster/cpu_cores.py) keep
-    # two, and a job's ingest and finalize tasks still find CPUs to run on beside them.
-    with node_cluster(home, workers=0, num_cpus=4) as cluster:
+    # Four logical CPUs on two cores: the two warm engines (one core each) keep two, and a job's ingest and finalize
+    # tasks still find CPUs to run on beside them. The warm engines claim their cores (cluster/cpu_cores.py) in a
+    # lock directory of their own: idle between tests, they must not take cores from the engines of the tests
+    # that start their own (the prefix test checks which cores its two engines bound).
+    locks = {LOCK_DIR_ENV: str(home / "cpu-locks")}
+    with node_cluster(home, workers=0, num_cpus=4, environment=locks) as cluster:
         assert cluster.token_file is not None
         holder = subprocess.Popen(
             [sys.executable, "-c", _HOLDER, cluster.address, str(cluster.token_file), KEEPER],
