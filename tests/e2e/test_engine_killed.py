@@ -5,6 +5,7 @@
   on purpose and Ray restarts it.
 
 Either way the batches in flight re-run on the restarted engine and the output is exactly once with full accounting.
+Its own engines (not the session's warm ones, tests/e2e/warm_cluster.py): their death is the subject.
 """
 
 from __future__ import annotations

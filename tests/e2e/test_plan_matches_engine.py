@@ -1,4 +1,5 @@
-"""`plan` against the real engine: the planned KV capacity is what vLLM allocates, and the command runs end to end."""
+"""`plan` against the real engine: the planned KV capacity is what vLLM allocates, and the command runs end to end.
+vLLM's own `LLM` is started here, as a user would, to read what it allocates: no nightshift engine is involved."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""Two accelerator pools, each hosting the real CPU vLLM engine, in one job: both do work, nothing is lost."""
+"""Two accelerator pools, each hosting the real CPU vLLM engine, in one job: both do work, nothing is lost. Its own
+engines on a cluster of its own (tagged nodes), not the session's warm ones (tests/e2e/warm_cluster.py)."""
 
 from __future__ import annotations
 

@@ -1,6 +1,7 @@
 """Prefix caching pays on the real engine: two engines, two long system prompts — each prompt's rows are routed to
 one engine, and the manifest's prefix-cache hit rate (vLLM's own counters) is high. The two CPU engines compute on
-cores of their own (vLLM's own binding would put both on the first core)."""
+cores of their own (vLLM's own binding would put both on the first core). Its own engines, not the session's warm ones
+(tests/e2e/warm_cluster.py): which cores they bind, read from its own Ray session's logs, is part of the subject."""
 
 from __future__ import annotations
 

@@ -6,6 +6,9 @@ counts and recovery figures add up, and every body is a valid chat completion. W
 texts equal an uninterrupted run's. In bf16, greedy decoding depends on which requests share the engine's batch,
 and a resumed job batches the remaining requests differently; byte-identical shards after resume are shown with the
 fake engine (tests/integration/test_recovery.py).
+
+Its own engines (not the session's warm ones, tests/e2e/warm_cluster.py): a killed driver takes its engines with it,
+and the resumed job starts new ones; that is the subject.
 """
 
 from __future__ import annotations

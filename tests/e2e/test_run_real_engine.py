@@ -1,7 +1,8 @@
 """`nightshift run` end to end on the real vLLM engine and the embedded model: one engine start for the module.
 
 Covers every bad-input kind, sorting across shard boundaries, the manifest, and response fidelity against
-vLLM's own batch runner used as an oracle on the same valid lines.
+vLLM's own batch runner used as an oracle on the same valid lines. Its own engine (not the session's warm ones,
+tests/e2e/warm_cluster.py): a user's first `nightshift run`, from start to report, is the subject.
 """
 
 from __future__ import annotations

@@ -1,6 +1,8 @@
 """S3 in, S3 out, on the real vLLM engine: a small Parquet input (`body` as a JSON string,
 one bad row) read from a local S3 endpoint (moto server on loopback), results written back as JSONL shards, staging
-in the bucket and gone after the commit. The large S3 jobs run on the fake engine in tests/integration."""
+in the bucket and gone after the commit. The large S3 jobs run on the fake engine in tests/integration. Its own engine,
+not the session's warm ones (tests/e2e/warm_cluster.py): a job's tasks read S3 with the credentials their Ray
+workers started with, and the local endpoint's are set by this test, after the shared cluster started."""
 
 # ruff: noqa: F811 - the pytest fixture imported from storage_fixtures is re-bound as a test argument
 

@@ -4,6 +4,9 @@ warm — and both give the rows `nightshift run` gives for the same file.
 
 One sequence at a time (`max_num_seqs: 1`) on both sides: greedy bf16 text is bit-stable only for the same batch
 composition (ENGINE-NOTES), and this compares the two ways of running a file, not batching numerics.
+
+The server starts its own engine (the cold first batch is the subject); the `nightshift run` it is compared with
+runs on the session's warm engine (tests/e2e/warm_cluster.py).
 """
 
 from __future__ import annotations
