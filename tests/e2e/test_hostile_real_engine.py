@@ -72,9 +72,7 @@ def hostile_job(e2e_dir, shared_engines):
         "run",
         str(path),
         str(output),
-        "-c",
-        str(shared_engines.job_file(e2e_dir)),
-        *shared_engines.job_args(),
+        *shared_engines.one_pool_job(e2e_dir),
         "--no-progress",
     )
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -100,9 +100,7 @@ def test_http_bodies_equal_the_in_process_engines(e2e_dir, vllm_server, shared_e
         "run",
         str(input_path),
         str(local),
-        "-c",
-        str(shared_engines.job_file(e2e_dir)),
-        *shared_engines.job_args(),
+        *shared_engines.one_pool_job(e2e_dir),
         "--no-progress",
     )
     assert proc.returncode == 0, proc.stderr[-3000:]

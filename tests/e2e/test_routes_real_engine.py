@@ -95,8 +95,8 @@ def pooling_job(e2e_dir, minilm, shared_engines):
     input_path = write_lines(e2e_dir / "pooling.jsonl", lines)
     output = e2e_dir / "pooling-out"
     proc = run_cli(
-        "run", str(input_path), str(output), "--model", "embedded:minilm", "-c", str(shared_engines.job_file(e2e_dir)),
-        *shared_engines.job_args(chat=False), "--no-progress",
+        "run", str(input_path), str(output), "--model", "embedded:minilm",
+        *shared_engines.one_pool_job(e2e_dir, chat=False), "--no-progress",
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
     results = {r["custom_id"]: r for r in read_jsonl(output.glob("results-*.jsonl"))}

@@ -1,8 +1,7 @@
 """S3 in, S3 out, on the real vLLM engine: a small Parquet input (`body` as a JSON string,
 one bad row) read from a local S3 endpoint (moto server on loopback), results written back as JSONL shards, staging
-in the bucket and gone after the commit. The large S3 jobs run on the fake engine in tests/integration. Its own engine,
-not the session's warm ones (tests/e2e/warm_cluster.py): a job's tasks read S3 with the credentials their Ray
-workers started with, and the local endpoint's are set by this test, after the shared cluster started."""
+in the bucket and gone after the commit. The large S3 jobs run on the fake engine in tests/integration. On the
+session's warm engines (tests/e2e/warm_cluster.py): what is checked is the object store's side, not the engine's start."""
 
 # ruff: noqa: F811 - the pytest fixture imported from storage_fixtures is re-bound as a test argument
 
@@ -51,13 +50,13 @@ def _parquet_input() -> bytes:
     return sink.getvalue()
 
 
-def test_s3_parquet_in_jsonl_out_on_the_real_engine(moto_s3, embedded_model):
+def test_s3_parquet_in_jsonl_out_on_the_real_engine(moto_s3, shared_engines, tmp_path):
     bucket = moto_s3.bucket("e2e")
     moto_s3.put(bucket, "in/part-0.parquet", _parquet_input())
 
     done = run_cli(
         "run", f"s3://{bucket}/in/", f"s3://{bucket}/out", "--s3-endpoint-url", moto_s3.url,
-        "--max-model-len", "512", "--max-num-seqs", "4", "--no-progress",
+        *shared_engines.one_pool_job(tmp_path), "--no-progress",
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
 

@@ -127,9 +127,7 @@ def test_openai_client_round_trip_cold_cancelled_then_warm(real_server, shared_e
         "run",
         str(source),
         str(local),
-        "-c",
-        str(shared_engines.job_file(tmp_path)),
-        *shared_engines.job_args(),
+        *shared_engines.one_pool_job(tmp_path),
         "--no-progress",
     )
     assert proc.returncode == 0, proc.stderr[-3000:]

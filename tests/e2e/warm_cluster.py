@@ -1,7 +1,8 @@
 """One Ray cluster and one warm-engine keeper for the real-engine tests whose point is not an engine's life.
 
 Starting the embedded model's engine costs about 40 s of this box's two cores, most of it three processes importing
-vLLM. Tests that check what a job does with its lines (hostile input, every route, the http engine's bodies) need
+vLLM. Tests that check what a job does with its lines (hostile input, every route, S3 in and out, the http engine's
+bodies) need
 an engine, not a fresh one: their jobs join this cluster (`--address`, `--token-file`) and take their engines from
 its keeper (`engine.warm_engines`), as the Batch API server's jobs do, so each kind of engine starts once for all
 of them. Tests whose subject is an engine's start, stop or death, a first run's output, a killed driver, the
@@ -11,9 +12,9 @@ machine's cores or a cluster of their own start their own engines, and say why i
                 └─ keeper holder: a small driver process that owns the EngineKeeper (runtime/engines/warm_keeper.py)
                    until the session ends, as the server's replica does
 
-The jobs that share engines pass the same engine flags (`ENGINE_FLAGS`, and one engine of one core per pool), so each asks for the same kind of engine and
-the keeper hands over the one that is running (runtime/engines/warm_keeper.py: a kind is model, cores and args).
-`max_num_seqs` 1 covers every plan (an engine with fewer sequences at once is reused for any larger plan), and one
+The jobs that share engines pass the same engine flags (`ENGINE_FLAGS`, and one engine of one core per pool), so
+each asks for the same kind of engine and the keeper hands over the one that is running
+(runtime/engines/warm_keeper.py: a kind is model, cores and args). `max_num_seqs` 1 covers every plan (an engine with fewer sequences at once is reused for any larger plan), and one
 sequence at a time is what the comparisons with vLLM's own runners need for bit-stable greedy decoding.
 """
 
@@ -75,6 +76,10 @@ class WarmCluster:
             *placement,
         ]
 
+    def one_pool_job(self, directory: Path, chat: bool = True) -> list[str]:
+        """`nightshift run` arguments for a one-pool job on the warm engines (its job file written to `directory`)."""
+        return ["-c", str(self.job_file(directory)), *self.job_args(chat=chat)]
+
     def job_file(self, directory: Path) -> Path:
         """A job file naming the keeper (engine.warm_engines has no flag: the server sets it for its jobs)."""
         path = directory / "warm-engines.yaml"
@@ -87,13 +92,15 @@ def warm_cluster(home: Path) -> Iterator[WarmCluster]:
     """A one-node cluster (token auth, NIGHTSHIFT_HOME `home`) with a keeper owned by a holder process."""
     from cluster.cpu_cores import LOCK_DIR_ENV
     from cluster.local import node_cluster
+    from tests.integration.storage_fixtures import TEST_CREDENTIALS
 
     # Four logical CPUs on two cores: the two warm engines (one core each) keep two, and a job's ingest and finalize
     # tasks still find CPUs to run on beside them. The warm engines claim their cores (cluster/cpu_cores.py) in a
     # lock directory of their own: idle between tests, they must not take cores from the engines of the tests
     # that start their own (the prefix test checks which cores its two engines bound).
-    locks = {LOCK_DIR_ENV: str(home / "cpu-locks")}
-    with node_cluster(home, workers=0, num_cpus=4, environment=locks) as cluster:
+    # The local S3 endpoint's test credentials too: a job's tasks read S3 with what their Ray workers started with.
+    environment = {LOCK_DIR_ENV: str(home / "cpu-locks"), **TEST_CREDENTIALS}
+    with node_cluster(home, workers=0, num_cpus=4, environment=environment) as cluster:
         assert cluster.token_file is not None
         holder = subprocess.Popen(
             [sys.executable, "-c", _HOLDER, cluster.address, str(cluster.token_file), KEEPER],

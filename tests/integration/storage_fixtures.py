@@ -69,6 +69,9 @@ _AWS_ENV = {
     "AWS_SHARED_CREDENTIALS_FILE": "/nonexistent",
     "AWS_CONFIG_FILE": "/nonexistent",
 }
+# The test credentials alone: what a Ray cluster started before the moto fixture gives its workers, so their tasks
+# reach the local endpoint as the driver does.
+TEST_CREDENTIALS = {key: value for key, value in _AWS_ENV.items() if value is not None}
 
 
 @pytest.fixture(scope="session")
