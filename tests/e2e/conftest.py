@@ -26,9 +26,10 @@ def e2e_dir(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("e2e")
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def shared_engines(tmp_path_factory, embedded_model):
-    """The session's warm cluster (tests/e2e/warm_cluster.py): jobs that join it share its engines, started once."""
+    """The warm cluster of this directory's tests (tests/e2e/warm_cluster.py): jobs that join it share its engines,
+    started once; stopped after the last of them (a package scope), so the later tiers get the whole box back."""
     from tests.e2e.warm_cluster import warm_cluster
 
     with warm_cluster(tmp_path_factory.mktemp("warm-home")) as cluster:

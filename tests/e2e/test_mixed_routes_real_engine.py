@@ -84,7 +84,7 @@ SERVED_BY = {
 }
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def mixed_job(e2e_dir, shared_engines):
     """On the session's warm engines (tests/e2e/warm_cluster.py): what is checked is where each line ran and what
     came back, not the engines' start."""

@@ -87,7 +87,7 @@ def minilm():
         pytest.fail(str(exc))
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def pooling_job(e2e_dir, minilm, shared_engines):
     """On the session's warm engines (tests/e2e/warm_cluster.py): what is checked is each body, not the engine's
     start."""
