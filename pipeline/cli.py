@@ -12,7 +12,7 @@ import typer
 
 from pipeline.config import ConfigError, JobConfig, UnreadableConfigFile, load_job_config, merge_overrides
 from pipeline.config_flags import FlagValues, with_config_flags
-from pipeline.server.settings import SERVE_FLAGS, ServerConfig, load_server_config
+from pipeline.server.settings import ServerConfig, load_server_config, serve_flags
 
 app = typer.Typer(
     name="nightshift",
@@ -221,7 +221,7 @@ def status_command(
 
 
 @app.command()
-@with_config_flags(ServerConfig, *SERVE_FLAGS)
+@with_config_flags(ServerConfig, *serve_flags())
 def serve(
     config: Annotated[
         Path | None,

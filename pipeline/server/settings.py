@@ -50,7 +50,7 @@ class AuthSettings(_Strict):
 
 
 class ServerConfig(_Strict):
-    """The server's settings; the fields that carry a Flag are `nightshift serve`'s flags (SERVE_FLAGS)."""
+    """The server's settings; the fields that carry a Flag are `nightshift serve`'s flags (serve_flags)."""
 
     host: Annotated[str, Flag("--host", "Address to listen on. Default: 127.0.0.1.")] = Field(
         default="127.0.0.1", description="Address the HTTP API listens on."
@@ -162,15 +162,8 @@ def load_server_config(
     return config
 
 
-# `nightshift serve`'s flags, in their --help order: the server's own fields (the job's flags are `run`'s).
-SERVE_FLAGS = (
-    "host",
-    "port",
-    "address",
-    "data_dir",
-    "auth.keys_file",
-    "auth.disabled",
-    "hours",
-    "timezone",
-    "engine_idle_seconds",
-)
+def serve_flags() -> list[str]:
+    """`nightshift serve`'s flags: the server's own fields that carry a Flag (the job section's flags are `run`'s)."""
+    from pipeline.config_flags import config_flags
+
+    return [f.key for f in config_flags(ServerConfig) if not f.key.startswith("job.")]

@@ -2,20 +2,20 @@
 
 Starting the embedded model's engine costs about 40 s of this box's two cores, most of it three processes importing
 vLLM. Tests that check what a job does with its lines (hostile input, every route, S3 in and out, the http engine's
-bodies) need
-an engine, not a fresh one: their jobs join this cluster (`--address`, `--token-file`) and take their engines from
-its keeper (`engine.warm_engines`), as the Batch API server's jobs do, so each kind of engine starts once for all
-of them. Tests whose subject is an engine's start, stop or death, a first run's output, a killed driver, the
+bodies) need an engine, not a fresh one: their jobs join this cluster (`--address`, `--token-file`) and take their
+engines from its keeper (`engine.warm_engines`), as the Batch API server's jobs do, so each kind of engine starts once
+for all of them. Tests whose subject is an engine's start, stop or death, a first run's output, a killed driver, the
 machine's cores or a cluster of their own start their own engines, and say why in their docstring.
 
     WarmCluster ── node_cluster (`nightshift node start --head`, token auth)
                 └─ keeper holder: a small driver process that owns the EngineKeeper (runtime/engines/warm_keeper.py)
-                   until the session ends, as the server's replica does
+                   until the last real-engine test ends, as the server's replica does
 
-The jobs that share engines pass the same engine flags (`ENGINE_FLAGS`, and one engine of one core per pool), so
-each asks for the same kind of engine and the keeper hands over the one that is running
-(runtime/engines/warm_keeper.py: a kind is model, cores and args). `max_num_seqs` 1 covers every plan (an engine with fewer sequences at once is reused for any larger plan), and one
-sequence at a time is what the comparisons with vLLM's own runners need for bit-stable greedy decoding.
+The jobs that share engines pass the same engine flags (`ENGINE_FLAGS`, and one engine of one core per pool), so each
+asks for the same kind of engine and the keeper hands over the one that is running (runtime/engines/warm_keeper.py: a
+kind is model, cores and args). `max_num_seqs` 1 covers every plan (an engine with fewer sequences at once is reused
+for any larger plan), and one sequence at a time is what the comparisons with vLLM's own runners need for bit-stable
+greedy decoding.
 """
 
 from __future__ import annotations
