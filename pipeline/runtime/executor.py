@@ -90,10 +90,13 @@ class TaskExecutor:
     Either way at most twice the place's CPUs of tasks are submitted at once: Ray holds the rest back, and a
     zero-CPU task would not wait for a free core.
 
-    A failure: by default the other tasks are cancelled and nothing more is submitted (`keep_going` off: the work
-    is redone from the start anyway). With `keep_going`, every task still runs and settles first, then the first
-    failure (in item order) is raised: work that finished is recorded, so a resume has less to redo. In this
-    process the first failure stops the loop either way."""
+    A failure: by default nothing more is submitted, the tasks in flight are left to settle, unrecorded, and the
+    failure is raised (`keep_going` off: the work is redone from the start anyway). They are not cancelled:
+    Ray 2.60's `ray.cancel` races a task's own reply and then aborts this whole process ("Tried to complete task
+    that was not pending", ray-project/ray#54846), and at most twice the place's CPUs of them are in flight. With
+    `keep_going`, every task still runs and settles first, then the first failure (in item order) is raised: work
+    that finished is recorded, so a resume has less to redo. In this process the first failure stops the loop
+    either way."""
 
     def __init__(
         self, placement: TaskPlacement | None = None, reserve_cpus: bool = True, keep_going: bool = False
@@ -174,8 +177,8 @@ class TaskExecutor:
                 except ray.exceptions.RayError as exc:
                     error = _cause(exc)
                     if not self.keep_going:
-                        for other in index_of:  # a failure stops the step: nothing more runs
-                            ray.cancel(other)
+                        if pending:  # see the class docstring: never cancelled
+                            ray.wait(pending, num_returns=len(pending))
                         raise error from None
                     failures[index_of[ref]] = error
                     continue

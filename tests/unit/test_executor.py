@@ -4,6 +4,7 @@ item order, each seen as it is done, placement counted, the task's own exception
 from __future__ import annotations
 
 import sys
+import time
 from collections import Counter
 from pathlib import Path
 
@@ -18,7 +19,10 @@ def square(context: dict, item: int) -> int:
 
 
 def record_then_maybe_fail(context: dict, item: int) -> int:
-    """Leaves a file per item it ran, retries one storage operation, and fails on the items in `context["fail"]`."""
+    """Leaves a file per item it ran, retries one storage operation, and fails on the items in `context["fail"]`
+    (at once; the others first take `context["seconds"]`, if given)."""
+    if item not in context["fail"]:
+        time.sleep(context.get("seconds", 0))
     (Path(context["dir"]) / f"ran-{item}").touch()
     RetryStats.record("GET in a task")
     if item in context["fail"]:
@@ -137,3 +141,21 @@ def test_a_failed_ray_task_raises_its_own_exception_once_the_rest_settled_with_k
         on_ray(local_ray, cpus=0, reserve_cpus=False).map(
             record_then_maybe_fail, {**context, "fail": {0}}, [0]
         )
+
+
+@pytest.mark.slow
+def test_a_failed_ray_task_stops_the_submitting_and_the_tasks_in_flight_settle_before_it_is_raised(
+    local_ray, tmp_path: Path
+):
+    """Not cancelled: Ray 2.60's cancel can race a task's reply and abort this process (ray-project/ray#54846)."""
+    executor = on_ray(local_ray)
+    assert executor.in_flight == 4
+    context = {"dir": str(tmp_path), "fail": {0}, "seconds": 1.0}
+    with pytest.raises(ValueError, match="item 0"):
+        executor.map(record_then_maybe_fail, context, list(range(12)))
+    assert ran(tmp_path) == {
+        0,
+        1,
+        2,
+        3,
+    }  # the first four were in flight and finished; nothing more was submitted
