@@ -120,8 +120,27 @@ class VllmEngineArgs(_Strict):
             description="Skip graph capture/compilation. Default: on for CPU engines (compilation costs minutes there).",
         )
     )
-    tensor_parallel_size: int = Field(
-        default=1, ge=1, description="Accelerators one engine is sharded across."
+    tensor_parallel_size: Annotated[
+        int,
+        Flag(
+            "--tensor-parallel-size",
+            "vLLM: ranks (GPUs; CPU: core sets) that split every layer of one engine.",
+        ),
+    ] = Field(
+        default=1,
+        ge=1,
+        description="Ranks one engine splits every layer across (vLLM's tensor parallelism): one GPU each, or on a "
+        "CPU engine one set of its cores each. They share a node; the model's heads and MLP must divide by it "
+        "(checked before any work, naming the values that do).",
+    )
+    pipeline_parallel_size: Annotated[
+        int, Flag("--pipeline-parallel-size", "vLLM: stages one engine's layers are split into.")
+    ] = Field(
+        default=1,
+        ge=1,
+        description="Stages one engine's layers are split into (vLLM's pipeline parallelism), each of "
+        "tensor_parallel_size ranks. On GPUs the stages may sit on different nodes (vLLM's Ray executor); a CPU "
+        "engine keeps all its ranks on one node.",
     )
     seed: Annotated[int | None, Flag("--seed", "vLLM: engine seed.")] = Field(
         default=None, description="Engine-level random seed."

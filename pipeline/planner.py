@@ -140,6 +140,11 @@ class ModelShape(_Frozen):
     layers: int = Field(description="Decoder layers that keep a KV cache.")
     attention_heads: int = Field(description="Query heads per layer.")
     kv_heads: int = Field(description="Key/value heads per layer (fewer than query heads under GQA/MQA).")
+    mlp_sizes: tuple[int, ...] = Field(
+        default=(),
+        description="Widths of the MLPs (dense, and each expert's in a mixture of experts): tensor parallelism "
+        "splits them, so it must divide each.",
+    )
     head_dim: int = Field(
         description="Size of one cached head: explicit `head_dim`, else hidden / heads; for MLA the latent width "
         "(kv_lora_rank + qk_rope_head_dim)."
@@ -328,6 +333,11 @@ def shape_from_config(config: dict[str, Any]) -> ModelShape:
         layers=layers,
         attention_heads=heads,
         kv_heads=1 if is_mla else kv_heads,
+        mlp_sizes=tuple(
+            config[key]
+            for key in ("intermediate_size", "moe_intermediate_size", "ffn_dim", "n_inner")
+            if isinstance(config.get(key), int) and not isinstance(config.get(key), bool)
+        ),
         head_dim=head_dim,
         dtype=dtype,
         dtype_bytes=dtype_bytes,
