@@ -143,6 +143,11 @@ class Placement(_Section):
     finalize: dict[str, int] = Field(
         description="Node id prefix (8 characters, or `driver`) → finalize tasks it ran, this attempt only."
     )
+    engine_groups: dict[str, list[list[str]]] = Field(
+        default_factory=dict,
+        description="Per pool of sharded engines (tensor/pipeline parallel): each engine's placement group as "
+        "the node id of each rank's bundle, in rank order. Empty when every engine is one rank.",
+    )
 
 
 class Throughput(_Section):

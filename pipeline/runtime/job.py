@@ -57,7 +57,7 @@ from pipeline.observe.recorder import JobRecorder
 from pipeline.observe.report import request_usage, write_report
 from pipeline.prices import check_pools, parse_hosted_price
 from pipeline.runtime.commit.finalize import FORMAT_VERSION, commit, write_outputs
-from pipeline.runtime.engines.launch import EngineLaunch, EngineRun, models_summary
+from pipeline.runtime.engines.launch import EngineLaunch, EngineRun, feed_spec, models_summary, pool_spec
 from pipeline.runtime.engines.monitor import preemption_remedy, summarize_engines
 from pipeline.runtime.ingest.fit import apply_fit, fit_job, nothing_to_fit
 from pipeline.runtime.ingest.measure import measuring
@@ -71,6 +71,7 @@ from pipeline.runtime.preflight import (
 from pipeline.runtime.session import start_ray
 from pipeline.runtime.stage.pending import PendingWork, pending_work
 from pipeline.state import IngestRecord, JobInput, JobState
+from pipeline.topology import Topology, check_pool_resources
 
 log = structlog.get_logger(__name__)
 
@@ -255,7 +256,7 @@ def _open_job(config: JobConfig, resume: bool) -> _Job:
             log.warning(warning)
     model = next(iter(pool_models.values()))
     spec = engine_spec(config, model)
-    engine_class(spec.backend).check_spec(spec)
+    _check_engines(config, spec, pool_models)
     for unused in config.engine.unused_settings():
         log.warning(unused)
     try:
@@ -264,6 +265,22 @@ def _open_job(config: JobConfig, resume: bool) -> _Job:
         raise PreflightError(str(exc)) from exc
     recorder = _start_recorder(config, staging, state.job_id, model, spec.backend)
     return _Job(config, resume, source, output, staging, state, pool_models, probed, recorder)
+
+
+def _check_engines(config: JobConfig, spec: EngineSpec, pool_models: dict[str, ResolvedModel]) -> None:
+    """Each pool's engine as it will start — its model, the job's engine args under the pool's overrides — checked
+    by its backend, and its topology against the pool's resources (raises ValueError saying what to change)."""
+    engine = engine_class(spec.backend)
+    for pool in effective_pools(config):
+        pool_engine = feed_spec(pool_spec(spec, pool_models[pool.name], None, pool), pool)
+        engine.check_spec(pool_engine)
+        check_pool_resources(
+            pool.name,
+            Topology.of(pool_engine.args),
+            pool.gpus_per_engine,
+            pool.cpus_per_engine,
+            engine.computes_on_cpu_cores,
+        )
 
 
 def _start_recorder(
@@ -476,7 +493,9 @@ def _manifest(
     state, spec = job.state, engine_spec(config, job.model)
     # Where each stage's tasks ran (node id prefixes): ingest's steps, finalize's; engines are in engine.per_engine.
     placement = Placement(
-        ingest=state.ingest.tasks_by_node if state.ingest else None, **outputs.pop("placement")
+        ingest=state.ingest.tasks_by_node if state.ingest else None,
+        engine_groups=run.groups,
+        **outputs.pop("placement"),
     )
     wall = time.monotonic() - clock.t0
     engines = summarize_engines(run.snapshot)

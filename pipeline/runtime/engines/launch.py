@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import time
 import uuid
+import warnings
 from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -30,6 +31,13 @@ from pipeline.models import ResolvedModel
 from pipeline.observe.progress import JobCounters, ProgressDisplay
 from pipeline.observe.recorder import JobRecorder
 from pipeline.runtime.background import InBackground
+from pipeline.runtime.engines.engine_group import (
+    GroupPerActor,
+    actor_resources,
+    groups_named,
+    pool_group,
+    release_named,
+)
 from pipeline.runtime.engines.monitor import EngineWatch, summarize_recovery
 from pipeline.runtime.engines.placement import place_pool
 from pipeline.runtime.preflight import PreflightError
@@ -53,6 +61,8 @@ class EngineRun:
     leases: dict[str, int] = field(default_factory=dict)  # chunks handed out, and handed out again
     # Engines restarted, and those that died with rows in flight: where, why, and who re-ran the rows.
     recovery: dict[str, Any] = field(default_factory=lambda: summarize_recovery({}))
+    # Sharded engines' placement groups, per pool: the node of each rank's bundle, one list per group.
+    groups: dict[str, list[list[str]]] = field(default_factory=dict)
 
 
 # Chunk sizing for engines whose speed is known up front: each lease and acknowledgement costs a few actor calls,
@@ -74,8 +84,13 @@ class FeedPlan:
     max_engines: int
 
 
+def feed_spec(spec: EngineSpec, pool: PoolConfig) -> EngineSpec:
+    """The spec a pool's engines start with: the pool's engine overrides over `spec`, and its CPUs."""
+    return replace(spec, args={**spec.args, **pool.engine_overrides}, cpus=pool.cpus_per_engine)
+
+
 def plan_feed(config: JobConfig, spec: EngineSpec, pool: PoolConfig) -> FeedPlan:
-    spec = replace(spec, args={**spec.args, **pool.engine_overrides}, cpus=pool.cpus_per_engine)
+    spec = feed_spec(spec, pool)
     known = engine_class(spec.backend).concurrency(spec.args)
     in_flight = config.engine.max_in_flight or (2 * int(known) if known else None)
     # A chunk's rows are staged when all of them are done, so for a real engine chunks stay small — half the
@@ -106,33 +121,41 @@ def _pool_dataset(
     pool = plan.pool
     tickets = [{"ticket": f"{pool.name}/{i}"} for i in range(plan.max_engines)]
     ds = ray.data.from_items(tickets, override_num_blocks=len(tickets))
-    return ds.map_batches(
-        EngineWorker,
-        fn_constructor_kwargs={
-            "spec": plan.spec,
-            "pool": pool.name,
-            "monitor": monitor,
-            "job_id": job_id,
-            "queue": queue,
-            "sink": sink,
-            "chunk_rows": plan.chunk_rows,
-            "max_in_flight": max_in_flight,
-        },
-        batch_size=1,
-        # One ticket per actor, never queued behind another: a ticket runs until the queue is empty, so a second
-        # one queued on a busy actor would leave an engine of the pool idle the whole job.
-        compute=ray.data.ActorPoolStrategy(
-            min_size=pool.min_engines,
-            max_size=plan.max_engines,
-            max_concurrent_calls_per_actor=1,
-            max_tasks_in_flight_per_actor=1,
-        ),
-        num_cpus=pool.cpus_per_engine,
-        num_gpus=pool.gpus_per_engine or None,
-        resources=pool.resources_per_engine or None,
-        accelerator_type=pool.accelerator_type,
-        batch_format="numpy",
-    )
+    group = pool_group(pool, plan.spec)
+    placement = actor_resources(pool, group)
+    if group is not None:  # each engine actor reserves a placement group of its own as Ray Data creates it
+        placement["ray_remote_args_fn"] = GroupPerActor(group, group_prefix(job_id, pool.name))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)  # ray_remote_args_fn is Ray Data's, until 2.64
+        return ds.map_batches(
+            EngineWorker,
+            fn_constructor_kwargs={
+                "spec": plan.spec,
+                "pool": pool.name,
+                "monitor": monitor,
+                "job_id": job_id,
+                "queue": queue,
+                "sink": sink,
+                "chunk_rows": plan.chunk_rows,
+                "max_in_flight": max_in_flight,
+            },
+            batch_size=1,
+            # One ticket per actor, never queued behind another: a ticket runs until the queue is empty, so a second
+            # one queued on a busy actor would leave an engine of the pool idle the whole job.
+            compute=ray.data.ActorPoolStrategy(
+                min_size=pool.min_engines,
+                max_size=plan.max_engines,
+                max_concurrent_calls_per_actor=1,
+                max_tasks_in_flight_per_actor=1,
+            ),
+            batch_format="numpy",
+            **placement,
+        )
+
+
+def group_prefix(job_id: str, pool: str) -> str:
+    """The name every placement group of one job's pool starts with."""
+    return f"nightshift-{job_id}-{pool}-"
 
 
 def _warm_tickets(config: JobConfig, job_id: str) -> Any:
@@ -211,7 +234,7 @@ class EngineLaunch:
         for pool in effective_pools(config):
             chunk_rows = plan_feed(config, early[pool.name], pool).chunk_rows
             chunks = -(-rows_at_most // chunk_rows) if rows_at_most is not None else None
-            self.pools.append(place_pool(pool, early[pool.name], engines_given, chunks))
+            self.pools.append(place_pool(pool, feed_spec(early[pool.name], pool), engines_given, chunks))
         # The monitor, the queues and (for a local OUTPUT on a multi-host cluster) the part writer are pinned to
         # the driver's node: they must not go down with a worker node (that is what they help survive), and a
         # local staging directory is on this node's disk.
@@ -388,6 +411,19 @@ class EngineLaunch:
         for actor in (self.monitor, *self.queues.values(), self.writer):
             if actor is not None:
                 ray.kill(actor)
+        self._release_groups()
+
+    def _release_groups(self) -> dict[str, list[list[str]]]:
+        """Remove the placement groups the job's sharded engines reserved (their actors are done); where each
+        group's bundles were, per pool."""
+        placed: dict[str, list[list[str]]] = {}
+        for pool in self.pools:
+            prefix = group_prefix(self.job_id, pool.name)
+            for entry in groups_named(prefix):
+                nodes = entry.get("bundles_to_node_id") or {}
+                placed.setdefault(pool.name, []).append([nodes[i] for i in sorted(nodes)])
+            release_named(prefix)
+        return placed
 
     def wait(
         self, counters: JobCounters, show_progress: bool, recorder: JobRecorder | None = None
@@ -442,6 +478,7 @@ class EngineLaunch:
         run.retried_requests = len(ray.get(monitor.retries.remote()))
         run.recovery = summarize_recovery(ray.get(monitor.work.remote()))
         run.preemption_warned = watch.warned
+        run.groups = self._release_groups()
         if self.warm is not None:
             self.warm.release()  # warm for the next job
         queued = _merged_stats(ray.get([queue.stats.remote() for queue in queues]))

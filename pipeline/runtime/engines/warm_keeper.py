@@ -25,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -32,6 +33,14 @@ import structlog
 
 from pipeline.engines.base import EngineSpec
 from pipeline.runtime.engines.engine_actor import EngineWorker
+from pipeline.runtime.engines.engine_group import (
+    actor_resources,
+    in_group,
+    pool_group,
+    release_named,
+    reserve,
+)
+from pipeline.topology import EngineGroup
 
 log = structlog.get_logger(__name__)
 
@@ -91,6 +100,7 @@ class _Kept:
     job: str | None = None  # the job holding it; None: idle
     idle_since: float = field(default_factory=time.monotonic)
     placed: bool = False  # the actor is running (not waiting for resources)
+    group_name: str | None = None  # a sharded engine's placement group, removed when the engine is stopped
 
 
 def engine_kind(spec: EngineSpec, options: dict[str, Any]) -> str:
@@ -113,17 +123,17 @@ class EngineKeeper:
         self.reused = 0  # engines handed to a job that another job had used
 
     async def acquire(
-        self, job_id: str, wanted: list[tuple[EngineSpec, str, int, dict[str, Any]]]
+        self, job_id: str, wanted: list[tuple[EngineSpec, str, int, dict[str, Any], EngineGroup | None]]
     ) -> list[list[Any]]:
-        """Engines for each of the job's pools — `wanted`: (spec, pool, count, actor options) — idle ones of the
-        same kind first, new ones for the rest."""
+        """Engines for each of the job's pools — `wanted`: (spec, pool, count, actor options, the placement group
+        each engine reserves or None) — idle ones of the same kind first, new ones for the rest."""
         import ray
 
         if self._reaper is None:
             self._reaper = asyncio.get_running_loop().create_task(self._reap_forever())
-        kinds = [engine_kind(spec, options) for spec, _, _, options in wanted]
+        kinds = [engine_kind(spec, {**options, "group": group}) for spec, _, _, options, group in wanted]
         handed: list[list[_Kept]] = []
-        for kind, (_, _, count, _) in zip(kinds, wanted, strict=True):
+        for kind, (_, _, count, _, _) in zip(kinds, wanted, strict=True):
             taken = [k for k in self._kept if k.job is None and k.kind == kind][:count]
             for k in taken:
                 k.job = job_id
@@ -131,11 +141,17 @@ class EngineKeeper:
         # Idle engines of kinds this job does not run hold cores or accelerators its new ones may need.
         self._stop([k for k in self._kept if k.job is None and k.kind not in kinds])
         cls = ray.remote(WarmEngine)
-        for kind, (spec, pool, count, options), taken in zip(kinds, wanted, handed, strict=True):
+        for kind, (spec, pool, count, options, group), taken in zip(kinds, wanted, handed, strict=True):
             reused = len(taken)
             self.reused += reused
             for _ in range(count - reused):
-                kept = _Kept(cls.options(max_restarts=-1, **options).remote(spec, pool), kind, job=job_id)
+                group_name = None
+                placed = dict(options)
+                if group is not None:  # a sharded engine: its group is reserved first, and removed with it
+                    group_name = f"nightshift-warm-{uuid.uuid4().hex[:12]}"
+                    placed.update(in_group(reserve(group, group_name)))
+                handle = cls.options(max_restarts=-1, **placed).remote(spec, pool)
+                kept = _Kept(handle, kind, job=job_id, group_name=group_name)
                 self._kept.append(kept)
                 taken.append(kept)
                 self.started += 1
@@ -189,6 +205,8 @@ class EngineKeeper:
         for k in kept:
             self._kept.remove(k)
             ray.kill(k.handle, no_restart=True)
+            if k.group_name is not None:
+                release_named(k.group_name)
 
     async def _reap_forever(self) -> None:
         while True:
@@ -222,18 +240,6 @@ def find_keeper(name: str) -> Any | None:
         return None
 
 
-def actor_options(pool: Any) -> dict[str, Any]:
-    """How a warm engine of this pool is placed: the resources a Ray Data pool would give its actors."""
-    options: dict[str, Any] = {"num_cpus": pool.cpus_per_engine}
-    if pool.gpus_per_engine:
-        options["num_gpus"] = pool.gpus_per_engine
-    if pool.resources_per_engine:
-        options["resources"] = dict(pool.resources_per_engine)
-    if pool.accelerator_type:
-        options["accelerator_type"] = pool.accelerator_type
-    return options
-
-
 class WarmTickets:
     """A job's side: its engines taken from the keeper, one ticket on each, sent again if its engine restarts."""
 
@@ -258,9 +264,12 @@ class WarmTickets:
         engines that no pool of the job can use."""
         import ray
 
-        wanted = [
-            (plan.spec, plan.pool.name, plan.max_engines, actor_options(plan.pool)) for plan, _ in self._pools
-        ]
+        wanted = []
+        for plan, _ in self._pools:
+            group = pool_group(plan.pool, plan.spec)
+            wanted.append(
+                (plan.spec, plan.pool.name, plan.max_engines, actor_resources(plan.pool, group), group)
+            )
         handles = ray.get(self.keeper.acquire.remote(self.job_id, wanted))
         for (plan, wiring), pool_handles in zip(self._pools, handles, strict=True):
             for i, handle in enumerate(pool_handles):
