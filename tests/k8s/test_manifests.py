@@ -21,6 +21,7 @@ from kuberay_rules import (
     cluster_specs,
     crd_validator,
     gpu_errors,
+    groups,
     kuberay_errors,
     name_errors,
     parse_ray_start_resources,
@@ -213,13 +214,28 @@ def test_every_pod_has_a_memory_backed_dev_shm():
                 assert volume["emptyDir"]["medium"] == "Memory", label
 
 
-def test_the_job_reads_its_config_from_the_configmap_and_s3_credentials_from_a_secret():
-    job = load("rayjob.yaml")
+RAYJOB_FILES = sorted({label.split("#")[0] for label, doc in ray_documents() if doc["kind"] == "RayJob"})
+JOB_CONFIGMAPS = sorted(
+    label
+    for label, doc in documents()
+    if doc.get("kind") == "ConfigMap" and "job.yaml" in doc.get("data", {})
+)
+
+
+def configmap_named(name: str) -> dict:
+    (doc,) = [
+        doc for _, doc in documents() if doc.get("kind") == "ConfigMap" and doc["metadata"]["name"] == name
+    ]
+    return doc
+
+
+@pytest.mark.parametrize("name", RAYJOB_FILES)
+def test_the_job_reads_its_config_from_the_configmap_and_s3_credentials_from_a_secret(name):
+    job = load(name, "RayJob")
     head = job["spec"]["rayClusterSpec"]["headGroupSpec"]["template"]["spec"]
     (config_volume,) = [v for v in head["volumes"] if "configMap" in v]
     (mount,) = [m for m in head["containers"][0]["volumeMounts"] if m["name"] == config_volume["name"]]
-    configmap = load("configmap-job.yaml")
-    assert config_volume["configMap"]["name"] == configmap["metadata"]["name"]
+    configmap = configmap_named(config_volume["configMap"]["name"])
     assert f"--config {mount['mountPath']}/job.yaml" in job["spec"]["entrypoint"]
     assert "job.yaml" in configmap["data"]
     secrets = {
@@ -230,10 +246,21 @@ def test_the_job_reads_its_config_from_the_configmap_and_s3_credentials_from_a_s
     assert {"AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"} <= secrets
 
 
-def test_the_job_config_is_a_valid_nightshift_job_file():
-    from pipeline.config import JobConfig
+def test_the_rayjob_reads_the_configmap_job_file():
+    head = load("rayjob.yaml")["spec"]["rayClusterSpec"]["headGroupSpec"]["template"]["spec"]
+    (config_volume,) = [v for v in head["volumes"] if "configMap" in v]
+    assert config_volume["configMap"]["name"] == load("configmap-job.yaml")["metadata"]["name"]
 
-    JobConfig.model_validate(yaml.safe_load(load("configmap-job.yaml")["data"]["job.yaml"]))
+
+@pytest.mark.parametrize("label", JOB_CONFIGMAPS)
+def test_the_job_config_is_a_valid_nightshift_job_file(label, tmp_path):
+    """Read as `nightshift run --config` reads it, its pools checked as the job checks them."""
+    from pipeline.config import effective_pools, load_job_config
+
+    (configmap,) = [doc for found, doc in documents() if found == label]
+    path = tmp_path / "job.yaml"
+    path.write_text(configmap["data"]["job.yaml"])
+    assert effective_pools(load_job_config(path))
 
 
 # ----------------------------------------------------------------------------------------- locked down
@@ -260,6 +287,17 @@ def security_errors(name: str, doc: dict | None = None, context: list[dict] | No
 
 
 RAY_FILES = sorted({label.split("#")[0] for label, _ in ray_documents()})
+
+
+def _group_names(name: str) -> list[str]:
+    """The head ("head") and every worker group of the Ray document of file `name`."""
+    (_, spec), *_ = cluster_specs(load(name))
+    return [group_name for _, group_name, _ in groups(spec)]
+
+
+# (file, group) for every group of every Ray file: each file is checked on its own groups.
+RAY_GROUPS = [(name, group) for name in RAY_FILES for group in _group_names(name)]
+RAY_WORKER_GROUPS = [(name, group) for name, group in RAY_GROUPS if group != "head"]
 
 
 @pytest.mark.parametrize("name", RAY_FILES)
@@ -317,7 +355,7 @@ def _first_container(doc: dict, group: str) -> dict:
     return pod["template"]["spec"]["containers"][0]
 
 
-@pytest.mark.parametrize("group", ["head", "nvidia-h100", "amd-mi300x"])
+@pytest.mark.parametrize("name, group", RAY_GROUPS)
 @pytest.mark.parametrize(
     "change, problem",
     [
@@ -328,11 +366,10 @@ def _first_container(doc: dict, group: str) -> dict:
         (lambda c: c["securityContext"]["capabilities"].update(add=["SYS_PTRACE"]), "['SYS_PTRACE']"),
     ],
 )
-def test_a_container_with_privileges_fails(group, change, problem):
-    for name in RAY_FILES:
-        doc = load(name)
-        change(_first_container(doc, group))
-        assert any(problem in error for error in container_errors(doc)), (name, container_errors(doc))
+def test_a_container_with_privileges_fails(name, group, change, problem):
+    doc = load(name)
+    change(_first_container(doc, group))
+    assert any(problem in error for error in container_errors(doc)), (name, container_errors(doc))
 
 
 @pytest.mark.parametrize("name", RAY_FILES)
@@ -428,10 +465,10 @@ def test_a_policy_that_opens_the_head_fails(name, rule, problem):
     assert any(problem in error for error in errors), errors
 
 
-@pytest.mark.parametrize("name", RAY_FILES)
-def test_a_worker_the_policy_does_not_admit_fails(name):
+@pytest.mark.parametrize("name, group", RAY_WORKER_GROUPS)
+def test_a_worker_the_policy_does_not_admit_fails(name, group):
     doc = load(name)
-    worker(doc, "amd-mi300x")["template"]["metadata"]["labels"]["app.kubernetes.io/instance"] = "elsewhere"
+    worker(doc, group)["template"]["metadata"]["labels"]["app.kubernetes.io/instance"] = "elsewhere"
     assert any("could not reach its head" in error for error in security_errors(name, doc))
 
 
