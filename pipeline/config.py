@@ -276,6 +276,15 @@ class FakeEngineArgs(_Strict):
         description="Append every custom_id the engine runs to this file (counts recomputation); '{pid}' in the "
         "path is replaced by the engine process's id.",
     )
+    tensor_parallel_size: int = Field(
+        default=1,
+        ge=1,
+        description="Ranks per stage of a sharded fake engine: like vLLM's Ray executor, one small Ray actor per "
+        "rank in the engine's placement group, every request passing through all of them (engines/fake_ranks.py).",
+    )
+    pipeline_parallel_size: int = Field(
+        default=1, ge=1, description="Stages of a sharded fake engine (see tensor_parallel_size)."
+    )
 
 
 # Requests in flight per endpoint when neither given nor told by the server (llama.cpp's /props tells its slots).

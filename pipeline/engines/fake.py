@@ -27,6 +27,7 @@ from pipeline.engines.fitting import FitTarget, own_requests
 from pipeline.models import ResolvedModel
 from pipeline.planner import requested_max_tokens
 from pipeline.protocol import ErrorCode
+from pipeline.topology import Topology
 
 # The fake's context when none is given: its stand-in for a model's limit.
 FAKE_MAX_MODEL_LEN = 8192
@@ -68,6 +69,8 @@ class FakeEngine(Engine):
         self.peak_inside = 0  # most requests inside the engine at once (running or waiting for a slot)
         # Fixed, so fake outputs are byte-for-byte reproducible (real engines stamp the wall clock).
         self._created = 1_700_000_000
+        self._ranks: list[Any] = []  # a sharded engine's stand-in ranks (engines/fake_ranks.py)
+        self._rank_info: list[dict[str, Any]] = []
 
     @classmethod
     def rows_per_second(cls, spec: EngineSpec) -> float | None:
@@ -81,12 +84,29 @@ class FakeEngine(Engine):
 
     async def start(self) -> None:
         await asyncio.sleep(float(self.args.get("start_seconds") or 0.0))
+        topology = Topology.of(self.args)
+        if topology.sharded:
+            from pipeline.engines import fake_ranks
+
+            self._ranks = await fake_ranks.start_ranks(
+                topology.tensor_parallel_size, topology.pipeline_parallel_size
+            )
+            self._rank_info = await fake_ranks.describe(self._ranks)
+
+    @classmethod
+    def is_engine_dead(cls, exc: BaseException) -> bool:
+        from pipeline.engines.fake_ranks import RankLost
+
+        return isinstance(exc, RankLost)
 
     @property
     def instant(self) -> bool:
-        """Every request costs no time under the time model (the data-plane benchmark's setting)."""
-        return not self.args.get("prefill_seconds_per_token") and not self.args.get(
-            "decode_seconds_per_token"
+        """Every request costs no time under the time model (the data-plane benchmark's setting), and no rank
+        stands between it and its answer."""
+        return (
+            not self.args.get("prefill_seconds_per_token")
+            and not self.args.get("decode_seconds_per_token")
+            and not self._ranks
         )
 
     async def generate_all(
@@ -106,6 +126,10 @@ class FakeEngine(Engine):
 
     async def generate(self, request: EngineRequest) -> EngineResult:
         result, cost = self._answer(request)
+        if self._ranks:
+            from pipeline.engines.fake_ranks import through_every_stage
+
+            await through_every_stage(self._ranks, 1)
         if cost > 0:  # a request that costs no time holds no slot: nothing could wait for it
             self._inside += 1
             self.peak_inside = max(self.peak_inside, self._inside)
@@ -174,7 +198,8 @@ class FakeEngine(Engine):
         return EngineResult(custom_id, 400, error, ErrorCode.CONTEXT_LENGTH_EXCEEDED)
 
     def effective_args(self) -> dict[str, Any]:
-        return {**self.args, "max_num_seqs": self.max_num_seqs}
+        ranks = {"ranks": self._rank_info} if self._rank_info else {}
+        return {**self.args, "max_num_seqs": self.max_num_seqs, **ranks}
 
     def stats(self) -> EngineStats:
         return EngineStats(
