@@ -1,7 +1,9 @@
 """`nightshift plan`: the KV-cache budget of a model on a device, optionally fitted to a batch's real lengths.
 
 The arithmetic lives in `pipeline.planner`; this module finds the model, measures the input (chat template
-applied, as the engine will) and prints one table per pool, or JSON with `--json`.
+applied, as the engine will) and prints one table per pool, or JSON with `--json`. A sharded engine
+(--tensor-parallel-size, --pipeline-parallel-size, as the job's engine args name them) is planned per device, with
+one row per pipeline stage; a model whose weights leave a GPU no room is told the smallest engine that holds it.
 """
 
 from __future__ import annotations
@@ -18,6 +20,8 @@ import typer
 from pipeline.planner import (
     DEFAULT_CHAT_MAX_TOKENS,
     DEFAULT_CPU_KV_SPACE_GIB,
+    DEFAULT_DEVICES_PER_NODE,
+    SHARDING_FIELDS,
     ContextFit,
     DeviceBudget,
     GiB,
@@ -37,6 +41,7 @@ from pipeline.planner import (
     plan_pool,
     round_up,
 )
+from pipeline.topology import Topology, TopologyError, check_topology
 
 _BAR_WIDTH = 40
 
@@ -97,6 +102,21 @@ def plan_command(
     block_size: Annotated[
         int | None, typer.Option(min=1, help="vLLM: KV block size. Default: vLLM's for the device.")
     ] = None,
+    tensor_parallel_size: Annotated[
+        int,
+        typer.Option(min=1, help="vLLM: ranks (GPUs; CPU: core sets) that split every layer of one engine."),
+    ] = 1,
+    pipeline_parallel_size: Annotated[
+        int, typer.Option(min=1, help="vLLM: stages one engine's layers are split into.")
+    ] = 1,
+    gpus_per_node: Annotated[
+        int | None,
+        typer.Option(
+            min=1,
+            help="GPUs one node has: the most tensor_parallel_size a suggestion keeps on one node. "
+            f"Default: {DEFAULT_DEVICES_PER_NODE}.",
+        ),
+    ] = None,
     default_max_tokens: Annotated[
         int,
         typer.Option(
@@ -117,17 +137,21 @@ def plan_command(
 ) -> None:
     """The KV-cache budget per pool: weights, KV bytes per token, capacity, and the max_model_len / max_num_seqs
     it supports. With --input, the context is fitted to the batch."""
-    budget = _budget(gpu_memory, gpu_memory_utilization, cpu_kvcache_space)
+    budget = _budget(gpu_memory, gpu_memory_utilization, cpu_kvcache_space, gpus_per_node)
+    topology = Topology.of(
+        {"tensor_parallel_size": tensor_parallel_size, "pipeline_parallel_size": pipeline_parallel_size}
+    )
     try:
         name, model_dir = _locate_model(model, served_model_name)
         shape = model_shape(model_dir)
+        check_topology(shape, topology, name)
         stats = (
             _measure_input(input, model, name, model_dir, default_max_tokens, chat_template)
             if input
             else None
         )
-        pools = [_plan(shape, budget, stats, max_model_len, block_size, kv_cache_dtype)]
-    except PlanError as exc:
+        pools = [_plan(shape, budget, stats, max_model_len, block_size, kv_cache_dtype, topology)]
+    except (PlanError, TopologyError) as exc:
         _fail(str(exc))
     if json_output:
         typer.echo(json.dumps(_as_json(name, model_dir, shape, stats, pools), indent=2))
@@ -143,14 +167,19 @@ def _fail(message: str, code: int = 2) -> None:
     raise typer.Exit(code)
 
 
-def _budget(gpu_memory: str | None, utilization: float, cpu_kvcache_space: int | None) -> DeviceBudget:
+def _budget(
+    gpu_memory: str | None,
+    utilization: float,
+    cpu_kvcache_space: int | None,
+    gpus_per_node: int | None = None,
+) -> DeviceBudget:
     if gpu_memory is None:
         return DeviceBudget.cpu(cpu_kvcache_space or DEFAULT_CPU_KV_SPACE_GIB, _host_memory())
     try:
         memory = parse_memory(gpu_memory)
     except ValueError as exc:
         raise typer.BadParameter(str(exc), param_hint="--gpu-memory") from None
-    return DeviceBudget.gpu(memory, utilization)
+    return DeviceBudget.gpu(memory, utilization, devices_per_node=gpus_per_node)
 
 
 def _host_memory() -> int | None:
@@ -265,11 +294,12 @@ def _plan(
     max_model_len: int | None,
     block_size: int | None,
     kv_cache_dtype: str,
+    topology: Topology | None = None,
 ) -> PoolResult:
     block = block_size or default_block_size(budget.device, shape.is_mla)
     fit = fit_context(stats.needs, block, shape.max_model_len_limit) if stats else None
     context = max_model_len or (fit.context if fit else None)
-    plan = plan_pool(shape, budget, context, block, kv_cache_dtype)
+    plan = plan_pool(shape, budget, context, block, kv_cache_dtype, topology=topology)
     if stats and fit:
         plan = plan.model_copy(update=_input_remarks(shape, plan, stats, fit))
     source = "--max-model-len" if max_model_len else "fitted to --input" if fit else "model limit"
@@ -330,14 +360,28 @@ def _as_json(
         "input": _input_json(stats) if stats else None,
         "pools": [
             {
-                "budget": pool.budget.model_dump(),
+                "budget": _budget_json(pool.budget),
                 "fit": pool.fit.model_dump() if pool.fit else None,
                 "context_source": pool.context_source,
-                **pool.plan.model_dump(),
+                **_plan_json(pool.plan),
             }
             for pool in pools
         ],
     }
+
+
+def _budget_json(budget: DeviceBudget) -> dict[str, Any]:
+    """The budget's fields; devices_per_node only when given (a one-device plan reads as it always has)."""
+    return budget.model_dump(exclude={"devices_per_node"} if budget.devices_per_node is None else None)
+
+
+def _plan_json(plan: PoolPlan) -> dict[str, Any]:
+    """The plan's fields; those of sharding only when set, so a one-device plan reads as it always has."""
+    record = plan.model_dump()
+    defaults = {
+        name: PoolPlan.model_fields[name].get_default(call_default_factory=True) for name in SHARDING_FIELDS
+    }
+    return {key: value for key, value in record.items() if key not in defaults or value != defaults[key]}
 
 
 def _input_json(stats: InputStats) -> dict[str, Any]:
@@ -378,6 +422,8 @@ def _print(
     for pool in pools:
         console.print()
         console.print(_pool_table(pool))
+        if pool.plan.sharded:
+            console.print(_stage_table(pool.plan))
         for note in pool.plan.notes:
             console.print(f"  [dim]•[/dim] {note}")
         for warning in pool.plan.warnings:
@@ -446,13 +492,38 @@ def _pool_table(pool: PoolResult):
     table.add_column(justify="right")
     table.add_column(style="dim")
     weights = fmt_bytes(plan.weights_bytes) if plan.weights_bytes is not None else "unknown"
+    ranks = plan.tensor_parallel_size * plan.pipeline_parallel_size
+    if plan.sharded:
+        table.add_row(
+            "topology",
+            f"TP={plan.tensor_parallel_size} PP={plan.pipeline_parallel_size}",
+            f"{ranks} ranks per engine, "
+            + ("one GPU each" if plan.device == "gpu" else "one CPU worker each"),
+        )
     table.add_row(
         "weights", weights, "checkpoint tensors" if plan.weights_bytes is not None else "no weight files"
     )
-    table.add_row("KV budget", fmt_bytes(plan.kv_budget_bytes), _budget_source(pool.budget))
-    table.add_row("KV bytes / token", f"{plan.kv_bytes_per_token:,}", f"kv_cache_dtype {plan.kv_cache_dtype}")
+    if plan.sharded:
+        on_device = plan.weights_per_device_bytes
+        table.add_row(
+            "weights / rank",
+            fmt_bytes(on_device) if on_device is not None else "unknown",
+            f"≈ weights / {ranks} ranks",
+        )
+        table.add_row("KV budget / rank", fmt_bytes(plan.kv_budget_bytes), _budget_source(pool.budget, True))
+        table.add_row(
+            "KV bytes / token",
+            f"{plan.kv_bytes_per_token:,}",
+            f"kv_cache_dtype {plan.kv_cache_dtype}, whole model",
+        )
+    else:
+        table.add_row("KV budget", fmt_bytes(plan.kv_budget_bytes), _budget_source(pool.budget))
+        table.add_row(
+            "KV bytes / token", f"{plan.kv_bytes_per_token:,}", f"kv_cache_dtype {plan.kv_cache_dtype}"
+        )
     table.add_row("block size", f"{plan.block_size}", "tokens")
-    table.add_row("KV capacity", f"{plan.kv_capacity_tokens:,}", f"tokens ({plan.kv_blocks:,} blocks)")
+    blocks = f"{plan.kv_blocks:,} blocks" + (", on every rank" if plan.sharded else "")
+    table.add_row("KV capacity", f"{plan.kv_capacity_tokens:,}", f"tokens ({blocks})")
     table.add_row("context (max_model_len)", f"{plan.context:,}", pool.context_source)
     table.add_row("max concurrent seqs", f"{plan.max_concurrent_seqs:,}", f"at {plan.context:,} tokens each")
     table.add_row("recommended max_model_len", _or_none(plan.recommended_max_model_len), "")
@@ -460,10 +531,35 @@ def _pool_table(pool: PoolResult):
     return table
 
 
-def _budget_source(budget: DeviceBudget) -> str:
+def _stage_table(plan: PoolPlan):
+    """One row per pipeline stage: what each of its ranks (devices) holds."""
+    from rich.table import Table
+
+    table = Table(title="per rank", title_justify="left", box=None, pad_edge=False, header_style="bold")
+    for column in ("stage", "ranks", "layers", "KV heads", "weights", "KV budget", "KV B/token"):
+        table.add_column(column, justify="left" if column == "ranks" else "right")
+    table.add_column("KV capacity", justify="right")
+    for stage in plan.stages:
+        ranks = f"{stage.ranks[0]}" if len(stage.ranks) == 1 else f"{stage.ranks[0]}–{stage.ranks[-1]}"
+        table.add_row(
+            f"{stage.stage}",
+            ranks,
+            f"{stage.layers}",
+            f"{stage.kv_heads}",
+            fmt_bytes(stage.weights_bytes) if stage.weights_bytes is not None else "unknown",
+            fmt_bytes(stage.kv_budget_bytes),
+            f"{stage.kv_bytes_per_token:,}",
+            f"{stage.kv_capacity_tokens:,}",
+        )
+    return table
+
+
+def _budget_source(budget: DeviceBudget, per_device: bool = False) -> str:
     if budget.device == "cpu":
-        return f"VLLM_CPU_KVCACHE_SPACE={(budget.cpu_kv_space_bytes or 0) // GiB}"
-    return f"{fmt_bytes(budget.memory_bytes or 0)} × {budget.utilization:g} − weights − reserve"
+        space = f"VLLM_CPU_KVCACHE_SPACE={(budget.cpu_kv_space_bytes or 0) // GiB}"
+        return f"{space} on every rank" if per_device else space
+    weights = "weights / rank" if per_device else "weights"
+    return f"{fmt_bytes(budget.memory_bytes or 0)} × {budget.utilization:g} − {weights} − reserve"
 
 
 def _or_none(value: int | None) -> str:

@@ -11,6 +11,10 @@ The rules mirror how vLLM sizes its cache:
   memory × utilization after the weights and an activation reserve.
 - A sequence of `max_model_len` tokens may need that many tokens of cache, so max_model_len / block_size blocks per
   sequence is the worst case the scheduler must be able to hold without preempting.
+- A sharded engine (tensor_parallel_size × pipeline_parallel_size ranks, pipeline.topology) is planned per device:
+  each rank holds its share of the weights and the KV of its own stage's layers and its own KV heads, in its own
+  budget; vLLM gives every rank the same number of blocks, the smallest any rank can hold, so the engine holds
+  that many tokens.
 """
 
 from __future__ import annotations
@@ -20,12 +24,16 @@ import math
 import re
 import struct
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from pipeline.endpoints.chat import requested_max_tokens as requested_limit
 from pipeline.endpoints.completions import COMPLETIONS_DEFAULT_MAX_TOKENS  # noqa: F401 - re-exported
+
+# pipeline.topology builds on ModelShape from here, so at run time it is imported where it is used.
+if TYPE_CHECKING:
+    from pipeline.topology import Topology
 
 GiB = 1 << 30
 
@@ -34,6 +42,8 @@ DEFAULT_CPU_KV_SPACE_GIB = 2
 # vLLM's default max_num_seqs on most devices (it allows 1024 on 70+ GiB GPUs); past it, a bigger batch rarely
 # buys throughput and costs latency.
 MAX_NUM_SEQS_CAP = 256
+# How many GPUs a node is assumed to have when the budget does not say: the usual 8-GPU server.
+DEFAULT_DEVICES_PER_NODE = 8
 # /v1/completions without max_tokens: vLLM (like OpenAI) generates 16 tokens (COMPLETIONS_DEFAULT_MAX_TOKENS).
 # /v1/chat/completions without max_tokens: vLLM lets the answer run to the end of the context, which cannot be
 # planned for. This is the output we budget instead (and say so); requests should set max_tokens.
@@ -197,19 +207,50 @@ class DeviceBudget(_Frozen):
         description="GPU: memory kept for activations, CUDA graphs and runtime buffers; default see "
         "activation_reserve().",
     )
+    devices_per_node: int | None = Field(
+        default=None,
+        ge=1,
+        description="GPU: devices one node has, the most tensor_parallel_size ranks a suggestion puts on one "
+        f"node; None: unknown ({DEFAULT_DEVICES_PER_NODE} assumed).",
+    )
 
     @classmethod
     def cpu(cls, kv_space_gib: int = DEFAULT_CPU_KV_SPACE_GIB, host_memory_bytes: int | None = None):
         return cls(device="cpu", cpu_kv_space_bytes=kv_space_gib * GiB, memory_bytes=host_memory_bytes)
 
     @classmethod
-    def gpu(cls, memory_bytes: int, utilization: float = 0.9, activation_reserve_bytes: int | None = None):
+    def gpu(
+        cls,
+        memory_bytes: int,
+        utilization: float = 0.9,
+        activation_reserve_bytes: int | None = None,
+        devices_per_node: int | None = None,
+    ):
         return cls(
             device="gpu",
             memory_bytes=memory_bytes,
             utilization=utilization,
             activation_reserve_bytes=activation_reserve_bytes,
+            devices_per_node=devices_per_node,
         )
+
+
+class StagePlan(_Frozen):
+    """One pipeline stage of a sharded engine, per device: each of its tensor-parallel ranks holds the same."""
+
+    stage: int = Field(description="Pipeline stage (0: the first, which holds the embeddings).")
+    ranks: list[int] = Field(description="The stage's ranks, numbered stage-major as vLLM numbers them.")
+    layers: int = Field(description="Decoder layers on this stage (vLLM's get_pp_indices split).")
+    kv_heads: int = Field(description="KV heads each rank caches (replicated when ranks outnumber KV heads).")
+    weights_bytes: int | None = Field(
+        description="Weights on one device of the stage (≈ weights / ranks); None when unknown."
+    )
+    kv_budget_bytes: int = Field(description="Memory left for the KV cache on one device of the stage.")
+    kv_bytes_per_token: int = Field(
+        description="KV bytes one token occupies on one rank (its layers, heads)."
+    )
+    kv_blocks: int = Field(description="Blocks one rank's budget holds.")
+    kv_capacity_tokens: int = Field(description="kv_blocks × block_size: tokens one rank's cache holds.")
 
 
 class PoolPlan(_Frozen):
@@ -220,11 +261,18 @@ class PoolPlan(_Frozen):
     weights_bytes: int | None = Field(
         description="Model weights in bytes; None when no weight files were found."
     )
-    kv_budget_bytes: int = Field(description="Memory left for the KV cache.")
+    kv_budget_bytes: int = Field(
+        description="Memory left for the KV cache (of a sharded engine: on each device; see stages)."
+    )
     kv_cache_dtype: str = Field(description="KV cache dtype as given (auto = the model's dtype).")
-    kv_bytes_per_token: int = Field(description="KV cache bytes one token occupies across all layers.")
+    kv_bytes_per_token: int = Field(
+        description="KV cache bytes one token occupies across all layers (of the whole model, unsharded)."
+    )
     block_size: int = Field(description="Tokens per KV cache block.")
-    kv_blocks: int = Field(description="Blocks that fit in the KV budget.")
+    kv_blocks: int = Field(
+        description="Blocks that fit in the KV budget (of a sharded engine: the fewest any rank holds, as "
+        "vLLM gives every rank that many)."
+    )
     kv_capacity_tokens: int = Field(description="kv_blocks × block_size: tokens the cache holds at once.")
     context: int = Field(description="The max_model_len this plan was computed for.")
     max_concurrent_seqs: int = Field(
@@ -239,6 +287,38 @@ class PoolPlan(_Frozen):
     )
     notes: list[str] = Field(default_factory=list, description="Assumptions behind the numbers.")
     warnings: list[str] = Field(default_factory=list, description="Things that will fail or waste memory.")
+    tensor_parallel_size: int = Field(default=1, description="Ranks that split every layer of one engine.")
+    pipeline_parallel_size: int = Field(default=1, description="Stages one engine's layers are split into.")
+    weights_per_device_bytes: int | None = Field(
+        default=None, description="Sharded engines: weights on one device (≈ weights / ranks)."
+    )
+    stages: list[StagePlan] = Field(
+        default_factory=list, description="Sharded engines: what each pipeline stage's devices hold."
+    )
+    suggested_tensor_parallel_size: int | None = Field(
+        default=None,
+        description="When the weights leave no room for a KV cache: the tensor_parallel_size of the smallest "
+        "engine that holds them and one sequence of `context` (None: no suggestion, or none found).",
+    )
+    suggested_pipeline_parallel_size: int | None = Field(
+        default=None, description="The pipeline_parallel_size that goes with suggested_tensor_parallel_size."
+    )
+
+    @property
+    def sharded(self) -> bool:
+        return self.tensor_parallel_size * self.pipeline_parallel_size > 1
+
+
+# PoolPlan fields that only a sharded engine, or one that does not fit its device, sets; a plain plan leaves them
+# at their defaults (and `nightshift plan --json` leaves them out, so its output for one device is unchanged).
+SHARDING_FIELDS = (
+    "tensor_parallel_size",
+    "pipeline_parallel_size",
+    "weights_per_device_bytes",
+    "stages",
+    "suggested_tensor_parallel_size",
+    "suggested_pipeline_parallel_size",
+)
 
 
 class ContextFit(_Frozen):
@@ -516,13 +596,31 @@ def kv_element_bytes(shape: ModelShape, kv_cache_dtype: str = "auto") -> int:
         raise PlanError(f"kv_cache_dtype {kv_cache_dtype!r} is not planned; use one of: {known}") from None
 
 
-def kv_bytes_per_token(shape: ModelShape, kv_cache_dtype: str = "auto") -> int:
-    """KV cache bytes one token occupies across all layers (full-attention accounting)."""
+def kv_bytes_per_token(
+    shape: ModelShape, kv_cache_dtype: str = "auto", layers: int | None = None, kv_heads: int | None = None
+) -> int:
+    """KV cache bytes one token occupies across all layers (full-attention accounting); with `layers` and
+    `kv_heads`, on one rank of a sharded engine that holds that many of each."""
     element = kv_element_bytes(shape, kv_cache_dtype)
+    layers = shape.layers if layers is None else layers
     if shape.is_mla:
-        # One latent per layer, no separate K and V, no per-head copies.
-        return shape.layers * ((shape.kv_lora_rank or 0) + (shape.qk_rope_head_dim or 0)) * element
-    return 2 * shape.layers * shape.kv_heads * shape.head_dim * element
+        # One latent per layer, no separate K and V, no per-head copies (every tensor-parallel rank keeps it whole).
+        return layers * ((shape.kv_lora_rank or 0) + (shape.qk_rope_head_dim or 0)) * element
+    return 2 * layers * (shape.kv_heads if kv_heads is None else kv_heads) * shape.head_dim * element
+
+
+def weights_per_device(weights: int | None, ranks: int) -> int | None:
+    """Weights one device of an engine of `ranks` ranks holds: weights / ranks, rounded up.
+
+    An approximation of vLLM's sharding: tensor parallelism splits every linear layer and the vocab-parallel
+    embedding and LM head evenly (the vocab padded to a multiple of 64 per rank, a few MB more), but keeps the
+    norms whole on every rank; pipeline parallelism puts the embeddings on the first stage and the LM head on the
+    last only, so those two stages hold somewhat more than the average (for Llama-3-70B, up to one 2.1 GB
+    embedding matrix / tensor_parallel_size) and the middle stages less.
+    """
+    if weights is None:
+        return None
+    return -(-weights // ranks)
 
 
 def activation_reserve(budget: DeviceBudget) -> int:
@@ -538,10 +636,11 @@ def activation_reserve(budget: DeviceBudget) -> int:
     return max(GiB, usable // 20)
 
 
-def kv_budget(budget: DeviceBudget, weights: int | None) -> tuple[int, list[str], list[str]]:
-    """Bytes for the KV cache on this device, with the notes and warnings that explain them."""
+def kv_budget(budget: DeviceBudget, weights: int | None, ranks: int = 1) -> tuple[int, list[str], list[str]]:
+    """Bytes for the KV cache on this device (on each device of an engine of `ranks` ranks), with the notes and
+    warnings that explain them."""
     if budget.device == "cpu":
-        return _cpu_kv_budget(budget, weights)
+        return _cpu_kv_budget(budget, weights, ranks)
     if budget.memory_bytes is None:
         raise PlanError("a GPU plan needs the device memory (--gpu-memory, e.g. 80GiB)")
     if weights is None:
@@ -550,7 +649,10 @@ def kv_budget(budget: DeviceBudget, weights: int | None) -> tuple[int, list[str]
             "GPU memory"
         )
     usable = int(budget.memory_bytes * budget.utilization)
+    # Every rank profiles and reserves its own activations and graphs, so each device keeps the whole reserve.
     reserve = activation_reserve(budget)
+    if ranks > 1:
+        return _sharded_gpu_kv_budget(budget, weights, ranks, usable, reserve)
     notes = [
         f"KV budget = {fmt_bytes(budget.memory_bytes)} × {budget.utilization:g} − weights {fmt_bytes(weights)} "
         f"− activation reserve {fmt_bytes(reserve)} (assumed max(1 GiB, 5% of memory × utilization))"
@@ -569,15 +671,50 @@ def kv_budget(budget: DeviceBudget, weights: int | None) -> tuple[int, list[str]
     return left, notes, []
 
 
-def _cpu_kv_budget(budget: DeviceBudget, weights: int | None) -> tuple[int, list[str], list[str]]:
+def _sharded_gpu_kv_budget(
+    budget: DeviceBudget, weights: int, ranks: int, usable: int, reserve: int
+) -> tuple[int, list[str], list[str]]:
+    on_device = weights_per_device(weights, ranks) or 0
+    notes = [
+        f"KV budget per device = {fmt_bytes(budget.memory_bytes or 0)} × {budget.utilization:g} − weights per "
+        f"device {fmt_bytes(on_device)} (≈ {fmt_bytes(weights)} / {ranks} ranks; approximate: norms sit whole "
+        f"on every rank, and under pipeline parallelism the embeddings on the first stage, the LM head on the "
+        f"last) − activation reserve {fmt_bytes(reserve)} (assumed max(1 GiB, 5% of memory × utilization), on "
+        f"every device)"
+    ]
+    left = usable - on_device - reserve
+    if left <= 0:
+        return (
+            0,
+            notes,
+            [
+                f"weights per device ({fmt_bytes(on_device)}) + reserve ({fmt_bytes(reserve)}) exceed memory × "
+                f"utilization ({fmt_bytes(usable)}): no room for a KV cache on {ranks} devices"
+            ],
+        )
+    return left, notes, []
+
+
+def _cpu_kv_budget(
+    budget: DeviceBudget, weights: int | None, ranks: int = 1
+) -> tuple[int, list[str], list[str]]:
     space = (
         budget.cpu_kv_space_bytes if budget.cpu_kv_space_bytes is not None else DEFAULT_CPU_KV_SPACE_GIB * GiB
     )
-    notes = [f"KV budget = VLLM_CPU_KVCACHE_SPACE={space // GiB} GiB (set with --cpu-kvcache-space)"]
+    if ranks == 1:
+        notes = [f"KV budget = VLLM_CPU_KVCACHE_SPACE={space // GiB} GiB (set with --cpu-kvcache-space)"]
+    else:
+        # vLLM's CPU worker sizes its cache from VLLM_CPU_KVCACHE_SPACE in each worker process: every rank
+        # allocates the whole space for its own layers and KV heads, so the engine takes ranks × the space.
+        notes = [
+            f"KV budget per rank = VLLM_CPU_KVCACHE_SPACE={space // GiB} GiB (set with --cpu-kvcache-space): each "
+            f"of the engine's {ranks} ranks allocates its own, {fmt_bytes(ranks * space)} in all"
+        ]
     warnings = []
-    if budget.memory_bytes and space + (weights or 0) > budget.memory_bytes:
+    if budget.memory_bytes and ranks * space + (weights or 0) > budget.memory_bytes:
+        cache = fmt_bytes(space) if ranks == 1 else f"{ranks} ranks × {fmt_bytes(space)}"
         warnings.append(
-            f"weights ({fmt_bytes(weights or 0)}) + KV cache ({fmt_bytes(space)}) exceed host memory "
+            f"weights ({fmt_bytes(weights or 0)}) + KV cache ({cache}) exceed host memory "
             f"({fmt_bytes(budget.memory_bytes)}): vLLM refuses to allocate the cache; lower --cpu-kvcache-space"
         )
     return space, notes, warnings
@@ -621,6 +758,49 @@ def _largest_fitting_context(shape: ModelShape, kv_blocks: int, block_size: int,
     return min(low * block_size, limit) if low else None
 
 
+def stage_plans(
+    shape: ModelShape,
+    budget: DeviceBudget,
+    topology: Topology,
+    block_size: int,
+    kv_cache_dtype: str = "auto",
+) -> tuple[list[StagePlan], list[str], list[str]]:
+    """What each pipeline stage's devices hold (weights, KV budget, blocks), with the budget's notes and warnings.
+
+    Every tensor-parallel rank of a stage holds the stage's layers and kv_heads_per_rank KV heads of each; its
+    blocks are its own budget over its own bytes per token. vLLM gives every rank the fewest blocks any rank can
+    hold (kv_cache_utils `get_kv_cache_configs`), so the engine holds min(stage blocks) × block_size tokens.
+
+    On CPU each rank has the whole VLLM_CPU_KVCACHE_SPACE: an engine of TP ranks that divide the KV heads and
+    PP stages holds about TP × PP times the tokens of one unsharded engine (exactly so when the layers divide
+    too) in TP × PP times the memory; past the KV heads, tensor ranks replicate heads and add memory, not tokens.
+    """
+    from pipeline.topology import kv_heads_per_rank, stage_layers
+
+    tp = topology.tensor_parallel_size
+    kv_bytes, notes, warnings = kv_budget(budget, shape.weights_bytes, topology.world)
+    on_device = weights_per_device(shape.weights_bytes, topology.world)
+    heads = kv_heads_per_rank(shape, tp)
+    stages = []
+    for stage, layers in enumerate(stage_layers(shape.layers, topology.pipeline_parallel_size)):
+        per_token = kv_bytes_per_token(shape, kv_cache_dtype, layers=layers, kv_heads=heads)
+        blocks = kv_bytes // (block_size * per_token)
+        stages.append(
+            StagePlan(
+                stage=stage,
+                ranks=list(range(stage * tp, (stage + 1) * tp)),
+                layers=layers,
+                kv_heads=heads,
+                weights_bytes=on_device,
+                kv_budget_bytes=kv_bytes,
+                kv_bytes_per_token=per_token,
+                kv_blocks=blocks,
+                kv_capacity_tokens=blocks * block_size,
+            )
+        )
+    return stages, notes, warnings
+
+
 def plan_pool(
     shape: ModelShape,
     budget: DeviceBudget,
@@ -628,15 +808,33 @@ def plan_pool(
     block_size: int | None = None,
     kv_cache_dtype: str = "auto",
     pool: str | None = None,
+    topology: Topology | None = None,
 ) -> PoolPlan:
-    """The KV plan of one pool: capacity, sequences at `context` (default: the model's limit), recommended args."""
+    """The KV plan of one pool: capacity, sequences at `context` (default: the model's limit), recommended args.
+
+    `topology`: how each engine is sharded (Topology.of(engine args)); default one device. When the weights leave
+    a GPU no room for a KV cache, the plan names the smallest engine that holds them."""
+    from pipeline.topology import Topology, TopologyError, check_topology
+
+    topology = topology or Topology()
+    try:
+        check_topology(shape, topology, f"this {shape.model_type} model")
+    except TopologyError as exc:
+        raise PlanError(str(exc)) from None
     block = block_size or default_block_size(budget.device, shape.is_mla)
     per_token = kv_bytes_per_token(shape, kv_cache_dtype)
-    kv_bytes, notes, warnings = kv_budget(budget, shape.weights_bytes)
-    blocks = kv_bytes // (block * per_token)
+    stages, notes, warnings = stage_plans(shape, budget, topology, block, kv_cache_dtype)
+    kv_bytes = stages[0].kv_budget_bytes
+    blocks = min(stage.kv_blocks for stage in stages)
     limit = shape.max_model_len_limit
     ctx = context or limit
+    suggested = None
+    if budget.device == "gpu" and kv_bytes == 0:
+        suggested, advice = _topology_advice(shape, budget, topology, min(ctx, limit), block, kv_cache_dtype)
+        warnings.append(advice)
     notes.append(_per_token_note(shape, kv_cache_dtype))
+    if topology.sharded:
+        notes.append(_sharded_note(shape, topology, stages))
     notes.extend(shape.notes)
     if shape.sliding_window:
         notes.append(_sliding_note(shape))
@@ -674,6 +872,110 @@ def plan_pool(
         recommended_max_num_seqs=recommended_seqs,
         notes=notes,
         warnings=warnings,
+        tensor_parallel_size=topology.tensor_parallel_size,
+        pipeline_parallel_size=topology.pipeline_parallel_size,
+        weights_per_device_bytes=stages[0].weights_bytes if topology.sharded else None,
+        stages=stages if topology.sharded else [],
+        suggested_tensor_parallel_size=suggested.tensor_parallel_size if suggested else None,
+        suggested_pipeline_parallel_size=suggested.pipeline_parallel_size if suggested else None,
+    )
+
+
+def smallest_fitting_topology(
+    shape: ModelShape, budget: DeviceBudget, context: int, block_size: int, kv_cache_dtype: str = "auto"
+) -> tuple[Topology, list[StagePlan]] | None:
+    """The smallest engine that holds the weights and one sequence of `context` tokens, and what its stages hold.
+
+    Tensor parallelism first, within one node (budget.devices_per_node, else 8): the smallest tensor_parallel_size
+    the model takes (pipeline.topology) that fits. If none does, the fewest devices tensor × pipeline parallel
+    (the most tensor ranks for a given count: they stay on one node), up to MAX_TENSOR_PARALLEL devices. None:
+    nothing that size fits."""
+    from pipeline.topology import MAX_TENSOR_PARALLEL, Topology, tensor_parallel_sizes
+
+    per_node = budget.devices_per_node or DEFAULT_DEVICES_PER_NODE
+    candidates = sorted(
+        (
+            Topology(tensor_parallel_size=tp, pipeline_parallel_size=pp)
+            for tp in tensor_parallel_sizes(shape, per_node)
+            for pp in range(1, min(shape.layers, MAX_TENSOR_PARALLEL // tp) + 1)
+        ),
+        key=lambda t: (t.pipeline_parallel_size > 1, t.world, t.pipeline_parallel_size),
+    )
+    for topology in candidates:
+        stages, _, _ = stage_plans(shape, budget, topology, block_size, kv_cache_dtype)
+        if max_sequences(shape, min(stage.kv_blocks for stage in stages), context, block_size) >= 1:
+            return topology, stages
+    return None
+
+
+def _topology_advice(
+    shape: ModelShape,
+    budget: DeviceBudget,
+    topology: Topology,
+    context: int,
+    block_size: int,
+    kv_cache_dtype: str,
+) -> tuple[Topology | None, str]:
+    """The smallest engine that fits, as a topology and a sentence that says why with the numbers."""
+    weights = shape.weights_bytes or 0
+    memory = fmt_bytes(budget.memory_bytes or 0)
+    devices = (
+        f"one {memory} device" if topology.world == 1 else f"{topology.world} {memory} devices ({topology})"
+    )
+    lead = (
+        f"the checkpoint's {fmt_bytes(weights)} ({weights / 1e9:.3g} GB) of weights leave no room for a KV "
+        f"cache on {devices} at {budget.utilization:g} utilization"
+    )
+    per_node = budget.devices_per_node or DEFAULT_DEVICES_PER_NODE
+    node = f"one node of {per_node} devices" + ("" if budget.devices_per_node else " (assumed)")
+    holds = f"holds them and one {context:,}-token sequence"
+    found = smallest_fitting_topology(shape, budget, context, block_size, kv_cache_dtype)
+    if found is None:
+        from pipeline.topology import MAX_TENSOR_PARALLEL
+
+        return None, (
+            f"{lead}; no engine of up to {MAX_TENSOR_PARALLEL} devices (tensor_parallel_size within {node}) "
+            f"{holds}: use a quantized checkpoint or devices with more memory"
+        )
+    best, stages = found
+    tokens = min(stage.kv_capacity_tokens for stage in stages)
+    sizes = (
+        f"{fmt_bytes(stages[0].weights_bytes or 0)} of weights per device, a KV cache of {tokens:,} tokens"
+    )
+    if best.pipeline_parallel_size == 1:
+        return best, (
+            f"{lead}; the smallest tensor_parallel_size that {holds} is {best.tensor_parallel_size} ({sizes})"
+        )
+    return best, (
+        f"{lead}; no tensor_parallel_size within {node} {holds}; the smallest engine that does is "
+        f"tensor_parallel_size {best.tensor_parallel_size} × pipeline_parallel_size "
+        f"{best.pipeline_parallel_size} ({best.world} devices, {sizes})"
+    )
+
+
+def _sharded_note(shape: ModelShape, topology: Topology, stages: list[StagePlan]) -> str:
+    tp = topology.tensor_parallel_size
+    split = ", ".join(str(stage.layers) for stage in stages)
+    layers = (
+        f"its stage's layers ({shape.layers} split {split}, as vLLM splits them)"
+        if len(stages) > 1
+        else f"all {shape.layers} layers"
+    )
+    if shape.is_mla:
+        heads = "the whole MLA latent (vLLM keeps it on every tensor rank)"
+    elif tp > shape.kv_heads:
+        heads = (
+            f"1 of the {shape.kv_heads} KV heads, each replicated on {tp // shape.kv_heads} ranks "
+            f"(tensor_parallel_size {tp} > {shape.kv_heads} KV heads; vLLM keeps at least one per rank)"
+        )
+    else:
+        heads = f"{stages[0].kv_heads} of the {shape.kv_heads} KV heads"
+    tightest = min(stages, key=lambda stage: stage.kv_blocks)
+    per_token = ", ".join(f"{stage.kv_bytes_per_token:,}" for stage in stages)
+    return (
+        f"{topology} ({topology.world} ranks per engine): each rank caches {layers} × {heads}; KV bytes/token "
+        f"per rank {per_token}{' by stage' if len(stages) > 1 else ''}; vLLM gives every rank the blocks of the "
+        f"tightest (stage {tightest.stage}: {tightest.kv_blocks:,})"
     )
 
 

@@ -170,3 +170,29 @@ def engine_group(
     per_rank = cpus_per_engine / world
     bundles = [{"CPU": per_rank, **shared} for _ in range(world)]
     return EngineGroup(bundles=tuple(bundles), strategy="STRICT_PACK", executor="mp")
+
+
+def stage_layers(layers: int, pipeline_parallel_size: int) -> list[int]:
+    """Layers on each pipeline stage, split as vLLM splits them (vllm/distributed/utils.py `get_pp_indices`).
+
+    Evenly where they divide; the remainder goes one layer each to the stages before the last, from the
+    second-to-last backwards: the last stage carries the final norm and the LM head, the first the embeddings, so
+    extra layers land in the middle first (30 layers over 4 stages: 7, 8, 8, 7). vLLM's VLLM_PP_LAYER_PARTITION
+    environment override is not modelled.
+    """
+    if not 1 <= pipeline_parallel_size <= layers:
+        raise TopologyError(f"cannot split {layers} layers into {pipeline_parallel_size} stages")
+    per_stage, remainder = divmod(layers, pipeline_parallel_size)
+    split = [per_stage] * pipeline_parallel_size
+    for stage in range(2, remainder + 2):
+        split[-stage] += 1
+    return split
+
+
+def kv_heads_per_rank(shape: ModelShape, tensor_parallel_size: int) -> int:
+    """KV heads each tensor-parallel rank caches (vllm/config/model.py `get_num_kv_heads`): the model's KV heads
+    divided among the ranks, at least one, so with more ranks than KV heads each head is replicated on
+    tensor_parallel_size / kv_heads ranks. MLA caches one latent per layer on every rank, whatever the split."""
+    if shape.is_mla:
+        return 1
+    return max(1, shape.kv_heads // tensor_parallel_size)
