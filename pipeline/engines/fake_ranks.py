@@ -71,7 +71,14 @@ async def start_ranks(tensor_parallel_size: int, pipeline_parallel_size: int) ->
 
 
 async def describe(ranks: list[Any]) -> list[dict[str, Any]]:
-    return list(await asyncio.gather(*(rank.describe.remote() for rank in ranks)))
+    """Each rank's description, once all are up; RankLost when one never comes up (its node lost as it
+    started)."""
+    import ray
+
+    try:
+        return list(await asyncio.gather(*(rank.describe.remote() for rank in ranks)))
+    except ray.exceptions.RayActorError as exc:
+        raise RankLost(f"a rank of the engine did not start: {exc}") from None
 
 
 async def through_every_stage(ranks: list[Any], tokens: int) -> None:

@@ -505,7 +505,14 @@ def fit_target(model: ResolvedModel, args: dict[str, Any], default_max_tokens: i
         elif device == "cpu":
             try:
                 budget = DeviceBudget.cpu(int(args.get("cpu_kvcache_space_gib") or 2))
-                blocks = plan_pool(shape, budget, None, block, extra.get("kv_cache_dtype", "auto")).kv_blocks
+                blocks = plan_pool(
+                    shape,
+                    budget,
+                    None,
+                    block,
+                    extra.get("kv_cache_dtype", "auto"),
+                    topology=Topology.of(args),
+                ).kv_blocks  # each rank has a KV space of its own
             except PlanError:
                 return None
         else:

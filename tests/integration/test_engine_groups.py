@@ -145,10 +145,13 @@ def test_the_node_of_a_pipeline_stage_lost_mid_job(gpu_nodes, tmp_path):
     # The whole engine went with its stage (the engine reported its rank lost), was rebuilt in its group, whose
     # lost bundle Ray placed on the spare node, and the rows it had in flight ran again.
     recovery = result.manifest["recovery"]
-    (lost,) = recovery["engines_lost"].values()
-    assert lost["cause"] == "RankLost" and lost["rows_in_flight"] > 0
+    # (A restart that came up before Ray had moved the lost bundle found its rank dead as it started: that engine
+    # is lost too, with no rows in flight, and the next restart runs.)
+    losses = recovery["engines_lost"].values()
+    assert {loss["cause"] for loss in losses} == {"RankLost"}
+    (lost,) = [loss for loss in losses if loss["rows_in_flight"]]
     assert lost["rows_rerun"] >= lost["rows_in_flight"]
-    assert recovery["engine_restarts"] == 1
+    assert recovery["engine_restarts"] >= 1
     (bundle_nodes,) = result.manifest["placement"]["engine_groups"]["default"]
     assert stage_node not in bundle_nodes and len(set(bundle_nodes)) == 2
 

@@ -281,7 +281,7 @@ class EngineWorker:
                     # enforce_eager), and the next plan is compared with what was asked for.
                     wanted = replace(self.spec, args=dict(self.spec.args))
                     engine = build_engine(self._spec_with_cores(wanted))
-                    await engine.start()
+                    await self._or_die(engine.start())  # a rank lost while it starts: the engine is rebuilt
                     self._ready_at = time.time()
                     self.engine, self._built_spec = engine, wanted
                     self.window = self._max_in_flight_given or in_flight_window(engine)

@@ -119,12 +119,13 @@ def _pool_dataset(
     from pipeline.runtime.engines.engine_actor import EngineWorker
 
     pool = plan.pool
-    tickets = [{"ticket": f"{pool.name}/{i}"} for i in range(plan.max_engines)]
-    ds = ray.data.from_items(tickets, override_num_blocks=len(tickets))
     group = pool_group(pool, plan.spec)
     placement = actor_resources(pool, group)
     if group is not None:  # each engine actor reserves a placement group of its own as Ray Data creates it
         placement["ray_remote_args_fn"] = GroupPerActor(group, group_prefix(job_id, pool.name))
+        _no_remote_args_probes()  # before the dataset: it takes a copy of the context
+    tickets = [{"ticket": f"{pool.name}/{i}"} for i in range(plan.max_engines)]
+    ds = ray.data.from_items(tickets, override_num_blocks=len(tickets))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", DeprecationWarning)  # ray_remote_args_fn is Ray Data's, until 2.64
         return ds.map_batches(
@@ -151,6 +152,16 @@ def _pool_dataset(
             batch_format="numpy",
             **placement,
         )
+
+
+def _no_remote_args_probes() -> None:
+    """Ray Data's high-memory issue detector calls a map's `ray_remote_args_fn` every few seconds to read the
+    memory it asks for: with a function that reserves a placement group, each call would reserve another engine's
+    worth of resources. It only warns about tasks' memory (engine actors live the whole job), so it is left out."""
+    from ray.data import DataContext
+
+    config = DataContext.get_current().issue_detectors_config
+    config.detectors = [d for d in config.detectors if d.__name__ != "HighMemoryIssueDetector"]
 
 
 def group_prefix(job_id: str, pool: str) -> str:
