@@ -92,6 +92,9 @@ class EngineArgs:
     # larger one than run-batch and nightshift, on CPU and GPU alike: vllm/engine/arg_utils.py get_batch_defaults);
     # a number reaches every path.
     max_num_batched_tokens: int | None = None
+    # None: each path's default, and they differ: nightshift's is 0.9, vLLM 0.32's 0.92 (on a GPU, a smaller KV
+    # cache for nightshift). A number reaches every path.
+    gpu_memory_utilization: float | None = None
 
 
 @dataclass
@@ -453,6 +456,8 @@ def run_nightshift(
         "--no-progress",
         *(extra_args or []),
     ]  # fmt: skip
+    if args.gpu_memory_utilization is not None:
+        cmd += ["--gpu-memory-utilization", str(args.gpu_memory_utilization)]
     if args.max_num_batched_tokens is not None:
         # No flag for it: nightshift takes further vLLM args from the job file's engine.vllm.extra (YAML reads JSON).
         job = work / f"{name}-job.yaml"
@@ -519,6 +524,8 @@ def run_run_batch(
     ]  # fmt: skip
     if args.max_num_batched_tokens is not None:
         cmd += ["--max-num-batched-tokens", str(args.max_num_batched_tokens)]
+    if args.gpu_memory_utilization is not None:
+        cmd += ["--gpu-memory-utilization", str(args.gpu_memory_utilization)]
     timed = timed_subprocess(cmd, env, work / f"{name}.log", timeout_s)
     return timed, _openai_outputs(read_jsonl(out)), {}
 
@@ -554,6 +561,8 @@ def raw_worker(spec_json: str) -> None:
         enforce_eager=eng["enforce_eager"],
         enable_prefix_caching=eng["enable_prefix_caching"],
         max_num_batched_tokens=eng.get("max_num_batched_tokens"),  # None: vLLM's default for the LLM class
+        # vLLM's default when not given (None is not accepted here).
+        **({"gpu_memory_utilization": u} if (u := eng.get("gpu_memory_utilization")) else {}),
         # nightshift and run-batch log engine stats (running/waiting, throughput); keep the same small cost here.
         disable_log_stats=False,
     )
