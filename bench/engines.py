@@ -88,6 +88,13 @@ class EngineArgs:
     enforce_eager: bool = True  # graph compilation costs minutes on CPU
     enable_prefix_caching: bool = True  # nightshift's default
     kv_cache_gib: int = 2  # VLLM_CPU_KVCACHE_SPACE; whole GiB only
+    # None: each path keeps vLLM's default, which depends on how the engine was built (the `LLM` class gets a
+    # larger one than run-batch and nightshift, on CPU and GPU alike: vllm/engine/arg_utils.py get_batch_defaults);
+    # a number reaches every path.
+    max_num_batched_tokens: int | None = None
+    # None: each path's default, and they differ: nightshift's is 0.9, vLLM 0.32's 0.92 (on a GPU, a smaller KV
+    # cache for nightshift). A number reaches every path.
+    gpu_memory_utilization: float | None = None
 
 
 @dataclass
@@ -449,6 +456,17 @@ def run_nightshift(
         "--no-progress",
         *(extra_args or []),
     ]  # fmt: skip
+    if args.gpu_memory_utilization is not None:
+        cmd += ["--gpu-memory-utilization", str(args.gpu_memory_utilization)]
+    if args.max_num_batched_tokens is not None:
+        # No flag for it: nightshift takes further vLLM args from the job file's engine.vllm.extra (YAML reads JSON).
+        job = work / f"{name}-job.yaml"
+        job.write_text(
+            json.dumps(
+                {"engine": {"vllm": {"extra": {"max_num_batched_tokens": args.max_num_batched_tokens}}}}
+            )
+        )
+        cmd += ["--config", str(job)]
     # A private Ray temp dir: the engine's logs (in Ray's session logs) are then this run's, even if another Ray
     # runs on the box; kept short because Ray puts unix sockets under it (path length limit).
     ray_tmp = Path(f"/tmp/nsbench-ray-{os.getpid()}")
@@ -504,6 +522,10 @@ def run_run_batch(
         "--enforce-eager" if args.enforce_eager else "--no-enforce-eager",
         "--enable-prefix-caching" if args.enable_prefix_caching else "--no-enable-prefix-caching",
     ]  # fmt: skip
+    if args.max_num_batched_tokens is not None:
+        cmd += ["--max-num-batched-tokens", str(args.max_num_batched_tokens)]
+    if args.gpu_memory_utilization is not None:
+        cmd += ["--gpu-memory-utilization", str(args.gpu_memory_utilization)]
     timed = timed_subprocess(cmd, env, work / f"{name}.log", timeout_s)
     return timed, _openai_outputs(read_jsonl(out)), {}
 
@@ -538,6 +560,9 @@ def raw_worker(spec_json: str) -> None:
         max_num_seqs=eng["max_num_seqs"],
         enforce_eager=eng["enforce_eager"],
         enable_prefix_caching=eng["enable_prefix_caching"],
+        max_num_batched_tokens=eng.get("max_num_batched_tokens"),  # None: vLLM's default for the LLM class
+        # vLLM's default when not given (None is not accepted here).
+        **({"gpu_memory_utilization": u} if (u := eng.get("gpu_memory_utilization")) else {}),
         # nightshift and run-batch log engine stats (running/waiting, throughput); keep the same small cost here.
         disable_log_stats=False,
     )

@@ -203,6 +203,8 @@ def raydata_worker(spec_json: str) -> None:
             "enforce_eager": eng["enforce_eager"],
             "enable_prefix_caching": eng["enable_prefix_caching"],
             "disable_log_stats": False,
+            **({"max_num_batched_tokens": n} if (n := eng.get("max_num_batched_tokens")) else {}),
+            **({"gpu_memory_utilization": u} if (u := eng.get("gpu_memory_utilization")) else {}),
         },
         concurrency=(engines, engines),  # a fixed pool, as nightshift's: an int n would autoscale from 1 to n
         batch_size=eng["max_num_seqs"],  # as nightshift's chunks: max_num_seqs rows

@@ -89,15 +89,16 @@ def visible_devices(inventory: NodeInventory, env: Mapping[str, str]) -> list[Ac
 
 
 def visibility_env(
-    inventory: NodeInventory, env: Mapping[str, str], usable: Sequence[Accelerator]
+    inventory: NodeInventory, env: Mapping[str, str], usable: Sequence[Accelerator], *, always: bool = False
 ) -> tuple[dict[str, str], list[str]]:
     """Variables to set for `ray start` so Ray sees exactly `usable`, and a note per change made.
 
-    Returns ({}, []) when the environment already matches (nothing set and every device usable).
+    Returns ({}, []) when the environment already matches (nothing set and every device usable), unless `always`:
+    then the variables are written even so (a benchmark pins every run to named devices, and records them).
     """
     notes: list[str] = []
     if inventory.vendor == "cuda":
-        if CUDA_VISIBLE_DEVICES not in env and len(usable) == len(inventory.accelerators):
+        if not always and CUDA_VISIBLE_DEVICES not in env and len(usable) == len(inventory.accelerators):
             return {}, notes
         overrides = {CUDA_VISIBLE_DEVICES: ",".join(str(device.index) for device in usable)}
         if env.get(CUDA_DEVICE_ORDER, "PCI_BUS_ID") != "PCI_BUS_ID":
@@ -111,7 +112,7 @@ def visibility_env(
     if inventory.vendor == "rocm":
         base = _rocr_base(inventory, env)
         rocr_alone = ROCR_VISIBLE_DEVICES in env and HIP_VISIBLE_DEVICES not in env
-        if not rocr_alone and HIP_VISIBLE_DEVICES not in env and len(usable) == len(base):
+        if not always and not rocr_alone and HIP_VISIBLE_DEVICES not in env and len(usable) == len(base):
             return {}, notes
         positions = [str(base.index(device)) for device in usable]
         if rocr_alone:

@@ -10,6 +10,9 @@ as their modules are imported and writes `engine-<pid>.json` into that directory
   prefix_queries / prefix_hits    prompt tokens looked up in the prefix cache and found there (new requests, the same
                                   record vLLM's own vllm:prefix_cache_queries/hits counters are made of)
   omp_bind                        VLLM_CPU_OMP_THREADS_BIND as the engine saw it
+  engine_config                   the engine args in force inside the engine core (vLLM's config objects, after
+                                  its defaults), and the device-visibility variables it saw: what really reached
+                                  the engine on every path, whichever way it was given them
 
 The file is written at the first token and every time the engine runs out of requests (so the last write is the last
 token), and at most every 5 s in between. The cost is a few attribute reads per engine step.
@@ -37,6 +40,7 @@ if _DIR:
         "prefix_queries": 0,
         "prefix_hits": 0,
         "omp_bind": None,
+        "engine_config": None,
     }
     _last_write = [0.0]
 
@@ -51,6 +55,35 @@ if _DIR:
         except OSError:
             pass
         _last_write[0] = time.monotonic()
+
+    def _engine_config(scheduler) -> dict:
+        cfg = scheduler.vllm_config
+        model, sched, cache, par = (
+            cfg.model_config,
+            cfg.scheduler_config,
+            cfg.cache_config,
+            cfg.parallel_config,
+        )
+        return {
+            "max_model_len": model.max_model_len,
+            "dtype": str(model.dtype).removeprefix("torch."),
+            "enforce_eager": model.enforce_eager,
+            "seed": model.seed,
+            "max_num_seqs": sched.max_num_seqs,
+            "max_num_batched_tokens": sched.max_num_batched_tokens,
+            "enable_chunked_prefill": sched.enable_chunked_prefill,
+            "enable_prefix_caching": cache.enable_prefix_caching,
+            "gpu_memory_utilization": cache.gpu_memory_utilization,
+            "block_size": cache.block_size,
+            "num_gpu_blocks": cache.num_gpu_blocks,
+            "tensor_parallel_size": par.tensor_parallel_size,
+            "pipeline_parallel_size": par.pipeline_parallel_size,
+            "device": str(cfg.device_config.device),
+            "visible_devices": {
+                name: os.environ.get(name)
+                for name in ("CUDA_VISIBLE_DEVICES", "HIP_VISIBLE_DEVICES", "ROCR_VISIBLE_DEVICES")
+            },
+        }
 
     def _patch_scheduler(module) -> None:
         original = module.Scheduler.update_from_output
@@ -67,6 +100,10 @@ if _DIR:
                     first = _state["first_token_at"] is None
                     if first:
                         _state["first_token_at"] = now
+                        try:
+                            _state["engine_config"] = _engine_config(self)
+                        except Exception as exc:  # noqa: BLE001 - another vLLM may name these otherwise
+                            _state["engine_config"] = {"error": repr(exc)}
                     _state["last_token_at"] = now
                     _state["tokens"] += tokens
                     _state["steps_with_tokens"] += 1

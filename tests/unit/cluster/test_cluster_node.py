@@ -275,6 +275,19 @@ def test_hip_indices_count_within_the_rocr_visible_devices():
     assert node_plan.notes == []
 
 
+def test_always_names_the_devices_even_when_the_environment_already_matches():
+    from cluster.visibility import visibility_env
+
+    h100 = nvidia_node("nvidia-smi_h100x8.csv")
+    assert visibility_env(h100, {}, h100.accelerators) == ({}, [])
+    env, _ = visibility_env(h100, {}, h100.accelerators, always=True)
+    assert env == {"CUDA_VISIBLE_DEVICES": "0,1,2,3,4,5,6,7", "CUDA_DEVICE_ORDER": "PCI_BUS_ID"}
+    mi300x = amd_node("amd-smi_static_mi300x-x8.json")
+    assert visibility_env(mi300x, {}, mi300x.accelerators[:2], always=True)[0] == {
+        "HIP_VISIBLE_DEVICES": "0,1"
+    }
+
+
 def test_the_translated_environment_satisfies_rays_own_amd_rule(monkeypatch):
     """Check against the installed Ray's AMDGPUAcceleratorManager, not a copy of its rule."""
     from ray._private.accelerators.amd_gpu import AMDGPUAcceleratorManager
