@@ -168,3 +168,40 @@ def test_tensor_ranks_that_no_node_can_hold_together_are_refused_before_any_work
     for name in GPU_NODES:
         assert f"{gpu_nodes.node_ids[name][:8]}: CPU 1, GPU 1" in message
     assert not list((tmp_path / "out").glob("results-*"))
+
+
+def test_a_warm_sharded_engine_keeps_its_group_between_jobs_and_gives_it_back_when_stopped(
+    gpu_nodes, tmp_path
+):
+    """Engines kept by the Batch API server's keeper (runtime/engines/warm_keeper.py): a sharded one reserves its
+    group as the keeper starts it, keeps it while it waits for the next job, and the group goes when the engine
+    is stopped (idle here)."""
+    import ray
+    from ray.util.placement_group import placement_group_table
+
+    from pipeline.runtime.engines.warm_keeper import start_keeper
+
+    keeper = start_keeper("groups-keeper", idle_seconds=4)
+    ray.get(keeper.describe.remote())
+
+    def warm_groups() -> list[dict]:
+        return [g for g in placement_group_table().values() if g["name"].startswith("nightshift-warm-")]
+
+    manifests = []
+    for name in ("first", "second"):
+        (tmp_path / name).mkdir()
+        config = _config(tmp_path / name, name, 24, {"pipeline_parallel_size": 2})
+        config = config.model_copy(
+            update={"engine": config.engine.model_copy(update={"warm_engines": "groups-keeper"})}
+        )
+        manifests.append(run_job(config, show_progress=False).manifest)
+        (group,) = [g for g in warm_groups() if g["state"] == "CREATED"]  # one engine, one group, still there
+        assert len(set(group["bundles_to_node_id"].values())) == 2
+    assert [m["engine"]["reused"] for m in manifests] == [0, 1]
+    assert all(m["counts"]["succeeded"] == 24 for m in manifests)
+
+    deadline = time.monotonic() + 30
+    while any(g["state"] != "REMOVED" for g in warm_groups()):
+        assert time.monotonic() < deadline, warm_groups()
+        time.sleep(0.5)
+    ray.kill(keeper)
