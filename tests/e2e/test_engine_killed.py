@@ -13,14 +13,13 @@ from __future__ import annotations
 import os
 import signal
 import threading
-import time
 
-import psutil
 import pytest
 
 from pipeline.config import JobConfig
 from pipeline.runtime.job import run_job
 from tests.conftest import chat_line, read_jsonl, write_lines
+from tests.e2e.engine_victims import engine_with_work_in_flight, vllm_process
 from tests.failure_figures import record
 
 pytestmark = pytest.mark.slow
@@ -69,7 +68,7 @@ def test_engine_actor_killed_mid_job(private_ray, tmp_path):
     n = 40
     thread, outcome = _start_job(tmp_path, "engine-kill", "k", n, max_tokens=48)
 
-    victim, pid = _engine_with_work_in_flight("engine-kill", thread)
+    victim, pid = engine_with_work_in_flight("engine-kill", thread)
     os.kill(pid, signal.SIGKILL)
 
     thread.join(timeout=900)
@@ -97,36 +96,6 @@ def test_engine_actor_killed_mid_job(private_ray, tmp_path):
     assert recovery["requests_retried_after_engine_failure"] == lost["rows_rerun"]
 
 
-def _engine_with_work_in_flight(job_id: str, job: threading.Thread) -> tuple[str, int]:
-    """The first engine of the job with rows in flight (the monitor's work ledger: begun, not yet returned), and
-    its actor's pid. Rows are begun only once the engine has started."""
-    import ray
-
-    deadline = time.monotonic() + 300
-    while True:
-        assert time.monotonic() < deadline and job.is_alive(), "the engine never got work"
-        try:
-            monitor = ray.get_actor(f"nightshift-monitor-{job_id}")
-            work, engines = ray.get([monitor.work.remote(), monitor.snapshot.remote()])
-        except ValueError:  # the monitor is not up yet
-            work, engines = {}, {}
-        for engine, info in work.items():
-            if info["in_flight"] > 0 and engine in engines:
-                return engine, engines[engine]["pid"]
-        time.sleep(0.1)
-
-
-def _engine_core(actor_pid: int) -> psutil.Process:
-    """vLLM's engine-core process under an engine actor: vLLM titles it `VLLM::EngineCore` (setproctitle)."""
-    cores = [
-        child
-        for child in psutil.Process(actor_pid).children(recursive=True)
-        if "EngineCore" in child.name() or "EngineCore" in " ".join(child.cmdline())
-    ]
-    assert len(cores) == 1, f"expected one engine-core process under the actor, found {cores}"
-    return cores[0]
-
-
 def test_engine_core_killed_under_a_live_actor(private_ray, tmp_path):
     """Row "an engine process dies (... `EngineDeadError`)": only vLLM's engine-core process is SIGKILLed; the actor
     lives on until vLLM tells it the engine is dead, then exits so that Ray restarts it with a fresh engine."""
@@ -135,8 +104,8 @@ def test_engine_core_killed_under_a_live_actor(private_ray, tmp_path):
     thread, outcome = _start_job(tmp_path, "engine-core-kill", "c", n, max_tokens=16)
 
     # Once the engine has rows in flight, kill its engine core and nothing else.
-    victim, actor_pid = _engine_with_work_in_flight("engine-core-kill", thread)
-    core = _engine_core(actor_pid)
+    victim, actor_pid = engine_with_work_in_flight("engine-core-kill", thread)
+    core = vllm_process(actor_pid, "EngineCore")
     core.send_signal(signal.SIGKILL)
     core.wait(timeout=30)
 

@@ -19,16 +19,15 @@ from __future__ import annotations
 import os
 import signal
 import threading
-import time
 from pathlib import Path
 
-import psutil
 import pytest
 
 from pipeline.config import JobConfig
 from pipeline.models import prepare_embedded_model
 from pipeline.runtime.job import run_job
 from tests.conftest import read_jsonl, write_lines
+from tests.e2e.engine_victims import engine_with_work_in_flight, vllm_process
 from tests.e2e.tiny_llama import make_tiny_llama
 from tests.failure_figures import record
 
@@ -134,34 +133,6 @@ def test_one_job_with_a_tp2_pool_and_a_tp1_pool_of_the_same_model(private_ray, t
             print(f"  {QUESTIONS[i]!r}: TP=2 {tp2[f'tp2-{i}']!r} / TP=1 {tp1[f'tp1-{i}']!r}")
 
 
-def _rank_worker(actor_pid: int, rank: str) -> psutil.Process:
-    """A rank's worker process under an engine actor: vLLM titles it `VLLM::Worker_TP1` and so on."""
-    workers = [
-        child
-        for child in psutil.Process(actor_pid).children(recursive=True)
-        if f"Worker_{rank}" in child.name() or f"Worker_{rank}" in " ".join(child.cmdline())
-    ]
-    assert len(workers) == 1, f"expected one {rank} worker under the actor, found {workers}"
-    return workers[0]
-
-
-def _engine_with_work_in_flight(job_id: str, job: threading.Thread) -> tuple[str, int]:
-    import ray
-
-    deadline = time.monotonic() + 300
-    while True:
-        assert time.monotonic() < deadline and job.is_alive(), "the engine never got work"
-        try:
-            monitor = ray.get_actor(f"nightshift-monitor-{job_id}")
-            work, engines = ray.get([monitor.work.remote(), monitor.snapshot.remote()])
-        except ValueError:  # the monitor is not up yet
-            work, engines = {}, {}
-        for engine, info in work.items():
-            if info["in_flight"] > 0 and engine in engines:
-                return engine, engines[engine]["pid"]
-        time.sleep(0.1)
-
-
 def test_a_rank_of_a_tp2_engine_killed_mid_job(private_ray, tiny_llama, tmp_path):
     n = 32
     lines = [
@@ -186,8 +157,8 @@ def test_a_rank_of_a_tp2_engine_killed_mid_job(private_ray, tiny_llama, tmp_path
     thread = threading.Thread(target=lambda: outcome.update(result=run_job(config, show_progress=False)))
     thread.start()
 
-    victim, actor_pid = _engine_with_work_in_flight("rank-kill", thread)
-    worker = _rank_worker(actor_pid, "TP1")
+    victim, actor_pid = engine_with_work_in_flight("rank-kill", thread)
+    worker = vllm_process(actor_pid, "Worker_TP1")
     worker.send_signal(signal.SIGKILL)
     worker.wait(timeout=30)
 

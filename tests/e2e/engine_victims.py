@@ -1,0 +1,40 @@
+"""Finding what to kill in a running job's engines, for the tests that kill them: an engine with rows in flight
+(from the job monitor's work ledger) and the processes vLLM runs under its actor."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import psutil
+
+
+def engine_with_work_in_flight(job_id: str, job: threading.Thread, timeout_s: float = 300) -> tuple[str, int]:
+    """The first engine of the job with rows in flight (begun, not yet returned), and its actor's pid. Rows are
+    begun only once the engine has started."""
+    import ray
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        assert time.monotonic() < deadline and job.is_alive(), "the engine never got work"
+        try:
+            monitor = ray.get_actor(f"nightshift-monitor-{job_id}")
+            work, engines = ray.get([monitor.work.remote(), monitor.snapshot.remote()])
+        except ValueError:  # the monitor is not up yet
+            work, engines = {}, {}
+        for engine, info in work.items():
+            if info["in_flight"] > 0 and engine in engines:
+                return engine, engines[engine]["pid"]
+        time.sleep(0.1)
+
+
+def vllm_process(actor_pid: int, title: str) -> psutil.Process:
+    """The one process under an engine actor whose title (vLLM's setproctitle: `VLLM::EngineCore`,
+    `VLLM::Worker_TP1`, ...) contains `title`."""
+    found = [
+        child
+        for child in psutil.Process(actor_pid).children(recursive=True)
+        if title in child.name() or title in " ".join(child.cmdline())
+    ]
+    assert len(found) == 1, f"expected one {title} process under the actor, found {found}"
+    return found[0]
