@@ -4,6 +4,8 @@ The arithmetic lives in `pipeline.planner`; this module finds the model, measure
 applied, as the engine will) and prints one table per pool, or JSON with `--json`. A sharded engine
 (--tensor-parallel-size, --pipeline-parallel-size, as the job's engine args name them) is planned per device, with
 one row per pipeline stage; a model whose weights leave a GPU no room is told the smallest engine that holds it.
+With --config JOB.yaml every pool of the job is planned as the job runs it (`pipeline.plan_job` reads the pools):
+one table per pool under its model, or in JSON one record per pool, named.
 """
 
 from __future__ import annotations
