@@ -581,6 +581,11 @@ class PoolConfig(EngineResources):
         "their own name).",
     )
 
+    @property
+    def device(self) -> Literal["cpu", "gpu"]:
+        """Where the pool's engines compute: on GPUs when each reserves any, else on CPU cores."""
+        return "gpu" if self.gpus_per_engine > 0 else "cpu"
+
     @model_validator(mode="after")
     def _bounds(self) -> PoolConfig:
         if self.max_engines is not None and self.max_engines < self.min_engines:
@@ -832,13 +837,19 @@ def effective_pools(config: JobConfig) -> list[PoolConfig]:
         raise ConfigError(f"pool names must be unique, got {names}")
     if config.engine.backend == "http":
         pools = _endpoint_pools(config, pools)
-    base = config.engine.args()
     for pool in pools:
         try:
-            type(base).model_validate({**base.model_dump(), **pool.engine_overrides})
+            pool_engine_args(config, pool)
         except ValidationError as exc:
             raise ConfigError(f"pools[{pool.name}].engine_overrides: {format_validation_error(exc)}") from exc
     return pools
+
+
+def pool_engine_args(config: JobConfig, pool: PoolConfig) -> BaseModel:
+    """The engine args a pool's engines run with: the job's backend block (engine.vllm, ...) under the pool's
+    engine_overrides, validated as that block."""
+    base = config.engine.args()
+    return type(base).model_validate({**base.model_dump(), **pool.engine_overrides})
 
 
 def _endpoint_pools(config: JobConfig, pools: list[PoolConfig]) -> list[PoolConfig]:

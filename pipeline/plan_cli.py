@@ -4,6 +4,8 @@ The arithmetic lives in `pipeline.planner`; this module finds the model, measure
 applied, as the engine will) and prints one table per pool, or JSON with `--json`. A sharded engine
 (--tensor-parallel-size, --pipeline-parallel-size, as the job's engine args name them) is planned per device, with
 one row per pipeline stage; a model whose weights leave a GPU no room is told the smallest engine that holds it.
+With --config JOB.yaml every pool of the job is planned as the job runs it (`pipeline.plan_job` reads the pools):
+one table per pool under its model, or in JSON one record per pool, named.
 """
 
 from __future__ import annotations
@@ -11,9 +13,10 @@ from __future__ import annotations
 import json
 import os
 import statistics
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
@@ -43,6 +46,10 @@ from pipeline.planner import (
 )
 from pipeline.topology import Topology, TopologyError, check_topology
 
+if TYPE_CHECKING:
+    from pipeline.models import ResolvedModel
+    from pipeline.plan_job import PoolTarget
+
 _BAR_WIDTH = 40
 
 
@@ -62,6 +69,7 @@ class InputStats:
 
 
 def plan_command(
+    ctx: typer.Context,
     model: Annotated[
         str | None,
         typer.Option(
@@ -134,9 +142,20 @@ def plan_command(
         typer.Option(help="With --input: the chat template prompts are rendered with. Default: the model's."),
     ] = None,
     json_output: Annotated[bool, typer.Option("--json", help="Machine-readable output.")] = False,
+    config: Annotated[
+        str | None,
+        typer.Option(
+            "--config",
+            help="A job file: plan every pool of it, each with its own model, engine args and device (a pool "
+            "with gpus_per_engine > 0 is planned on a GPU of --gpu-memory, the others on CPU).",
+        ),
+    ] = None,
 ) -> None:
     """The KV-cache budget per pool: weights, KV bytes per token, capacity, and the max_model_len / max_num_seqs
     it supports. With --input, the context is fitted to the batch."""
+    if config is not None:
+        _plan_job_file(ctx, config, input, gpu_memory, gpus_per_node, json_output)
+        return
     budget = _budget(gpu_memory, gpu_memory_utilization, cpu_kvcache_space, gpus_per_node)
     topology = Topology.of(
         {"tensor_parallel_size": tensor_parallel_size, "pipeline_parallel_size": pipeline_parallel_size}
@@ -157,6 +176,138 @@ def plan_command(
         typer.echo(json.dumps(_as_json(name, model_dir, shape, stats, pools), indent=2))
     else:
         _print(name, model_dir, shape, stats, pools)
+
+
+# --- a job file's pools ---------------------------------------------------------------------------------------
+
+
+@dataclass
+class JobPoolResult:
+    """One pool of a job file, planned: the pool, its model's directory and shape, what it measured of --input."""
+
+    target: PoolTarget
+    model_dir: str
+    shape: ModelShape
+    stats: InputStats | None
+    result: PoolResult
+
+
+def _plan_job_file(
+    ctx: typer.Context,
+    config_path: str,
+    input: str | None,
+    gpu_memory: str | None,
+    gpus_per_node: int | None,
+    json_output: bool,
+) -> None:
+    """`plan --config`: every pool of the job, each with its own model, engine args and device."""
+    from pipeline.plan_job import COMBINE_WITH_CONFIG, job_pool_targets
+
+    conflicts = [
+        param.opts[0]
+        for param in ctx.command.params
+        if param.name not in COMBINE_WITH_CONFIG and _typed(ctx, param.name)
+    ]
+    if conflicts:
+        _fail(
+            f"{', '.join(conflicts)} cannot go with --config: the job file sets "
+            f"{'it' if len(conflicts) == 1 else 'them'} per pool (the pool's model, the job's engine.vllm under "
+            f"the pool's engine_overrides); change {config_path} instead"
+        )
+    try:
+        targets = job_pool_targets(config_path, gpu_memory_given=gpu_memory is not None)
+        batch = _JobInput.read(input, targets) if input else None
+        planned = [_plan_target(target, batch, gpu_memory, gpus_per_node) for target in targets]
+    except (PlanError, TopologyError) as exc:
+        _fail(str(exc))
+    if json_output:
+        record = {"config": config_path, "pools": [_job_pool_json(pool) for pool in planned]}
+        typer.echo(json.dumps(record, indent=2))
+    else:
+        _print_job(planned)
+
+
+def _typed(ctx: typer.Context, name: str) -> bool:
+    """Whether the user gave this option (on the command line or through its environment variable)."""
+    # By the source's name: typer ships its own copy of click, whose ParameterSource is not click's.
+    source = ctx.get_parameter_source(name)
+    return source is not None and source.name in ("COMMANDLINE", "ENVIRONMENT")
+
+
+@dataclass
+class _JobInput:
+    """--input as a job's pools measure it: every model of the job validates it (another pool's requests are valid
+    lines, not invalid ones), and each model measures only the requests that name it, once for all its pools."""
+
+    location: str
+    served: dict[str, str | None]  # served name -> task, of every pool's model
+    requested: Counter[str]  # valid requests by the served name they go to
+    measured: dict[tuple[str, str | None], InputStats] = field(default_factory=dict)
+
+    @classmethod
+    def read(cls, location: str, targets: list[PoolTarget]) -> _JobInput:
+        from pipeline.runtime.preflight import PreflightError, check_input
+
+        served = {target.model.name: target.model.task for target in targets}
+        try:
+            path = check_input(location)
+        except PreflightError as exc:
+            raise PlanError(str(exc)) from None
+        # One validating pass, no tokenizer: a model no request names is planned without loading its tokenizer.
+        scratch = InputStats(str(path), "")
+        requested = Counter(request.body["model"] for request in _valid_requests(path, served, scratch))
+        return cls(location, served, requested)
+
+    def stats(self, target: PoolTarget, name: str, model_dir: str) -> InputStats | None:
+        """The input's numbers for this pool's model (and chat template); None when no request names it."""
+        if not self.requested[name]:
+            return None
+        key = (name, target.args.chat_template)
+        if key not in self.measured:
+            self.measured[key] = _measure_input(
+                self.location,
+                target.model.path,
+                name,
+                model_dir,
+                target.default_max_tokens,
+                target.args.chat_template,
+                self.served,
+                target.args.runner,
+            )
+        return self.measured[key]
+
+
+def _plan_target(
+    target: PoolTarget, batch: _JobInput | None, gpu_memory: str | None, gpus_per_node: int | None
+) -> JobPoolResult:
+    """One pool of the job planned on its own device, with its model's requests of --input (`batch`)."""
+    args = target.args
+    name, model_dir = _model_dir(target.model)
+    shape = model_shape(model_dir)
+    topology = target.topology
+    check_topology(shape, topology, f"pool {target.name} ({name})")
+    budget = _budget(
+        gpu_memory if target.device == "gpu" else None,
+        args.gpu_memory_utilization,
+        args.cpu_kvcache_space_gib,
+        gpus_per_node,
+    )
+    stats = batch.stats(target, name, model_dir) if batch else None
+    result = _plan(
+        shape,
+        budget,
+        stats,
+        args.max_model_len,
+        target.block_size,
+        target.kv_cache_dtype,
+        topology,
+        pool=target.name,
+        max_model_len_source="job file",
+    )
+    if batch and stats is None:
+        note = f"no valid request of {batch.location} names {name!r}: nothing to fit this pool's context to"
+        result.plan = result.plan.model_copy(update={"notes": [*result.plan.notes, note]})
+    return JobPoolResult(target, model_dir, shape, stats, result)
 
 
 # --- inputs ----------------------------------------------------------------------------------------------------
@@ -197,6 +348,11 @@ def _locate_model(model: str | None, served_model_name: str | None) -> tuple[str
         resolved = resolve_model(model, served_model_name)
     except (ModelNotFoundError, MissingDependencyError) as exc:
         raise PlanError(str(exc)) from None
+    return _model_dir(resolved)
+
+
+def _model_dir(resolved: ResolvedModel) -> tuple[str, str]:
+    """(served name, local directory holding config.json) of a resolved model; a hub id's from the local cache."""
     if resolved.source != "hub-id":
         return resolved.name, resolved.path
     try:
@@ -206,8 +362,8 @@ def _locate_model(model: str | None, served_model_name: str | None) -> tuple[str
         return resolved.name, snapshot_download(resolved.path, local_files_only=True)
     except Exception:  # noqa: BLE001 - hub errors vary by version; the cause is always "not cached"
         raise PlanError(
-            f"model {model!r} is neither a local directory nor in the local Hugging Face cache: "
-            f"download it first (huggingface-cli download {model}) or pass its directory"
+            f"model {resolved.path!r} is neither a local directory nor in the local Hugging Face cache: "
+            f"download it first (huggingface-cli download {resolved.path}) or pass its directory"
         ) from None
 
 
@@ -218,8 +374,13 @@ def _measure_input(
     model_dir: str,
     chat_default: int,
     chat_template: str | None = None,
+    job_models: dict[str, str | None] | None = None,
+    runner: str = "auto",
 ) -> InputStats:
-    """Prompt tokens (chat template applied) and prompt + output budget of every valid request in the file."""
+    """Prompt tokens (chat template applied) and prompt + output budget of every valid request in the file.
+
+    `job_models` (served name -> task): every model of the job, when the model planned is one of several; the
+    requests of the others are valid lines of the job, left out of this model's numbers."""
     from pipeline.observe.dry_run import _prompt_token_counter
     from pipeline.runtime.preflight import PreflightError, check_input
 
@@ -228,7 +389,7 @@ def _measure_input(
     except PreflightError as exc:
         raise PlanError(str(exc)) from None
     try:
-        counter, resolved = _prompt_token_counter(model, chat_template)
+        counter, resolved = _prompt_token_counter(model, chat_template, runner)
     except ValueError as exc:  # a --chat-template naming no file
         raise PlanError(str(exc)) from None
     if counter is None:
@@ -241,7 +402,9 @@ def _measure_input(
         default_max_tokens=chat_default,
         generation_default=generation_max_tokens(model_dir),
     )
-    for request in _valid_requests(path, {served_name: resolved.task}, stats):
+    for request in _valid_requests(path, job_models or {served_name: resolved.task}, stats):
+        if request.body["model"] != served_name:  # another pool's model: measured with that pool
+            continue
         try:
             prompts = _prompt_lengths(counter, request)
         except Exception:  # noqa: BLE001 - a template failure is the engine's to report at run time
@@ -295,14 +458,17 @@ def _plan(
     block_size: int | None,
     kv_cache_dtype: str,
     topology: Topology | None = None,
+    pool: str | None = None,
+    max_model_len_source: str = "--max-model-len",
 ) -> PoolResult:
+    """One pool's plan; `pool` names it (default: its device), `max_model_len_source` says who set max_model_len."""
     block = block_size or default_block_size(budget.device, shape.is_mla)
     fit = fit_context(stats.needs, block, shape.max_model_len_limit) if stats else None
     context = max_model_len or (fit.context if fit else None)
-    plan = plan_pool(shape, budget, context, block, kv_cache_dtype, topology=topology)
+    plan = plan_pool(shape, budget, context, block, kv_cache_dtype, pool=pool, topology=topology)
     if stats and fit:
         plan = plan.model_copy(update=_input_remarks(shape, plan, stats, fit))
-    source = "--max-model-len" if max_model_len else "fitted to --input" if fit else "model limit"
+    source = max_model_len_source if max_model_len else "fitted to --input" if fit else "model limit"
     return PoolResult(plan, budget, fit, source)
 
 
@@ -358,15 +524,26 @@ def _as_json(
     return {
         "model": {"name": name, "path": model_dir, "shape": shape.model_dump()},
         "input": _input_json(stats) if stats else None,
-        "pools": [
-            {
-                "budget": _budget_json(pool.budget),
-                "fit": pool.fit.model_dump() if pool.fit else None,
-                "context_source": pool.context_source,
-                **_plan_json(pool.plan),
-            }
-            for pool in pools
-        ],
+        "pools": [_pool_json(pool) for pool in pools],
+    }
+
+
+def _pool_json(pool: PoolResult) -> dict[str, Any]:
+    return {
+        "budget": _budget_json(pool.budget),
+        "fit": pool.fit.model_dump() if pool.fit else None,
+        "context_source": pool.context_source,
+        **_plan_json(pool.plan),
+    }
+
+
+def _job_pool_json(pool: JobPoolResult) -> dict[str, Any]:
+    """A job's pool: its name, its model and what it measured of --input, then its plan as `_pool_json` gives it."""
+    return {
+        "name": pool.target.name,
+        "model": {"name": pool.target.model.name, "path": pool.model_dir, "shape": pool.shape.model_dump()},
+        "input": _input_json(pool.stats) if pool.stats else None,
+        **_pool_json(pool.result),
     }
 
 
@@ -430,6 +607,19 @@ def _print(
             console.print(f"  [bold yellow]![/bold yellow] {warning}")
 
 
+def _print_job(planned: list[JobPoolResult]) -> None:
+    """Each model once, with the tables of the pools that serve it under it, in the job's order of pools."""
+    by_model: dict[tuple[str, str, str | None], list[JobPoolResult]] = {}
+    for pool in planned:
+        key = (pool.target.model.name, pool.model_dir, pool.target.args.chat_template)
+        by_model.setdefault(key, []).append(pool)
+    for index, pools in enumerate(by_model.values()):
+        if index:
+            typer.echo()
+        first = pools[0]
+        _print(first.target.model.name, first.model_dir, first.shape, first.stats, [p.result for p in pools])
+
+
 def _describe_shape(shape: ModelShape) -> str:
     if shape.is_mla:
         attention = f"MLA latent {shape.kv_lora_rank} + rope {shape.qk_rope_head_dim}"
@@ -485,9 +675,9 @@ def _pool_table(pool: PoolResult):
     from rich.table import Table
 
     plan = pool.plan
-    table = Table(
-        title=f"pool {plan.pool}", title_justify="left", show_header=False, box=None, pad_edge=False
-    )
+    # A pool named for its device (a plan of flags) says it once; a job's pool says its name and its device.
+    title = f"pool {plan.pool}" if plan.pool == plan.device else f"pool {plan.pool} ({plan.device})"
+    table = Table(title=title, title_justify="left", show_header=False, box=None, pad_edge=False)
     table.add_column(style="bold")
     table.add_column(justify="right")
     table.add_column(style="dim")
