@@ -181,7 +181,7 @@ def test_a_warm_sharded_engine_keeps_its_group_between_jobs_and_gives_it_back_wh
 
     from pipeline.runtime.engines.warm_keeper import start_keeper
 
-    keeper = start_keeper("groups-keeper", idle_seconds=4)
+    keeper = start_keeper("groups-keeper", idle_seconds=15)  # outlasts the gap between the two jobs
     ray.get(keeper.describe.remote())
 
     def warm_groups() -> list[dict]:
@@ -200,7 +200,7 @@ def test_a_warm_sharded_engine_keeps_its_group_between_jobs_and_gives_it_back_wh
     assert [m["engine"]["reused"] for m in manifests] == [0, 1]
     assert all(m["counts"]["succeeded"] == 24 for m in manifests)
 
-    deadline = time.monotonic() + 30
+    deadline = time.monotonic() + 90
     while any(g["state"] != "REMOVED" for g in warm_groups()):
         assert time.monotonic() < deadline, warm_groups()
         time.sleep(0.5)
