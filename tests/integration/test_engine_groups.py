@@ -98,7 +98,7 @@ def test_the_node_of_a_pipeline_stage_lost_mid_job(gpu_nodes, tmp_path):
 
     n = 400
     config = _config(
-        tmp_path, "stage-lost", n, {"pipeline_parallel_size": 2, "decode_seconds_per_token": 0.05}
+        tmp_path, "stage-lost", n, {"pipeline_parallel_size": 2, "decode_seconds_per_token": 0.1}
     )
     outcome: dict = {}
 
