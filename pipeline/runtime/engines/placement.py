@@ -11,7 +11,7 @@ many as each node's memory holds — and engines whose count is given share out 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 import structlog
 
@@ -126,13 +126,13 @@ def group_problem(group: EngineGroup, nodes: list[Node]) -> str | None:
     return None
 
 
-def check_pool_fits(pool: PoolConfig, spec: EngineSpec) -> None:
-    """Raises PreflightError when an engine of the pool can never be placed: which resources are missing, on
-    which nodes (instead of Ray Data waiting for it for minutes)."""
+def check_pool_fits(pool: PoolConfig, spec: EngineSpec, nodes: list[Node]) -> None:
+    """Raises PreflightError when an engine of the pool can never be placed on these nodes: which resources are
+    missing, on which nodes (instead of Ray Data waiting for it for minutes)."""
     group = pool_group(pool, spec)
     if group is None:
         return
-    problem = group_problem(group, _nodes(pool))
+    problem = group_problem(group, nodes)
     if problem is not None:
         raise PreflightError(
             f"pool {pool.name}: its engines ({Topology.of(spec.args)}) cannot be placed on this cluster: {problem}"
@@ -143,18 +143,20 @@ def place_pool(
     pool: PoolConfig, spec: EngineSpec, engines_given: bool = True, chunks: int | None = None
 ) -> PoolConfig:
     """The pool with its engine count (when not given; at most one per chunk of work) and each engine's CPU
-    reservation decided; an engine that could never be placed is refused here."""
-    placed = _place(pool, spec, engines_given, chunks)
-    check_pool_fits(placed, replace(spec, cpus=placed.cpus_per_engine))
+    reservation decided; an engine that could never be placed is refused here. The cluster is read once."""
+    nodes = _nodes(pool)
+    placed = _place(pool, spec, engines_given, chunks, nodes)
+    check_pool_fits(placed, spec, nodes)
     return placed
 
 
-def _place(pool: PoolConfig, spec: EngineSpec, engines_given: bool, chunks: int | None) -> PoolConfig:
+def _place(
+    pool: PoolConfig, spec: EngineSpec, engines_given: bool, chunks: int | None, nodes: list[Node]
+) -> PoolConfig:
     cpu_engine = pool.gpus_per_engine == 0 and engine_class(spec.backend).computes_on_cpu_cores
     if not cpu_engine:
         return pool if pool.cpus_per_engine is not None else pool.model_copy(update={"cpus_per_engine": 1.0})
     ranks = Topology.of(spec.args).world
-    nodes = _nodes(pool)
     update: dict = {}
     if not engines_given:
         engines = engines_per_core(nodes, engine_bytes(spec), ranks)

@@ -190,9 +190,7 @@ def decide(
 
 def _pool_args(config: JobConfig, pools: list[PoolConfig]) -> PoolArgs:
     base = config.engine.vllm.model_dump()
-    return {
-        p.name: ({**base, **p.engine_overrides}, "gpu" if p.gpus_per_engine > 0 else "cpu") for p in pools
-    }
+    return {p.name: ({**base, **p.engine_overrides}, p.device) for p in pools}
 
 
 def _max_model_len(
