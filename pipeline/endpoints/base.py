@@ -3,15 +3,18 @@
 An `Endpoint` answers, for its URL family, every question the pipeline asks about a request, so that no other
 module branches on the URL:
 
-- validation: `check` (the body problems decidable without the model) and `fields` (body fields read with vLLM's
-  types before the engine runs);
+- validation: `check` (the body problems decidable without the model), `fields` (body fields read with vLLM's
+  types before the engine runs) and `body_fields` (every body field vLLM's request model knows: any other is the
+  line's error, as OpenAI answers it, rather than a field vLLM would ignore);
 - which models serve it: `tasks` (vLLM's model tasks: "generate", "embed", "classify", "token_embed");
-- its cost: `prompts` (what the engine tokenizes, one item per sequence it starts), `output_budget` (tokens it may
-  generate; 0 for pooling routes), `prefix` (the leading text prefix routing groups requests by);
+- its cost: `prompts` (what the engine tokenizes, one item per prompt), `samples` (sequences each prompt starts:
+  `n`), `output_budget` (tokens one sequence may generate; 0 for pooling routes), `prefix` (the leading text prefix
+  routing groups requests by);
 - the real engine: `vllm` (vLLM's request model and the serving object of its OpenAI layer that answers it);
 - the fake engine: `fake` (a deterministic body of the real shape);
 - the output: `usage` (prompt and completion tokens of a response body), `answers` (whether a response body is one
-  of this route's), `flatten` (its Parquet columns).
+  of this route's), `flatten` (its Parquet columns), `asks_json` and `output_texts` (whether a request asked for
+  JSON output, and the generated texts of its answer: the report counts how many of those parse).
 
 Pure: no Ray, no vLLM (the `vllm` binding names import paths; only the vLLM engine imports them).
 """
@@ -69,6 +72,15 @@ SAMPLING_FIELDS: dict[str, FieldSpec] = {
     "seed": FieldSpec(INT, *INT64),
 }
 STREAM_FIELD = {"stream": FieldSpec(BOOL)}
+
+# Body fields of OpenAI's API that vLLM's request models do not know and that change nothing in an answer: request
+# bookkeeping OpenAI keeps on its side (tags, storage, billing tier, abuse monitoring ids). Lines copied from OpenAI's
+# Batch docs carry them, so they are accepted on every route and, like vLLM, ignored. Any other field a route's vLLM
+# request model does not know (OpenAI-only fields that would change the answer, such as `audio`, `prediction` or
+# `functions`; vLLM's removed `guided_*` fields; typos) is the line's error: vLLM would ignore it silently.
+OPENAI_BOOKKEEPING_FIELDS = frozenset(
+    {"metadata", "store", "service_tier", "user", "prompt_cache_key", "safety_identifier"}
+)
 
 
 # --- what the engine tokenizes ---------------------------------------------------------------------------------
@@ -151,6 +163,9 @@ class Endpoint:
     generates: ClassVar[bool]  # whether it generates tokens (pooling routes do not)
     vllm: ClassVar[VllmBinding]
     fields: ClassVar[dict[str, FieldSpec]] = STREAM_FIELD  # body fields read before the engine runs
+    # Every body field (name or alias) vLLM's request model for the route knows: written out from vLLM's models
+    # (validation runs without vLLM); tests/unit/test_endpoint_fields.py compares them with the installed vLLM.
+    body_fields: ClassVar[frozenset[str]]
 
     def check(self, body: dict[str, Any]) -> str | None:
         """The body's problem that needs no model (a missing prompt...), or None. vLLM checks the rest."""
@@ -160,6 +175,11 @@ class Endpoint:
         """One item per sequence the request starts. `pairwise`: the model scores a pair as one sequence (a
         cross-encoder), not each text alone (an embedding model)."""
         raise NotImplementedError
+
+    def samples(self, body: dict[str, Any]) -> int:
+        """Sequences each prompt starts (`n`): each holds KV blocks of its own for its output, and counts against
+        the engine's max_num_seqs (vLLM runs the samples of a request as requests of their own)."""
+        return 1
 
     def output_budget(self, body: dict[str, Any], budget: Budget) -> tuple[int, bool]:
         """Output tokens one sequence may generate, and whether that number is assumed (no limit anywhere)."""
@@ -188,12 +208,46 @@ class Endpoint:
         """This route's Parquet columns (see pipeline.io.writers.PARQUET_OUTPUT_SCHEMA) from a response body."""
         return {}
 
+    def asks_json(self, body: dict[str, Any]) -> bool:
+        """Whether a request asks for JSON output (a JSON object, or one of a JSON schema)."""
+        return False
+
+    def output_texts(self, body: dict[str, Any]) -> list[str]:
+        """The generated texts of one of this route's response bodies (one per choice)."""
+        return []
+
     def __repr__(self) -> str:
         return f"<endpoint {self.name} {', '.join(self.urls)}>"
 
 
 def _int(value: Any) -> int:
     return value if isinstance(value, int) and not isinstance(value, bool) else 0
+
+
+def positive_int(value: Any, default: int = 1) -> int:
+    """A count field as validation left it (an int, read as vLLM reads it), else `default`."""
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else default
+
+
+def asks_json_output(response_format: Any, structured_outputs: Any) -> bool:
+    """Whether chat/completions-style fields ask for JSON: `response_format` of type json_object or json_schema,
+    or vLLM's `structured_outputs` with `json` (a schema) or `json_object`."""
+    if isinstance(response_format, dict) and response_format.get("type") in ("json_object", "json_schema"):
+        return True
+    return isinstance(structured_outputs, dict) and (
+        structured_outputs.get("json") is not None or bool(structured_outputs.get("json_object"))
+    )
+
+
+def parses_as_json(text: Any) -> bool:
+    """Whether a generated text is one JSON value (what a JSON-constrained answer must be)."""
+    if not isinstance(text, str):
+        return False
+    try:
+        json.loads(text)
+    except ValueError:
+        return False
+    return True
 
 
 # --- helpers the entries share ---------------------------------------------------------------------------------
@@ -323,19 +377,28 @@ def fake_choice(
     content: dict[str, Any],
     prompt_tokens: list[int],
     tokens: int,
+    samples: int = 1,
 ) -> FakeAnswer:
-    """A fake generated answer of the shape chat and completions share: one choice, cut at `tokens` ("length"),
-    holding `content` (its message, or its text); `kind` is the body's `object`."""
+    """A fake generated answer of the shape chat and completions share: `samples` choices (the request's `n`),
+    each cut at `tokens` ("length") and holding `content` (its message, or its text); `kind` is the body's
+    `object`. As in vLLM's usage, the prompt counts once and the completion tokens of every choice add up."""
     prompt = sum(prompt_tokens)
+    completion = tokens * samples
     response = {
         "id": answer_id,
         "object": kind,
         "created": ctx.created,
         "model": ctx.model,
-        "choices": [{"index": 0, **content, "logprobs": None, "finish_reason": "length"}],
-        "usage": {"prompt_tokens": prompt, "completion_tokens": tokens, "total_tokens": prompt + tokens},
+        "choices": [
+            {"index": i, **content, "logprobs": None, "finish_reason": "length"} for i in range(samples)
+        ],
+        "usage": {
+            "prompt_tokens": prompt,
+            "completion_tokens": completion,
+            "total_tokens": prompt + completion,
+        },
     }
-    return FakeAnswer(response, prompt, tokens)
+    return FakeAnswer(response, prompt, completion)
 
 
 def fake_list(

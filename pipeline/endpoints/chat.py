@@ -16,11 +16,13 @@ from pipeline.endpoints.base import (
     FieldSpec,
     Prompt,
     VllmBinding,
+    asks_json_output,
     canonical,
     conversation_prefix,
     fake_choice,
     fake_text,
     open_ended_budget,
+    positive_int,
 )
 
 
@@ -62,6 +64,22 @@ class ChatCompletions(Endpoint):
     )
     # Chat's logprobs is a switch (completions' is a count).
     fields = {**STREAM_FIELD, **SAMPLING_FIELDS, "logprobs": FieldSpec(BOOL)}
+    # vLLM's ChatCompletionRequest: the fields it knows (see Endpoint.body_fields).
+    body_fields = frozenset(
+        (
+            "add_generation_prompt add_special_tokens allowed_token_ids bad_words cache_salt chat_template "
+            "chat_template_kwargs continue_final_message documents ec_transfer_params echo frequency_penalty "
+            "ignore_eos include_reasoning include_stop_str_in_output kv_transfer_params length_penalty logit_bias "
+            "logprob_token_ids logprobs max_completion_tokens max_tokens media_io_kwargs messages min_p min_tokens "
+            "mm_payload mm_processor_kwargs model n parallel_tool_calls presence_penalty priority prompt_logprobs "
+            "reasoning_effort repetition_detection repetition_penalty request_id response_format return_mm_kwargs "
+            "return_prompt_text return_token_ids return_token_offsets return_tokens_as_token_ids "
+            "routed_experts_prompt_start seed session_id skip_special_tokens spaces_between_special_tokens stop "
+            "stop_token_ids stream stream_interval stream_options structured_outputs temperature "
+            "thinking_token_budget tool_choice tools top_k top_logprobs top_p truncate_prompt_tokens truncation_side "
+            "use_beam_search user vllm_xargs watermarking"
+        ).split()
+    )
 
     def check(self, body: dict[str, Any]) -> str | None:
         messages = body.get("messages")
@@ -75,6 +93,9 @@ class ChatCompletions(Endpoint):
     def prompts(self, body: dict[str, Any], pairwise: bool = False) -> list[Prompt]:
         return [Chat(list(body.get("messages") or []), body.get("tools"), chat_options(body))]
 
+    def samples(self, body: dict[str, Any]) -> int:
+        return positive_int(body.get("n"))
+
     def output_budget(self, body: dict[str, Any], budget: Budget) -> tuple[int, bool]:
         return open_ended_budget(requested_max_tokens(body), budget)
 
@@ -87,7 +108,13 @@ class ChatCompletions(Endpoint):
         text = fake_text(canonical(body.get("messages")), tokens)
         message = {"role": ctx.response_role, "content": text}
         return fake_choice(
-            "chat.completion", f"chatcmpl-{ctx.request_id}", ctx, {"message": message}, prompt_tokens, tokens
+            "chat.completion",
+            f"chatcmpl-{ctx.request_id}",
+            ctx,
+            {"message": message},
+            prompt_tokens,
+            tokens,
+            self.samples(body),
         )
 
     def answers(self, body: dict[str, Any]) -> bool:
@@ -99,7 +126,18 @@ class ChatCompletions(Endpoint):
         content = message.get("content") if isinstance(message, dict) else None
         return {"content": content, "finish_reason": choice.get("finish_reason")}
 
+    def asks_json(self, body: dict[str, Any]) -> bool:
+        return asks_json_output(body.get("response_format"), body.get("structured_outputs"))
+
+    def output_texts(self, body: dict[str, Any]) -> list[str]:
+        return [c["message"].get("content") for c in choices(body) if isinstance(c.get("message"), dict)]
+
+
+def choices(body: dict[str, Any]) -> list[dict[str, Any]]:
+    given = body.get("choices")
+    return [c for c in given if isinstance(c, dict)] if isinstance(given, list) else []
+
 
 def first_choice(body: dict[str, Any]) -> dict[str, Any]:
-    choices = body.get("choices")
-    return choices[0] if isinstance(choices, list) and choices and isinstance(choices[0], dict) else {}
+    given = choices(body)
+    return given[0] if given else {}

@@ -58,6 +58,15 @@ class Embeddings(Endpoint):
     )
 
     fields = STREAM_FIELD
+    # vLLM's EmbeddingRequest (every variant): the fields it knows (see Endpoint.body_fields).
+    body_fields = frozenset(
+        (
+            "add_generation_prompt add_special_tokens cache_salt chat_template chat_template_kwargs "
+            "continue_final_message dimensions embed_dtype encoding_format endianness input media_io_kwargs messages "
+            "mm_processor_kwargs model padding priority request_id truncate_prompt_tokens truncation_side "
+            "use_activation user"
+        ).split()
+    )
 
     def check(self, body: dict[str, Any]) -> str | None:
         given = body.get("input") if body.get("messages") is None else body.get("messages")

@@ -16,6 +16,7 @@ from pipeline.endpoints.base import (
     FieldSpec,
     Prompt,
     VllmBinding,
+    asks_json_output,
     canonical,
     content_text,
     conversation_prefix,
@@ -56,6 +57,19 @@ class Responses(Endpoint):
         response="vllm.entrypoints.openai.responses.protocol:ResponsesResponse",
     )
     fields = {**STREAM_FIELD, **SAMPLING_FIELDS, "max_output_tokens": FieldSpec(INT, 1)}
+    # vLLM's ResponsesRequest: the fields it knows (see Endpoint.body_fields).
+    body_fields = frozenset(
+        (
+            "background cache_salt chat_template_kwargs ec_transfer_params enable_response_messages frequency_penalty "
+            "ignore_eos include include_reasoning include_stop_str_in_output input instructions kv_transfer_params "
+            "logit_bias max_output_tokens max_tool_calls media_io_kwargs metadata min_p mm_payload "
+            "mm_processor_kwargs model parallel_tool_calls presence_penalty previous_input_messages "
+            "previous_response_id priority prompt prompt_cache_key reasoning repetition_penalty request_id "
+            "return_mm_kwargs seed service_tier session_id skip_special_tokens stop stop_token_ids store stream "
+            "structured_outputs temperature text tool_choice tools top_k top_logprobs top_p truncation user "
+            "vllm_xargs watermarking"
+        ).split()
+    )
 
     def check(self, body: dict[str, Any]) -> str | None:
         given = body.get("input")
@@ -159,3 +173,14 @@ class Responses(Endpoint):
         # finish_reason in chat's words: a response cut at max_output_tokens stopped for "length".
         finish = "length" if reason == "max_output_tokens" else reason or body.get("status")
         return {"content": "".join(texts) if texts else None, "finish_reason": finish}
+
+    def asks_json(self, body: dict[str, Any]) -> bool:
+        # The Responses API names its format under text.format: {"type": "json_schema", "name", "schema", ...}.
+        text = body.get("text")
+        return asks_json_output(
+            text.get("format") if isinstance(text, dict) else None, body.get("structured_outputs")
+        )
+
+    def output_texts(self, body: dict[str, Any]) -> list[str]:
+        content = self.flatten(body).get("content")
+        return [] if content is None else [content]

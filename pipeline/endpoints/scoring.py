@@ -59,6 +59,14 @@ class Score(Endpoint):
         response="vllm.entrypoints.pooling.scoring.protocol:ScoreResponse",
     )
     fields = STREAM_FIELD
+    # vLLM's ScoreRequest (every variant): the fields it knows (see Endpoint.body_fields).
+    body_fields = frozenset(
+        (
+            "cache_salt chat_template_kwargs data_1 data_2 documents instruction items max_tokens_per_doc "
+            "max_tokens_per_query mm_processor_kwargs model padding priority queries request_id text_1 text_2 "
+            "truncate_prompt_tokens truncation_side use_activation user"
+        ).split()
+    )
 
     @staticmethod
     def sides(body: dict[str, Any]) -> tuple[Any, Any] | None:
@@ -106,6 +114,14 @@ class Rerank(Endpoint):
         response="vllm.entrypoints.pooling.scoring.protocol:RerankResponse",
     )
     fields = STREAM_FIELD
+    # vLLM's RerankRequest: the fields it knows (see Endpoint.body_fields).
+    body_fields = frozenset(
+        (
+            "cache_salt chat_template_kwargs documents instruction max_tokens_per_doc max_tokens_per_query "
+            "mm_processor_kwargs model padding priority query request_id top_n truncate_prompt_tokens truncation_side "
+            "use_activation user"
+        ).split()
+    )
 
     def check(self, body: dict[str, Any]) -> str | None:
         if body.get("query") is None:

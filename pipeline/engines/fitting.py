@@ -17,9 +17,11 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from pipeline.endpoints import endpoint_for
 from pipeline.models import ResolvedModel
 
-# Prompt tokens per sequence of each (url, body), or the exception that made a request uncountable.
+# Prompt tokens per sequence of each (url, body) (a prompt once per sample: `per_sequence`), or the exception that
+# made a request uncountable.
 Counter = Callable[[Sequence[tuple[str, dict]]], list[list[int] | Exception]]
 
 
@@ -67,6 +69,28 @@ def own_requests(name: str, count: Counter) -> Counter:
         for i, result in zip(own, count([requests[i] for i in own]), strict=True):
             out[i] = result
         return out
+
+    return counted
+
+
+def sequence_prompts(url: str, body: dict, prompts: list[int]) -> list[int]:
+    """The prompt tokens of every sequence a request starts, from those of its prompts: each prompt once per sample
+    (`n`, the route's `Endpoint.samples`). vLLM runs each sample as a sequence of its own: it takes a max_num_seqs
+    slot and KV blocks for its own output. With prefix caching the samples share their prompt's full blocks, so
+    counting the prompt once per sample is the safe side: fitted for it, the engine never has to preempt."""
+    endpoint = endpoint_for(url)
+    samples = endpoint.samples(body) if endpoint is not None else 1
+    return prompts * samples if samples > 1 else prompts
+
+
+def per_sequence(count: Counter) -> Counter:
+    """`count` by sequence rather than by prompt (see `sequence_prompts`): what fitting measures requests by."""
+
+    def counted(requests: Sequence[tuple[str, dict]]) -> list[list[int] | Exception]:
+        return [
+            result if isinstance(result, Exception) else sequence_prompts(url, body, result)
+            for (url, body), result in zip(requests, count(requests), strict=True)
+        ]
 
     return counted
 

@@ -112,3 +112,47 @@ def distribution(h: dict[str, Any], floor: float) -> dict[str, float | int | Non
         "p99": r(percentile(h, 99, floor)),
         "max": r(h["max"]),
     }
+
+
+def rows_by_model(table: pa.Table) -> dict[str, dict[str, int]]:
+    """Rows, prompt and completion tokens per `model` name of the rows an engine answered (rows without a name —
+    ingest's error records, parts staged before names were kept — are not counted)."""
+    if "model" not in table.column_names or table.num_rows == 0:
+        return {}
+    named = table.filter(pc.is_valid(table.column("model")))
+    if named.num_rows == 0:
+        return {}
+    grouped = named.group_by("model").aggregate(
+        [("model", "count"), ("prompt_tokens", "sum"), ("completion_tokens", "sum")]
+    )
+    return {
+        row["model"]: {
+            "rows": int(row["model_count"]),
+            "prompt_tokens": int(row["prompt_tokens_sum"] or 0),
+            "completion_tokens": int(row["completion_tokens_sum"] or 0),
+        }
+        for row in grouped.to_pylist()
+    }
+
+
+def merge_rows_by_model(each: list[dict[str, dict[str, int]]]) -> dict[str, dict[str, int]]:
+    out: dict[str, dict[str, int]] = {}
+    for one in each:
+        for name, counts in one.items():
+            acc = out.setdefault(name, {"rows": 0, "prompt_tokens": 0, "completion_tokens": 0})
+            for key, value in counts.items():
+                acc[key] += value
+    return out
+
+
+def structured_of(table: pa.Table) -> dict[str, int]:
+    """{requested, parsed_json} of the result rows: rows whose request asked for JSON output, and of them those whose
+    every generated text parses as JSON (the staged `structured_json` column, decided where each row was answered).
+    Two column sums: nothing is parsed here."""
+    if "structured_json" not in table.column_names:
+        return {"requested": 0, "parsed_json": 0}
+    column = table.column("structured_json")
+    return {
+        "requested": len(column) - column.null_count,
+        "parsed_json": int(pc.sum(column.cast(pa.int64())).as_py() or 0),
+    }

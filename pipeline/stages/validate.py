@@ -1,9 +1,10 @@
 """Validate one input line: either a request the engines can run, or an error record.
 
 Pure: no Ray, no vLLM. Checks what can be decided without the model — bounds on one line (JSON nesting,
-custom_id), the Batch envelope, the route, the job's model name, `stream` and the sampling fields, read with the
-types vLLM's request models give them — and leaves the full body schema to vLLM's own request models at engine
-time (their rejections become `invalid_request` error records there, with vLLM's message).
+custom_id), the Batch envelope, the route, the job's model name, body fields the route's vLLM request model does not
+know, `stream` and the sampling fields, read with the types vLLM's request models give them — and leaves the full
+body schema to vLLM's own request models at engine time (their rejections become `invalid_request` error records
+there, with vLLM's message).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from pydantic import ValidationError
 
 from pipeline.config import InputLimits
 from pipeline.endpoints import SUPPORTED_URLS, endpoint_for, urls_for_task
-from pipeline.endpoints.base import BOOL, FieldSpec
+from pipeline.endpoints.base import BOOL, OPENAI_BOOKKEEPING_FIELDS, STREAM_FIELD, Endpoint, FieldSpec
 from pipeline.json_codec import JSONNestingError, loads, unicode_clean
 from pipeline.protocol import BatchRequestLine, ErrorCode, invalid_line_record
 
@@ -93,6 +94,27 @@ def _read_fields(fields: dict[str, FieldSpec], body: dict[str, Any]) -> tuple[di
         if read is not value:
             changed[name] = read
     return ({**body, **changed} if changed else body), None
+
+
+# vLLM's request models accept any extra body field and ignore it (they log it at debug level): a misspelt
+# `max_token`, an OpenAI-only `prediction`, or vLLM's own removed `guided_json` would change nothing in the answer and
+# nobody would know. OpenAI refuses such a request; so does validation, with OpenAI's words. Bookkeeping fields of
+# OpenAI's that change no answer are let through (endpoints/base.py OPENAI_BOOKKEEPING_FIELDS), and so is `stream` on
+# every route: a stream is refused under its own code (stream_unsupported), whichever route asks for one.
+_ALWAYS_KNOWN = OPENAI_BOOKKEEPING_FIELDS | STREAM_FIELD.keys()
+_GUIDED_HINT = "; vLLM's guided_* fields were replaced by structured_outputs ({'json': ...}, 'regex', 'choice', 'grammar')"
+
+
+def unknown_fields_problem(endpoint: Endpoint, body: dict[str, Any]) -> str | None:
+    """OpenAI's message for body fields the route's vLLM request model does not know, or None. A set difference of
+    the body's few keys: it runs once per row."""
+    unknown = body.keys() - endpoint.body_fields - _ALWAYS_KNOWN
+    if not unknown:
+        return None
+    names = sorted(unknown)
+    plural = "s" if len(names) > 1 else ""
+    hint = _GUIDED_HINT if any(name.startswith("guided_") for name in names) else ""
+    return f"Unrecognized request argument{plural} supplied: {', '.join(names)}{hint}"
 
 
 def _has_lone_surrogate(raw: str | bytes | dict[str, Any], obj: Any) -> bool:
@@ -228,6 +250,9 @@ class LineValidator:
                 f"url {request.url!r} is not this batch's endpoint {only!r}; a batch serves one endpoint",
                 custom_id,
             ), custom_id
+        problem = self.limits.refuse_unknown_fields and unknown_fields_problem(endpoint, request.body)
+        if problem:
+            return invalid(ErrorCode.INVALID_REQUEST, problem, custom_id), custom_id
         body, problem = _read_fields(endpoint.fields, request.body)
         if problem:
             return invalid(ErrorCode.INVALID_REQUEST, problem, custom_id), custom_id
@@ -239,6 +264,12 @@ class LineValidator:
         model = body.get("model")
         if model is None:
             model = self.default_model(endpoint.tasks)
+        elif not isinstance(model, str):
+            return invalid(
+                ErrorCode.INVALID_REQUEST,
+                f"body.model must be a string naming a served model, got {type(model).__name__}",
+                custom_id,
+            ), custom_id
         elif model not in self.served:
             return invalid(
                 ErrorCode.MODEL_NOT_FOUND,

@@ -223,8 +223,13 @@ def test_route_checks_are_invalid_request(url, body):
 
 def test_pooling_routes_do_not_read_sampling_fields_but_refuse_streams():
     validate = LineValidator(EMBED_MODEL)
-    ok = validate(line("/v1/embeddings", {"input": "x", "temperature": "hot"}, "a"), 1, "f")
-    assert isinstance(ok, ValidRequest)  # not a field of the embeddings API: vLLM ignores it, so do we
+    # Not a field of the embeddings API: not read as a sampling field, but refused by name (vLLM would ignore it).
+    unknown = validate(line("/v1/embeddings", {"input": "x", "temperature": "hot"}, "a"), 1, "f")
+    assert isinstance(unknown, InvalidLine) and unknown.code == "invalid_request"
+    assert unknown.record["error"]["message"] == "Unrecognized request argument supplied: temperature"
+    assert isinstance(
+        validate(line("/v1/embeddings", {"input": "x", "user": "u1"}, "c"), 3, "f"), ValidRequest
+    )
     streamed = validate(line("/v1/embeddings", {"input": "x", "stream": "true"}, "b"), 2, "f")
     assert isinstance(streamed, InvalidLine) and streamed.code == "stream_unsupported"
     responses = LineValidator(CHAT_MODEL)(

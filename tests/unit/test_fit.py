@@ -465,3 +465,22 @@ def test_fit_job_decides_from_the_lengths_ingest_measured_without_measuring_agai
     assert any("1 request(s) cannot run within the model's limit" in w for w in record.warnings)
     assert (state.input.valid, state.input.invalid) == (2, 1)  # ingest counted the rejection already
     assert request_ids(staging) == ["a", "huge"]  # nothing measured or dropped here
+
+
+def test_each_sample_of_n_is_a_sequence_of_its_own(tmp_path):
+    """n=3 starts three sequences of the same prompt, each with its own output budget: they count as three."""
+    from pipeline.engines.fake import fit_target as fake_fit_target
+    from pipeline.engines.fitting import sequence_prompts
+
+    assert sequence_prompts("/v1/chat/completions", {"n": 3}, [7]) == [7, 7, 7]
+    assert sequence_prompts("/v1/completions", {"n": 2}, [3, 4]) == [3, 4, 3, 4]
+    assert sequence_prompts("/v1/embeddings", {"n": 2}, [3]) == [3]
+    target = fake_fit_target(MODEL, {"output_tokens": 4}, 256)
+    bodies = [json.loads(row["body"]) for row in (chat("a", 3, 1, n=3, max_tokens=10), chat("b", 3, 2))]
+    assert target.count([("/v1/chat/completions", body) for body in bodies]) == [[4, 4, 4], [4]]
+
+    staging = staged(tmp_path, [[chat("a", 3, 1, n=3, max_tokens=10), chat("b", 3, 2, max_tokens=10)]])
+    lengths = measure(staging, target, 100)
+    assert (lengths.requests, lengths.sequences) == (2, 4)
+    assert lengths.prompt_sum == 16 and lengths.need_sum == 16 + 4 * 10
+    assert lengths.longest_need == 14  # one sequence's context is its prompt + its output, whatever n is

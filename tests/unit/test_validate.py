@@ -547,7 +547,7 @@ def test_brackets_in_strings_do_not_count_as_nesting(validate):
 def test_nesting_limit_is_configurable():
     from pipeline.config import InputLimits
 
-    raw = line(body=chat_body(extra_body={"a": {"b": {"c": {"d": {"e": {"f": {"g": {}}}}}}}}))
+    raw = line(body=chat_body(chat_template_kwargs={"a": {"b": {"c": {"d": {"e": {"f": {"g": {}}}}}}}}))
     assert isinstance(LineValidator(MODEL)(raw, 1, SOURCE), ValidRequest)
     tight = LineValidator(MODEL, limits=InputLimits(max_json_depth=8))
     assert_invalid(tight(raw, 1, SOURCE), ErrorCode.INVALID_JSON)
