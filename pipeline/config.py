@@ -66,6 +66,16 @@ def gpu_hour_prices_flag(values: list[str], flag: str) -> dict[str, float]:
         raise ConfigError(str(exc)) from exc
 
 
+def lora_modules_flag(values: list[str], flag: str) -> dict[str, str]:
+    """`--lora-modules a=/path --lora-modules b=s3://x/b` -> {"a": "/path", "b": "s3://x/b"} (parsing: adapters.py)."""
+    from pipeline.adapters import AdapterError, parse_lora_modules
+
+    try:
+        return parse_lora_modules(values, flag)
+    except AdapterError as exc:
+        raise ConfigError(str(exc)) from exc
+
+
 # max_num_seqs when it is neither given nor fitted to the KV capacity (fitting off, or the capacity unknown).
 DEFAULT_MAX_NUM_SEQS = 64
 
@@ -193,6 +203,18 @@ class VllmEngineArgs(_Strict):
         description="vLLM's --reasoning-parser (e.g. deepseek_r1, qwen3): splits reasoning from the answer into "
         "message.reasoning.",
     )
+    structured_outputs_backend: Annotated[
+        Literal["auto", "xgrammar", "guidance", "outlines", "lm-format-enforcer"],
+        Flag(
+            "--structured-outputs-backend",
+            "vLLM: engine of response_format / structured_outputs (xgrammar, guidance, ...). Default: auto.",
+        ),
+    ] = Field(
+        default="auto",
+        description="vLLM's structured-outputs backend (its --structured-outputs-config.backend): the library that "
+        "constrains generation to a request's response_format (json_object, json_schema) or structured_outputs "
+        "(json, regex, choice, grammar). auto: vLLM picks per request (xgrammar, else guidance).",
+    )
     response_role: Annotated[
         str, Flag("--response-role", "vLLM: role of generated chat messages. Default: assistant.")
     ] = Field(
@@ -223,10 +245,63 @@ class VllmEngineArgs(_Strict):
         description="vLLM's --override-generation-config: sampling defaults over the generation config, e.g. "
         "{temperature: 0.5, max_new_tokens: 128}. The effective defaults are in the manifest.",
     )
+    lora_modules: Annotated[
+        dict[str, str],
+        Flag(
+            "--lora-modules",
+            "vLLM: a LoRA adapter as NAME=PATH (local dir, s3://, hf://ORG/NAME); repeat for more. Requests "
+            "naming NAME run with it.",
+            parse=lora_modules_flag,
+            multiple=True,
+        ),
+    ] = Field(
+        default_factory=dict,
+        description="vLLM's --lora-modules: LoRA adapters of this model, {name: path}. A request whose `model` is "
+        "a name here runs on this model with that adapter; the model itself stays servable. A path is a local "
+        "directory (readable where the engines run), an s3:// prefix (staged once per node) or hf://ORG/NAME in "
+        "the node's Hugging Face cache. Per pool: engine_overrides.lora_modules.",
+    )
+    max_loras: Annotated[
+        int | None, Flag("--max-loras", "vLLM: adapters one engine holds at once (default 1).")
+    ] = Field(
+        default=None,
+        ge=1,
+        description="vLLM's --max-loras: adapters one engine holds at once; a request for another waits for a "
+        "slot and swaps one out. Default: vLLM's (1). Routing keeps each adapter's rows on few engines.",
+    )
+    max_lora_rank: Annotated[
+        int | None, Flag("--max-lora-rank", "vLLM: the highest adapter rank served (default 16).")
+    ] = Field(
+        default=None,
+        ge=1,
+        description="vLLM's --max-lora-rank: the highest rank of an adapter it serves (memory is reserved for "
+        "it). Default: vLLM's (16). An adapter above it is refused before any work.",
+    )
     extra: dict[str, Any] = Field(
         default_factory=dict,
         description="Any further vLLM engine args, by their Python name (e.g. {kv_cache_dtype: fp8}).",
     )
+
+    @field_validator("max_lora_rank")
+    @classmethod
+    def _a_rank_vllm_takes(cls, value: int | None) -> int | None:
+        from pipeline.adapters import VLLM_LORA_RANKS, smallest_lora_rank_at_least
+
+        if value is not None and value not in VLLM_LORA_RANKS:
+            fits = smallest_lora_rank_at_least(value)
+            raise ValueError(
+                f"vLLM takes max_lora_rank {', '.join(map(str, VLLM_LORA_RANKS))}, not {value}"
+                + (f": give {fits}" if fits else "")
+            )
+        return value
+
+    @field_validator("lora_modules")
+    @classmethod
+    def _adapter_names(cls, value: dict[str, str]) -> dict[str, str]:
+        from pipeline.adapters import check_adapter_names
+
+        check_adapter_names(value)  # AdapterError is a ValueError: pydantic reports it under the field
+        return value
 
     @model_validator(mode="after")
     def _tool_choice_needs_parser(self) -> VllmEngineArgs:
@@ -284,6 +359,19 @@ class FakeEngineArgs(_Strict):
     )
     pipeline_parallel_size: int = Field(
         default=1, ge=1, description="Stages of a sharded fake engine (see tensor_parallel_size)."
+    )
+    lora_modules: dict[str, str] = Field(
+        default_factory=dict,
+        description="Adapters the fake engine serves by name, {name: path}: as vLLM's lora_modules, but nothing "
+        "is read from the path (it is named in answers).",
+    )
+    max_loras: int = Field(
+        default=1, ge=1, description="Adapters the fake engine holds at once (vLLM's max_loras); more swap."
+    )
+    adapter_load_seconds: float = Field(
+        default=0.0,
+        ge=0,
+        description="Time to load an adapter into a free or swapped slot: what adapter-aware routing saves.",
     )
 
 
@@ -736,6 +824,13 @@ class InputLimits(_Strict):
     max_custom_id_bytes: int = Field(
         default=512, ge=1, description="Longest custom_id in UTF-8 bytes (OpenAI-compatible ids are short)."
     )
+    refuse_unknown_fields: bool = Field(
+        default=True,
+        description="A body field the route's vLLM request model does not know is the line's invalid_request "
+        "('Unrecognized request argument supplied: …', as OpenAI answers), not a field vLLM ignores silently; "
+        "OpenAI's bookkeeping fields (metadata, store, service_tier, user, …) pass. An http job whose servers are "
+        "not vLLM (llama.cpp, SGLang) and take fields of their own may set it false to pass every field through.",
+    )
     only_url: str | None = Field(
         default=None,
         description="Serve only this route (the Batch API server sets it to a batch's `endpoint`: a batch serves "
@@ -850,6 +945,11 @@ def pool_engine_args(config: JobConfig, pool: PoolConfig) -> BaseModel:
     engine_overrides, validated as that block."""
     base = config.engine.args()
     return type(base).model_validate({**base.model_dump(), **pool.engine_overrides})
+
+
+def pool_adapters(config: JobConfig, pool: PoolConfig) -> dict[str, str]:
+    """The LoRA adapters a pool's engines serve, {name: path} (its engine_overrides' over the job's)."""
+    return dict(getattr(pool_engine_args(config, pool), "lora_modules", None) or {})
 
 
 def _endpoint_pools(config: JobConfig, pools: list[PoolConfig]) -> list[PoolConfig]:

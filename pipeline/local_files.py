@@ -3,15 +3,18 @@ machine's nightshift directory. Engines, io/ and the runtime all write through i
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import json
 import os
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 from cluster.home import nightshift_home
 
-__all__ = ["atomic_write_bytes", "atomic_write_json", "nightshift_home"]
+__all__ = ["atomic_write_bytes", "atomic_write_json", "exclusive_lock", "nightshift_home"]
 
 
 def atomic_write_bytes(path: Path, data: bytes) -> None:
@@ -31,3 +34,16 @@ def atomic_write_bytes(path: Path, data: bytes) -> None:
 
 def atomic_write_json(path: Path, obj: Any) -> None:
     atomic_write_bytes(path, (json.dumps(obj, indent=2, ensure_ascii=False) + "\n").encode())
+
+
+@contextlib.contextmanager
+def exclusive_lock(path: Path) -> Iterator[None]:
+    """Hold an exclusive lock on `path` (created if missing) across processes of this machine."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    # "a" creates the file without truncating it under another process that holds it open.
+    with open(path, "a") as fh:
+        fcntl.flock(fh, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(fh, fcntl.LOCK_UN)

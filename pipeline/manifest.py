@@ -33,6 +33,7 @@ __all__ = [
     "ServedModel",
     "Shard",
     "Shards",
+    "StructuredCounts",
     "StorageRetries",
     "Throughput",
     "Tokens",
@@ -45,15 +46,28 @@ class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", protected_namespaces=())
 
 
+class ServedAdapter(_Section):
+    """A LoRA adapter the job served on a model, and what its rows used."""
+
+    path: str = Field(description="Where it was given (a local directory, s3:// prefix or hf:// id).")
+    rows: int = Field(description="Rows that named it, answered by an engine (results and engine errors).")
+    prompt_tokens: int = Field(description="Prompt tokens of those rows.")
+    completion_tokens: int = Field(description="Completion tokens of those rows.")
+
+
 class ServedModel(_Section):
     """One model the job served (a job may serve one per pool)."""
 
     path: str = Field(description="Where the engines loaded it from: a local directory or a hub id.")
     task: str | None = Field(description="The task vLLM ran it for (generate, embed, …); None: the engine's.")
     pools: list[str] = Field(description="The pools that served it.")
-    rows: int = Field(description="Rows its pools answered.")
+    rows: int = Field(description="Rows its pools answered (its adapters' rows included).")
     prompt_tokens: int = Field(description="Prompt tokens of those rows.")
     completion_tokens: int = Field(description="Completion tokens of those rows.")
+    adapters: dict[str, ServedAdapter] = Field(
+        default_factory=dict,
+        description="The LoRA adapters its pools served, by name, with their rows and tokens.",
+    )
 
 
 class EngineReport(_Section):
@@ -104,6 +118,18 @@ class EngineReport(_Section):
         return value.isoformat() if value else None
 
 
+class StructuredCounts(_Section):
+    """Result rows whose request asked for JSON output (response_format json_object or json_schema, or
+    structured_outputs json / json_object), and how many of them parsed as JSON."""
+
+    requested: int = Field(default=0, description="Result rows whose request asked for JSON output.")
+    parsed_json: int = Field(
+        default=0,
+        description="Of them, rows whose every generated text (each choice) parses as JSON; an answer cut at "
+        "max_tokens (finish_reason 'length') does not.",
+    )
+
+
 class Counts(_Section):
     """Rows, by outcome: total = succeeded + failed."""
 
@@ -111,6 +137,9 @@ class Counts(_Section):
     succeeded: int = Field(description="Result rows.")
     failed: int = Field(description="Error rows.")
     by_error_code: dict[str, int] = Field(description="Error rows per error code, sorted by code.")
+    structured: StructuredCounts = Field(
+        default_factory=StructuredCounts, description="Structured (JSON) output: asked for, and parsed."
+    )
 
 
 class Shard(_Section):
@@ -280,6 +309,12 @@ class Manifest(_Section):
         description="With preemptions: the settings that would have avoided them."
     )
     prefix_cache_hit_rate: float | None = Field(description="Prefix-cache hits / queries over all engines.")
+    adapter_loads: int | None = Field(
+        default=None,
+        description="LoRA adapters loaded into the engines' slots while they served, first loads and swaps, over "
+        "all engines (None: no engine served adapters; vLLM's own loads as an engine starts are not counted). "
+        "Adapter-aware routing keeps it low: an adapter's rows go to the engine that holds it.",
+    )
     routing: dict[str, Any] = Field(
         description="Prefix-aware routing: whether it was used, rows per engine, rows routed, stolen, unkeyed."
     )

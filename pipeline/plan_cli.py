@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
+from pipeline.adapters import lora_slots
 from pipeline.planner import (
     DEFAULT_CHAT_MAX_TOKENS,
     DEFAULT_CPU_KV_SPACE_GIB,
@@ -303,6 +304,7 @@ def _plan_target(
         topology,
         pool=target.name,
         max_model_len_source="job file",
+        lora=lora_slots(args.model_dump()),
     )
     if batch and stats is None:
         note = f"no valid request of {batch.location} names {name!r}: nothing to fit this pool's context to"
@@ -435,8 +437,11 @@ def _valid_requests(path: Path, served: dict[str, str | None], stats: InputStats
 
 
 def _prompt_lengths(counter, request) -> list[int]:
-    """Sequences a request starts, by prompt tokens (a list of prompts, token ids, score pairs: one each)."""
-    return counter.count(request.url, request.body)
+    """Sequences a request starts, by prompt tokens (a list of prompts, token ids, score pairs: one each; each
+    prompt once per sample, `n`)."""
+    from pipeline.engines.fitting import sequence_prompts
+
+    return sequence_prompts(request.url, request.body, counter.count(request.url, request.body))
 
 
 # --- the plan --------------------------------------------------------------------------------------------------
@@ -460,12 +465,13 @@ def _plan(
     topology: Topology | None = None,
     pool: str | None = None,
     max_model_len_source: str = "--max-model-len",
+    lora: tuple[int, int] | None = None,
 ) -> PoolResult:
     """One pool's plan; `pool` names it (default: its device), `max_model_len_source` says who set max_model_len."""
     block = block_size or default_block_size(budget.device, shape.is_mla)
     fit = fit_context(stats.needs, block, shape.max_model_len_limit) if stats else None
     context = max_model_len or (fit.context if fit else None)
-    plan = plan_pool(shape, budget, context, block, kv_cache_dtype, pool=pool, topology=topology)
+    plan = plan_pool(shape, budget, context, block, kv_cache_dtype, pool=pool, topology=topology, lora=lora)
     if stats and fit:
         plan = plan.model_copy(update=_input_remarks(shape, plan, stats, fit))
     source = max_model_len_source if max_model_len else "fitted to --input" if fit else "model limit"

@@ -182,6 +182,10 @@ class ModelShape(_Frozen):
         default=None,
         description="Bytes of the checkpoint's tensors (safetensors headers); None when unknown.",
     )
+    hidden_size: int | None = Field(
+        default=None, description="config.json `hidden_size` (the width LoRA slots are sized by), if present."
+    )
+    vocab_size: int | None = Field(default=None, description="config.json `vocab_size`, if present.")
     notes: list[str] = Field(default_factory=list, description="Assumptions made while reading the config.")
 
 
@@ -428,6 +432,8 @@ def shape_from_config(config: dict[str, Any]) -> ModelShape:
         is_mla=is_mla,
         kv_lora_rank=config.get("kv_lora_rank") if is_mla else None,
         qk_rope_head_dim=int(config.get("qk_rope_head_dim") or 0) if is_mla else None,
+        hidden_size=_first_int(config, "hidden_size", "n_embd", "d_model"),
+        vocab_size=_first_int(config, "vocab_size"),
         notes=notes,
     )
 
@@ -609,6 +615,28 @@ def kv_bytes_per_token(
     return 2 * layers * (shape.kv_heads if kv_heads is None else kv_heads) * shape.head_dim * element
 
 
+def lora_slot_bytes(shape: ModelShape, max_loras: int, max_lora_rank: int) -> int:
+    """Memory vLLM allocates for LoRA adapters as an engine with LoRA on starts, whichever adapters are loaded:
+    per layer, a stack of `max_loras` slots of rank `max_lora_rank` for each linear module it wraps — qkv_proj
+    (A: 3 slices of hidden in; B: q, k and v out), o_proj, gate_up_proj (2 slices) and down_proj — and once for the
+    embeddings and the LM head (vocab and hidden each), in the model's dtype (vllm/lora/layers:
+    `create_lora_weights`). Each slot holds A (rank × in) and B (out × rank). (Its index buffers, a few hundred KB,
+    are left out.) Checked against a live vLLM 0.32 worker for SmolLM2-135M: 6,541,504 bytes at 1 × rank 8."""
+    hidden = shape.hidden_size or shape.attention_heads * shape.head_dim
+    q, kv = shape.attention_heads * shape.head_dim, shape.kv_heads * shape.head_dim
+    inter = shape.mlp_sizes[0] if shape.mlp_sizes else 4 * hidden
+    per_rank_unit = (
+        (3 * hidden + q + 2 * kv)  # qkv_proj: A per slice, B out
+        + (q + hidden)  # o_proj
+        + (2 * hidden + 2 * inter)  # gate_up_proj
+        + (inter + hidden)  # down_proj
+    )
+    vocab = 2 * (
+        (shape.vocab_size or 0) + hidden
+    )  # embed_tokens (A: vocab × r, B: hidden) + lm_head (the reverse)
+    return max_loras * max_lora_rank * (shape.layers * per_rank_unit + vocab) * shape.dtype_bytes
+
+
 def weights_per_device(weights: int | None, ranks: int) -> int | None:
     """Weights one device of an engine of `ranks` ranks holds: weights / ranks, rounded up.
 
@@ -764,8 +792,10 @@ def stage_plans(
     topology: Topology,
     block_size: int,
     kv_cache_dtype: str = "auto",
+    lora_bytes: int = 0,
 ) -> tuple[list[StagePlan], list[str], list[str]]:
     """What each pipeline stage's devices hold (weights, KV budget, blocks), with the budget's notes and warnings.
+    `lora_bytes`: the engine's LoRA slots (`lora_slot_bytes`), held beside the weights and sharded like them.
 
     Every tensor-parallel rank of a stage holds the stage's layers and kv_heads_per_rank KV heads of each; its
     blocks are its own budget over its own bytes per token. vLLM gives every rank the fewest blocks any rank can
@@ -778,8 +808,9 @@ def stage_plans(
     from pipeline.topology import kv_heads_per_rank, stage_layers
 
     tp = topology.tensor_parallel_size
-    kv_bytes, notes, warnings = kv_budget(budget, shape.weights_bytes, topology.world)
-    on_device = weights_per_device(shape.weights_bytes, topology.world)
+    held = shape.weights_bytes + lora_bytes if shape.weights_bytes is not None else None
+    kv_bytes, notes, warnings = kv_budget(budget, held, topology.world)
+    on_device = weights_per_device(held, topology.world)
     heads = kv_heads_per_rank(shape, tp)
     stages = []
     for stage, layers in enumerate(stage_layers(shape.layers, topology.pipeline_parallel_size)):
@@ -809,11 +840,14 @@ def plan_pool(
     kv_cache_dtype: str = "auto",
     pool: str | None = None,
     topology: Topology | None = None,
+    lora: tuple[int, int] | None = None,
 ) -> PoolPlan:
     """The KV plan of one pool: capacity, sequences at `context` (default: the model's limit), recommended args.
 
     `topology`: how each engine is sharded (Topology.of(engine args)); default one device. When the weights leave
-    a GPU no room for a KV cache, the plan names the smallest engine that holds them."""
+    a GPU no room for a KV cache, the plan names the smallest engine that holds them. `lora`: (max_loras,
+    max_lora_rank) when the engines serve LoRA adapters: their slots are held beside the weights (on a GPU they
+    come out of the KV budget; on CPU, whose cache has a fixed size, out of host memory)."""
     from pipeline.topology import Topology, TopologyError, check_topology
 
     topology = topology or Topology()
@@ -823,7 +857,13 @@ def plan_pool(
         raise PlanError(str(exc)) from None
     block = block_size or default_block_size(budget.device, shape.is_mla)
     per_token = kv_bytes_per_token(shape, kv_cache_dtype)
-    stages, notes, warnings = stage_plans(shape, budget, topology, block, kv_cache_dtype)
+    lora_bytes = lora_slot_bytes(shape, *lora) if lora else 0
+    stages, notes, warnings = stage_plans(shape, budget, topology, block, kv_cache_dtype, lora_bytes)
+    if lora:
+        notes.append(
+            f"LoRA: {lora[0]} adapter slot(s) of rank {lora[1]} take {fmt_bytes(lora_bytes)}, counted with the "
+            "weights (vLLM allocates them as the engine starts, whichever adapters load)"
+        )
     kv_bytes = stages[0].kv_budget_bytes
     blocks = min(stage.kv_blocks for stage in stages)
     limit = shape.max_model_len_limit

@@ -53,6 +53,13 @@ def read_jsonl(paths) -> list[dict]:
     return rows
 
 
+def read_job_output(output: Path) -> tuple[dict[str, dict], dict[str, dict], dict]:
+    """A finished job's OUTPUT: its result and error lines by custom_id, and its manifest."""
+    results = {r["custom_id"]: r for r in read_jsonl(output.glob("results-*.jsonl"))}
+    errors = {r["custom_id"]: r for r in read_jsonl(output.glob("errors-*.jsonl"))}
+    return results, errors, json.loads((output / "manifest.json").read_text())
+
+
 def staged_rows(staging, kind: str) -> list:
     """Every staged row of `kind` ("results" or "errors"), in the order finalize writes them."""
     import pyarrow as pa

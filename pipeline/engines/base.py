@@ -57,6 +57,8 @@ class EngineStats:
     num_preemptions: int = 0
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
+    # LoRA adapters loaded into the engine's slots (first loads and swaps); None: it serves no adapters.
+    adapter_loads: int | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -73,6 +75,11 @@ class EngineSpec:
     # The cores the runtime claimed for a CPU engine on its node (no other engine computes on them); None: the
     # backend binds its threads as it would on its own.
     cpu_cores: tuple[int, ...] | None = None
+    # Its LoRA adapters (args' lora_modules) as directories on its node, staged there by the runtime
+    # (io/adapter_files.py); None: none staged (the engine serves none, or reads no files for them).
+    adapter_dirs: dict[str, str] | None = None
+    # The job's storage settings (config.StorageConfig: endpoint, region, ...) its s3:// adapters are read with.
+    adapter_storage: Any = field(default=None, repr=False)
     # A bearer token for the backend's servers (http). Kept out of `args`, which are logged and written to the
     # manifest; repr=False keeps it out of logs of the spec itself.
     api_key: str | None = field(default=None, repr=False)
@@ -112,6 +119,9 @@ class Engine(ABC):
     # Whether an engine given no GPU computes on the host's CPU cores: then, unless told otherwise, the runtime
     # gives it whole cores of its node (the more cores, the faster), rather than one Ray CPU.
     computes_on_cpu_cores: bool = False
+    # Whether it loads its LoRA adapters' files (lora_modules): then the runtime checks them before any work and
+    # stages them on each engine's node (spec.adapter_dirs).
+    reads_adapter_files: bool = False
 
     def __init__(self, spec: EngineSpec) -> None:
         self.spec = spec

@@ -3,6 +3,10 @@
 For data-plane tests and for simulating scale (a million rows, many engines) — never the evidence that a feature
 works with a real model. Time model: a request holds one of `max_concurrency` slots (its KV budget) for
 prefill_seconds_per_token x prompt tokens + decode_seconds_per_token x output tokens.
+
+LoRA adapters (`lora_modules`) are modelled as vLLM holds them: at most `max_loras` at once; a request for another
+adapter waits until one is idle, swaps it out and loads its own (`adapter_load_seconds`). `adapter_loads` counts the
+loads, as the real engine's stats do.
 """
 
 from __future__ import annotations
@@ -10,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import os
+from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any
 
@@ -23,7 +28,7 @@ from pipeline.engines.base import (
     EngineStats,
     unexpected_error_result,
 )
-from pipeline.engines.fitting import FitTarget, own_requests
+from pipeline.engines.fitting import FitTarget, own_requests, per_sequence
 from pipeline.models import ResolvedModel
 from pipeline.planner import requested_max_tokens
 from pipeline.protocol import ErrorCode
@@ -71,6 +76,11 @@ class FakeEngine(Engine):
         self._created = 1_700_000_000
         self._ranks: list[Any] = []  # a sharded engine's stand-in ranks (engines/fake_ranks.py)
         self._rank_info: list[dict[str, Any]] = []
+        # LoRA slots: the adapters held (least recently used first), each with its requests in flight.
+        self._adapters = set(self.args.get("lora_modules") or {})
+        self._held: OrderedDict[str, int] = OrderedDict()
+        self._slot_freed: asyncio.Condition | None = None  # made in the engine's event loop
+        self.adapter_loads = 0
 
     @classmethod
     def rows_per_second(cls, spec: EngineSpec) -> float | None:
@@ -106,6 +116,7 @@ class FakeEngine(Engine):
         return (
             not self.args.get("prefill_seconds_per_token")
             and not self.args.get("decode_seconds_per_token")
+            and not self.args.get("adapter_load_seconds")
             and not self._ranks
         )
 
@@ -120,11 +131,63 @@ class FakeEngine(Engine):
 
     def _answer_now(self, request: EngineRequest) -> EngineResult:
         try:
+            adapter = self._adapter_of(request)
+            if adapter is not None:  # one at a time: a slot is taken and given back at once
+                self._take_slot(adapter)
+                self._held[adapter] -= 1
             return self._answer(request)[0]
         except Exception as exc:  # noqa: BLE001 - as Engine.answer: one request never fails the chunk
             return unexpected_error_result(request.custom_id, exc)
 
+    def _adapter_of(self, request: EngineRequest) -> str | None:
+        model = request.body.get("model")
+        return model if model in self._adapters else None
+
+    def _take_slot(self, adapter: str) -> bool:
+        """Hold `adapter` (loading it, in place of the least recently used idle one, when it is not held); False
+        when every slot is busy with other adapters' requests."""
+        if adapter not in self._held:
+            max_loras = int(self.args.get("max_loras") or 1)
+            if len(self._held) >= max_loras:
+                idle = next((name for name, users in self._held.items() if users == 0), None)
+                if idle is None:
+                    return False
+                del self._held[idle]
+            self._held[adapter] = 0
+            self.adapter_loads += 1
+        self._held.move_to_end(adapter)
+        self._held[adapter] += 1
+        return True
+
+    async def _hold_adapter(self, adapter: str) -> None:
+        if self._slot_freed is None:
+            self._slot_freed = asyncio.Condition()
+        async with self._slot_freed:
+            while True:
+                loads = self.adapter_loads
+                if self._take_slot(adapter):
+                    break
+                await self._slot_freed.wait()
+            if self.adapter_loads > loads:  # the load holds the lock: vLLM loads one adapter at a time
+                await asyncio.sleep(float(self.args.get("adapter_load_seconds") or 0.0))
+
+    async def _release_adapter(self, adapter: str) -> None:
+        assert self._slot_freed is not None
+        async with self._slot_freed:
+            self._held[adapter] -= 1
+            self._slot_freed.notify_all()
+
     async def generate(self, request: EngineRequest) -> EngineResult:
+        adapter = self._adapter_of(request)
+        if adapter is None:
+            return await self._generate(request)
+        await self._hold_adapter(adapter)
+        try:
+            return await self._generate(request)
+        finally:
+            await self._release_adapter(adapter)
+
+    async def _generate(self, request: EngineRequest) -> EngineResult:
         result, cost = self._answer(request)
         if self._ranks:
             from pipeline.engines.fake_ranks import through_every_stage
@@ -160,7 +223,8 @@ class FakeEngine(Engine):
             return self._too_long(request.custom_id, longest, output), 0.0
         rid = hashlib.sha256(request.custom_id.encode("utf-8", "surrogatepass")).hexdigest()[:24]
         ctx = FakeContext(
-            model=self.spec.served_model_name,
+            # Like vLLM's serving layer: an adapter's answers name the adapter.
+            model=body.get("model") if body.get("model") in self._adapters else self.spec.served_model_name,
             request_id=rid,
             created=self._created,
             output_tokens=int(self.args.get("output_tokens", 16)),
@@ -205,6 +269,7 @@ class FakeEngine(Engine):
         return EngineStats(
             kv_cache_tokens=int(self.args.get("kv_cache_tokens") or self.max_model_len * self.max_num_seqs),
             extra={"peak_requests_inside": self.peak_inside},
+            adapter_loads=self.adapter_loads if self._adapters else None,
         )
 
 
@@ -226,7 +291,7 @@ def fit_target(model: ResolvedModel, args: dict[str, Any], default_max_tokens: i
 
     return FitTarget(
         counted_by="the fake engine's word count",
-        count=own_requests(model.name, count),
+        count=per_sequence(own_requests(model.name, count)),
         output_budget=output,
         model_limit=FAKE_MAX_MODEL_LEN,
         block_size=lambda args, device: 16,

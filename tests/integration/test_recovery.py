@@ -335,6 +335,7 @@ def test_s3_driver_killed_half_way_then_resumed_on_another_machine(moto_s3, tmp_
         "succeeded": n - 1,
         "failed": 1,
         "by_error_code": {"invalid_json": 1},
+        "structured": {"requested": 0, "parsed_json": 0},
     }
     assert not (Path(machine_b["NIGHTSHIFT_HOME"]) / "jobs").exists() or not any(
         (Path(machine_b["NIGHTSHIFT_HOME"]) / "jobs").iterdir()

@@ -102,6 +102,7 @@ def test_manifest_describes_the_output(finished):
         "succeeded": 2000,
         "failed": n_lines - 2000,
         "by_error_code": {"duplicate_custom_id": 4, "invalid_json": 5},
+        "structured": {"requested": 0, "parsed_json": 0},
     }
     assert manifest["input"]["lines"] == n_lines
     assert manifest["input"]["fingerprint"].startswith("sha256:")

@@ -27,6 +27,8 @@ JOB = {
             "decode_seconds_per_token": 0.05,
             "max_concurrency": 4,
             "start_seconds": 2.0,
+            # A LoRA adapter batches may name as their lines' model (the fake engine reads nothing from the path).
+            "lora_modules": {"support-lora": "/adapters/support-lora"},
         },
     },
     "resources": {"num_engines": 1, "cpus_per_engine": 0.5},

@@ -232,3 +232,35 @@ def test_restart_mid_batch_completes(server, client_a, tmp_path):
     results = lines_of(client_a, done.output_file_id)
     assert sorted(r["custom_id"] for r in results) == [f"req-{i:04d}" for i in range(40)]
     assert 0 < before < 40
+
+
+def test_a_batch_may_name_a_lora_adapter_and_ask_for_structured_output(server, client_a, tmp_path):
+    """Lines naming the server's adapter run with it (its answers name it); lines may carry response_format; a
+    line naming neither the model nor an adapter is its own model_not_found record, listing what is served."""
+    schema = {"type": "object", "properties": {"answer": {"type": "string"}}, "required": ["answer"]}
+    response_format = {"type": "json_schema", "json_schema": {"name": "a", "schema": schema, "strict": True}}
+    lines = [
+        chat_line(f"lora-{i}", f"q {i}", model="support-lora", response_format=response_format)
+        for i in range(4)
+    ]
+    lines += [chat_line("base-0", "q"), chat_line("other-0", "q", model="no-such-lora")]
+    source = tmp_path / "lora.jsonl"
+    source.write_text("\n".join(lines) + "\n")
+    uploaded = client_a.files.create(file=source.open("rb"), purpose="batch")
+    batch = client_a.batches.create(
+        input_file_id=uploaded.id, endpoint="/v1/chat/completions", completion_window="24h"
+    )
+    done = wait_for(client_a, batch.id, lambda b: b.status in FINAL)
+    assert done.status == "completed", done.errors
+    results = {r["custom_id"]: r for r in lines_of(client_a, done.output_file_id)}
+    errors = {r["custom_id"]: r for r in lines_of(client_a, done.error_file_id)}
+    assert len(results) + len(errors) == 6
+    assert {results[f"lora-{i}"]["response"]["body"]["model"] for i in range(4)} == {"support-lora"}
+    assert results["base-0"]["response"]["body"]["model"] != "support-lora"
+    assert errors["other-0"]["error"]["code"] == "model_not_found"
+    assert "'support-lora'" in errors["other-0"]["error"]["message"]
+    manifest = json.loads(
+        (server.root / "data" / "batches" / batch.id / "output" / "manifest.json").read_text()
+    )
+    (served,) = manifest["models"].values()
+    assert served["adapters"]["support-lora"]["rows"] == 4

@@ -157,6 +157,30 @@ def test_requests_are_split_by_model(tmp_path):
     ]
     staging.write_requests(rows)
     files = staging.request_files()
-    emb = staging.requests_for_model(files, "emb")
-    assert staging.num_rows(emb) == 3 and staging.num_rows(staging.requests_for_model(files, "chat")) == 2
-    assert staging.requests_for_model(files, "other") == []
+    emb = staging.requests_for_model(files, ["emb"])
+    assert staging.num_rows(emb) == 3 and staging.num_rows(staging.requests_for_model(files, ["chat"])) == 2
+    assert staging.requests_for_model(files, ["other"]) == []
+
+
+def test_structured_outputs_backend_is_vllms_and_reaches_its_namespace():
+    from pipeline.config_flags import flag_labels
+
+    assert VllmEngineArgs().structured_outputs_backend == "auto"
+    job = merge_overrides(
+        JobConfig(), {"engine.vllm.structured_outputs_backend": "xgrammar"}, flag_labels(JobConfig)
+    )
+    assert job.engine.vllm.structured_outputs_backend == "xgrammar"
+    with pytest.raises(ConfigError, match="--structured-outputs-backend"):
+        merge_overrides(
+            JobConfig(), {"engine.vllm.structured_outputs_backend": "regexp"}, flag_labels(JobConfig)
+        )
+
+    pytest.importorskip("vllm")
+    from pipeline.engines.vllm_engine import build_vllm_namespace
+
+    args = {**job.engine.vllm.model_dump(), "cpu_kvcache_space_gib": None}
+    spec = EngineSpec(backend="vllm", model_path="m", served_model_name="m", args=args)
+    ns = build_vllm_namespace(spec)
+    # Where vLLM's --structured-outputs-config.backend puts it; not an attribute of its own.
+    assert ns.structured_outputs_config.backend == "xgrammar"
+    assert not hasattr(ns, "structured_outputs_backend")

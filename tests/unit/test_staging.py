@@ -190,6 +190,7 @@ def test_write_outputs_and_commit(staging: StagingArea, monkeypatch):
         "succeeded": 23,
         "failed": 4,
         "by_error_code": {"invalid_json": 3, "model_not_found": 1},
+        "structured": {"requested": 0, "parsed_json": 0},  # no row asked for JSON output
     }
     result_names = [f"results-{k:05d}-of-00003.jsonl" for k in range(3)]
     assert [s["name"] for s in summary["shards"]["results"]] == result_names

@@ -95,6 +95,8 @@ READ_COLUMNS = [
     "record",
     "queue_wait_s",
     "engine_s",
+    "model",
+    "structured_json",
 ]
 PIECE_OPTIONS = pa.ipc.IpcWriteOptions(compression="lz4")
 
@@ -328,13 +330,15 @@ def _reduce_task(ctx: _Context, call: ReduceCall) -> dict[str, Any]:
             "completion": int(pc.sum(table.column("completion_tokens")).as_py() or 0),
         },
     }
-    if kind == "results":
-        from pipeline.observe.usage import usage_of
+    from pipeline.observe.usage import rows_by_model, structured_of, usage_of
 
+    if kind == "results":
         record["usage"] = usage_of(table)
+        record["structured"] = structured_of(table)
     if kind == "errors":
         codes = pc.value_counts(table.column("error_code").drop_null()).to_pylist() if table.num_rows else []
         record["error_codes"] = {c["values"]: c["counts"] for c in codes}
+    record["models"] = rows_by_model(table)
     ctx.write_json(ctx.done_record(kind, shard), record)  # after the shard is complete (closed, uploaded)
     return record
 
@@ -564,10 +568,17 @@ def write_outputs(
     by_code: Counter[str] = Counter()
     for record in done["errors"].values():
         by_code.update(record.get("error_codes", {}))
-    from pipeline.observe.usage import merge
+    from pipeline.observe.usage import merge, merge_rows_by_model
 
     # Shards recorded by a version that did not histogram usage have none: the percentiles then cover the others.
     usage = merge([record["usage"] for record in done["results"].values() if "usage" in record])
+    by_model = merge_rows_by_model(
+        [record.get("models", {}) for kind in KINDS for record in done[kind].values()]
+    )
+    structured = {"requested": 0, "parsed_json": 0}
+    for record in done["results"].values():
+        for key in structured:
+            structured[key] += record.get("structured", {}).get(key, 0)
     tokens = {"prompt": 0, "completion": 0}
     for kind in KINDS:
         for record in done[kind].values():
@@ -579,12 +590,17 @@ def write_outputs(
             "succeeded": n_results,
             "failed": n_errors,
             "by_error_code": dict(sorted(by_code.items())),
+            # Results of requests that asked for JSON output, and how many of those parsed (observe/usage.py).
+            "structured": structured,
         },
         "shards": shards,
         "tokens": tokens,
         # Per-request usage of the result rows, as histograms (observe/usage.py): the manifest's percentiles and
         # the report's length charts.
         "usage_histograms": usage,
+        # Rows and tokens per name the requests gave in `model` (a served model or a LoRA adapter): the rows an
+        # engine answered, results and the engine's error records alike.
+        "rows_by_model": by_model,
         # Which nodes ran finalize's tasks (a node id's first 8 characters, or "driver"), this attempt only.
         "placement": {"finalize": _by_node_label(tasks_by_node)},
     }

@@ -28,6 +28,7 @@ import pyarrow as pa
 import structlog
 
 from pipeline.config import DEFAULT_MAX_NUM_SEQS
+from pipeline.endpoints import json_outcome
 from pipeline.engines.base import (
     Engine,
     EngineRequest,
@@ -72,13 +73,16 @@ def result_table(
     pool: str,
     job_id: str | None = None,
     leased_at: float | None = None,
+    models: list[str | None] | None = None,
+    requests: list[EngineRequest] | None = None,
 ) -> pa.Table:
     """Finished results as staged rows (io.staging.STAGED_SCHEMA), built column by column: an Arrow table with
     its schema given, so Ray Data need not infer types from Python values row by row.
 
     `leased_at` (time.monotonic() when the chunk reached this engine actor) times each request: its queue wait
     until it entered the engine, and its time inside. A result the backend did not time (a chunk answered at once,
-    a request run alone) counts the whole chunk as engine time."""
+    a request run alone) counts the whole chunk as engine time. `models`: each request's `model` (a served model
+    or a LoRA adapter), counted per name at finalize."""
     now = time.monotonic()
     leased = now if leased_at is None else leased_at
 
@@ -104,6 +108,13 @@ def result_table(
         "record": [record(r) for r in results],
         "queue_wait_s": [waited(r) for r in results],
         "engine_s": [inside(r) for r in results],
+        "model": models if models is not None else [None] * len(results),
+        # Decided here, where each request's body is at hand (finalize sees only the answers).
+        "structured_json": [
+            json_outcome(q.url, q.body, r.status_code, r.body) for q, r in zip(requests, results, strict=True)
+        ]
+        if requests is not None
+        else [None] * len(results),
     }
     return pa.table(columns, schema=STAGED_SCHEMA)
 
@@ -280,7 +291,7 @@ class EngineWorker:
                     # The engine gets its own copy: it may fill in its args as it starts (vLLM on CPU sets
                     # enforce_eager), and the next plan is compared with what was asked for.
                     wanted = replace(self.spec, args=dict(self.spec.args))
-                    engine = build_engine(self._spec_with_cores(wanted))
+                    engine = build_engine(await self._with_adapters(self._spec_with_cores(wanted)))
                     await self._or_die(engine.start())  # a rank lost while it starts: the engine is rebuilt
                     self._ready_at = time.time()
                     self.engine, self._built_spec = engine, wanted
@@ -291,6 +302,16 @@ class EngineWorker:
                         # must see the KV cache fill (and preemptions start) while it happens.
                         self._reporter = asyncio.get_running_loop().create_task(self._report_loop())
         return self.engine
+
+    async def _with_adapters(self, spec: EngineSpec) -> EngineSpec:
+        """An engine that reads its LoRA adapters' files gets them on this node (remote ones copied here once, for
+        every engine of the node and later jobs: io/adapter_files.py)."""
+        if not spec.args.get("lora_modules") or not engine_class(spec.backend).reads_adapter_files:
+            return spec
+        from pipeline.io.adapter_files import stage_adapters
+
+        staged = await asyncio.to_thread(stage_adapters, spec.args, spec.adapter_storage)
+        return replace(spec, adapter_dirs=staged)
 
     def _spec_with_cores(self, wanted: EngineSpec) -> EngineSpec:
         """A CPU engine computes on whole cores of its own: claimed here, on its node, for the life of this actor
@@ -461,7 +482,10 @@ class EngineWorker:
             results[n] = result
         lines = table.column("line").to_pylist()
         sources = table.column("source").to_pylist()
-        return result_table(results, lines, sources, self.pool, self.job_id, leased_at)
+        models = table.column("model").to_pylist() if "model" in table.column_names else None
+        return result_table(
+            results, lines, sources, self.pool, self.job_id, leased_at, models=models, requests=requests
+        )
 
     async def _run_lease(self, chunk: int, name: str, attempt: int, table: pa.Table) -> int:
         self.activity.begin()

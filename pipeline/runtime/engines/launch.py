@@ -23,6 +23,7 @@ from typing import Any
 
 import structlog
 
+from pipeline.adapters import job_served_names
 from pipeline.config import DEFAULT_MAX_NUM_SEQS, JobConfig, PoolConfig, effective_pools
 from pipeline.engines.base import EngineSpec, engine_class
 from pipeline.fit_record import FitRecord, decision_of
@@ -373,7 +374,8 @@ class EngineLaunch:
         self._fit = staging.read_job().fit
         plans = self._plans(config, spec)
         if len(self.models) > 1:
-            work = {m: staging.requests_for_model(files, m) for m in self.models}
+            served = job_served_names(config, self.pool_models)
+            work = {m: staging.requests_for_model(files, served.names_of(m)) for m in self.models}
         else:
             work = {self.models[0]: files}
         self.keyed_rows = keyed_rows
@@ -550,9 +552,14 @@ def pool_spec(spec: EngineSpec, model: ResolvedModel, fit: FitRecord | None, poo
 
 
 def models_summary(
-    pool_models: dict[str, ResolvedModel], pools: dict[str, dict[str, float]]
+    pool_models: dict[str, ResolvedModel],
+    pools: dict[str, dict[str, float]],
+    adapters: dict[str, tuple[str, str]] | None = None,
+    rows_by_name: dict[str, dict[str, int]] | None = None,
 ) -> dict[str, dict[str, Any]]:
-    """Per served model: where it came from, its task, the pools serving it, and the rows and tokens they answered."""
+    """Per served model: where it came from, its task, the pools serving it, and the rows and tokens they answered;
+    and per LoRA adapter of it (`adapters`: name -> (its model, its path)), the rows and tokens that named it
+    (`rows_by_name`: finalize's counts per requested name)."""
     out: dict[str, dict[str, Any]] = {}
     for pool, model in pool_models.items():
         entry = out.setdefault(
@@ -570,6 +577,12 @@ def models_summary(
         stats = pools.get(pool) or {}
         for key in ("rows", "prompt_tokens", "completion_tokens"):
             entry[key] += int(stats.get(key) or 0)
+    for name, (model, path) in (adapters or {}).items():
+        counts = (rows_by_name or {}).get(name, {})
+        out[model].setdefault("adapters", {})[name] = {
+            "path": path,
+            **{key: int(counts.get(key, 0)) for key in ("rows", "prompt_tokens", "completion_tokens")},
+        }
     return out
 
 

@@ -169,6 +169,9 @@ def summarize_engines(snapshot: dict[str, dict[str, Any]]) -> dict[str, Any]:
         for e in snapshot.values()
         if e["stats"].get("kv_cache_usage_peak") is not None
     ]
+    loads = [
+        e["stats"]["adapter_loads"] for e in snapshot.values() if e["stats"].get("adapter_loads") is not None
+    ]
     first = next(iter(snapshot.values()), {})
     ready = [e["ready_at"] for e in snapshot.values() if e.get("ready_at")]
     return {
@@ -177,6 +180,8 @@ def summarize_engines(snapshot: dict[str, dict[str, Any]]) -> dict[str, Any]:
         "reused": sum(1 for e in snapshot.values() if e.get("reused")),
         "num_preemptions": preemptions,
         "prefix_cache_hit_rate": round(hits / queries, 4) if queries else None,
+        # LoRA adapters loaded into engines' slots, first loads and swaps (None: no engine serves adapters).
+        "adapter_loads": sum(loads) if loads else None,
         "kv_cache_usage": round(sum(usage) / len(usage), 4) if usage else None,
         "kv_cache_usage_peak": round(max(peaks), 4) if peaks else None,
         "kv_cache_tokens_per_engine": first.get("stats", {}).get("kv_cache_tokens"),
@@ -192,6 +197,7 @@ def summarize_engines(snapshot: dict[str, dict[str, Any]]) -> dict[str, Any]:
                 "pool": e["pool"],
                 "node_id": e.get("node_id"),
                 "reused": bool(e.get("reused")),  # a warm engine, started before this job
+                **({"adapter_loads": n} if (n := e["stats"].get("adapter_loads")) is not None else {}),
                 **(e.get("activity") or {}),
             }
             for actor, e in sorted(snapshot.items())

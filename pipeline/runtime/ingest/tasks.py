@@ -68,7 +68,7 @@ from pipeline.runtime.ingest.dedup import (
 )
 from pipeline.runtime.ingest.measure import MeasureSpec, context_problem
 from pipeline.stages.intake import InputCounts, as_source, bad_row_check
-from pipeline.stages.prefix_key import prefix_key
+from pipeline.stages.prefix_key import routing_key
 from pipeline.stages.validate import InvalidLine, LineValidator, ValidRequest
 
 UNTOKENIZABLE = (True, 0, 0, 0, 0, False, False)  # an id row's measurement of a request the template rejected
@@ -125,6 +125,7 @@ class IngestJob:
     measure: MeasureSpec | None
     buckets: int
     part_rows: int
+    adapters: frozenset[str] = frozenset()  # LoRA adapter names: their rows are routed by adapter
 
 
 # --- step 1: scan -----------------------------------------------------------------------------------------------
@@ -281,7 +282,7 @@ def read_piece(job: IngestJob, piece: InputPiece) -> PieceStats:
         else:
             outcome, claim = validator.check(payload, number, name)
         if isinstance(outcome, ValidRequest):
-            key = prefix_key(outcome.url, outcome.body)
+            key = routing_key(outcome.url, outcome.body, job.adapters)
             stats.keyed += key is not None
             body = dumps_body(outcome.body, payload)  # a valid outcome never comes from a BadRow
             if measure is not None:
@@ -412,6 +413,7 @@ def ingest(
     parallel: bool | None = None,
     reserve_cpus: bool = True,
     on_requests: Callable[[list[str]], None] | None = None,
+    adapters: frozenset[str] = frozenset(),
 ) -> IngestReport:
     """Validate (and, with `measure`, measure) the whole input into staging, as parallel tasks on Ray when it is
     initialized (`parallel` None), else in this process. Staging must hold no earlier ingest (discard_ingest).
@@ -419,7 +421,7 @@ def ingest(
     run at once either way).
     `on_requests`: streaming — called with each piece's request parts as soon as they are staged (engines take them
     while the rest is read); requests that turn out to have lost their custom_id stay in the work list until
-    `settle_losers`."""
+    `settle_losers`. `adapters`: the LoRA adapter names among the served ones (their rows are routed by adapter)."""
     source = as_source(location, storage)
     source.limits = limits or InputLimits()
     run = _executor(parallel, source, staging, reserve_cpus)
@@ -438,7 +440,7 @@ def ingest(
         # enough to fill them (each piece writes one file per bucket it has ids in).
         by_size = math.ceil((source.size_bytes or 0) / BUCKET_BYTES)
         buckets = max(1, min(MAX_BUCKETS, max(by_size, min(len(pieces), run.parallelism))))
-    job = IngestJob(source, staging, served, job_id, source.limits, measure, buckets, part_rows)
+    job = IngestJob(source, staging, served, job_id, source.limits, measure, buckets, part_rows, adapters)
     batches = _scan_batches(scans)
     scan_nodes: Counter[str] = Counter()
     scanned = run.map(scan_ranges, job, batches, tasks_by_node=scan_nodes)
