@@ -508,8 +508,10 @@ def run_run_batch(
     env: dict[str, str],
     timeout_s: float,
     name: str = "run-batch",
+    extra_args: list[str] | None = None,
 ) -> tuple[Timed, dict, dict]:
-    """`env` should carry VLLM_CPU_OMP_THREADS_BIND (the cores it gets); `name`: of the run's output and log."""
+    """`env` should carry VLLM_CPU_OMP_THREADS_BIND (the cores it gets); `name`: of the run's output and log;
+    `extra_args`: further run-batch flags (LoRA adapters)."""
     out = work / f"{name}-out.jsonl"
     out.unlink(missing_ok=True)
     cmd = [
@@ -526,6 +528,7 @@ def run_run_batch(
         cmd += ["--max-num-batched-tokens", str(args.max_num_batched_tokens)]
     if args.gpu_memory_utilization is not None:
         cmd += ["--gpu-memory-utilization", str(args.gpu_memory_utilization)]
+    cmd += extra_args or []
     timed = timed_subprocess(cmd, env, work / f"{name}.log", timeout_s)
     return timed, _openai_outputs(read_jsonl(out)), {}
 
@@ -867,12 +870,13 @@ def git_state() -> dict[str, Any]:
 
     def git(*cmd: str) -> str:
         proc = subprocess.run(["git", *cmd], cwd=REPO, capture_output=True, text=True)
-        return proc.stdout.strip() if proc.returncode == 0 else ""
+        # Only the trailing newline: porcelain lines start with a status column that may be a space.
+        return proc.stdout.rstrip("\n") if proc.returncode == 0 else ""
 
     dirty = [
         line[3:] for line in git("status", "--porcelain").splitlines() if not line[3:].startswith("bench/")
     ]
-    return {"commit": git("rev-parse", "HEAD"), "dirty_files": dirty}
+    return {"commit": git("rev-parse", "HEAD").strip(), "dirty_files": dirty}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -1,4 +1,4 @@
-"""What makes the engine benches compare equals, shared by bench/engines.py and bench/shared_prefix.py.
+"""What makes the engine benches compare equals, shared by bench/engines.py, bench/shared_prefix.py and others.
 
 - Every path gets the whole box: the cores this process may run on (`box_cores()`), either as one engine bound to
   all of them or as one engine per core (`Layout`). vLLM's CPU backend binds its compute threads itself; left to
@@ -9,6 +9,8 @@
 - Fixed cost and steady-state rate come from a token clock inside every engine core (bench/trace/sitecustomize.py,
   switched on by `trace_env`): the wall-clock time of the first and of the last scheduler step that emitted output
   tokens. fixed = first token - process start; steady = output tokens / (last token - first token).
+  `result_timing` measures the same by results (requests finished), from the same clocks: what a bench whose unit
+  is the row reports (bench/lora_routing.py; the clock also runs inside nightshift's fake engine).
 """
 
 from __future__ import annotations
@@ -116,6 +118,30 @@ def token_timing(traces: list[dict[str, Any]], started: float, ended: float) -> 
         ],
         "prefix_cache_hit_rate": round(hits / queries, 4) if queries else None,
         "prefix_cache_queries": queries,
+    }
+
+
+def result_timing(traces: list[dict[str, Any]], started: float, ended: float) -> dict[str, Any]:
+    """Fixed cost and steady rate of one run by results (requests finished inside the engines), from the same
+    clocks: fixed = process start -> the first request any engine finished; steady = requests finished after
+    that one step / (last result - first result)."""
+    done = [t for t in traces if t.get("first_result_at")]
+    if not done:
+        return {"engines_with_results": 0}
+    first_engine = min(done, key=lambda t: t["first_result_at"])
+    first = first_engine["first_result_at"]
+    last = max(t["last_result_at"] for t in done)
+    results = sum(t["results"] for t in done)
+    after = results - first_engine["first_results"]
+    span = last - first
+    return {
+        "engines_with_results": len(done),
+        "fixed_s": round(first - started, 2),
+        "results_s": round(span, 2),
+        "results": results,
+        "steady_rows_per_s": round(after / span, 2) if span > 0 else None,
+        "tail_s": round(ended - last, 2),
+        "first_result_spread_s": round(max(t["first_result_at"] for t in done) - first, 2),
     }
 
 

@@ -7,6 +7,9 @@ as their modules are imported and writes `engine-<pid>.json` into that directory
   first_token_at / last_token_at  wall clock (time.time()) of the first and last scheduler step that produced output
                                   tokens: the same instant on every path, independent of how results leave the engine
   tokens                          output tokens the scheduler emitted
+  first_result_at / last_result_at / results / first_results
+                                  wall clock of the first and last step that finished a request, requests finished,
+                                  and how many finished in that first step (fixed cost and rows/s measured by results)
   prefix_queries / prefix_hits    prompt tokens looked up in the prefix cache and found there (new requests, the same
                                   record vLLM's own vllm:prefix_cache_queries/hits counters are made of)
   omp_bind                        VLLM_CPU_OMP_THREADS_BIND as the engine saw it
@@ -16,6 +19,10 @@ as their modules are imported and writes `engine-<pid>.json` into that directory
 
 The file is written at the first token and every time the engine runs out of requests (so the last write is the last
 token), and at most every 5 s in between. The cost is a few attribute reads per engine step.
+
+nightshift's fake engine (pipeline/engines/fake.py) gets the same clock, by results: `FakeEngine.generate` is wrapped
+to stamp each answer (first/last_token_at = first/last answer, tokens = its completion tokens), and engine_config is
+the fake's own args.
 """
 
 from __future__ import annotations
@@ -37,6 +44,10 @@ if _DIR:
         "last_token_at": None,
         "tokens": 0,
         "steps_with_tokens": 0,
+        "first_result_at": None,
+        "last_result_at": None,
+        "results": 0,
+        "first_results": 0,
         "prefix_queries": 0,
         "prefix_hits": 0,
         "omp_bind": None,
@@ -44,13 +55,22 @@ if _DIR:
     }
     _last_write = [0.0]
 
+    def _results(now: float, finished: int) -> None:
+        if not finished:
+            return
+        if _state["first_result_at"] is None:
+            _state["first_result_at"] = now
+            _state["first_results"] = finished
+        _state["last_result_at"] = now
+        _state["results"] += finished
+
     def _write() -> None:
         _state["omp_bind"] = os.environ.get("VLLM_CPU_OMP_THREADS_BIND")
         path = os.path.join(_DIR, f"engine-{os.getpid()}.json")
         tmp = path + ".tmp"
         try:
             with open(tmp, "w") as fh:
-                json.dump(_state, fh)
+                json.dump(_state, fh, default=str)
             os.replace(tmp, path)
         except OSError:
             pass
@@ -91,12 +111,14 @@ if _DIR:
         def update_from_output(self, scheduler_output, model_runner_output):
             result = original(self, scheduler_output, model_runner_output)
             try:
-                tokens = 0
+                tokens = finished = 0
                 for outs in result.values():
                     for out in outs.outputs:
                         tokens += len(out.new_token_ids)
+                        finished += out.finish_reason is not None
                 if tokens:
                     now = time.time()
+                    _results(now, finished)
                     first = _state["first_token_at"] is None
                     if first:
                         _state["first_token_at"] = now
@@ -133,9 +155,37 @@ if _DIR:
 
         module.KVCacheManager.record_prefix_cache_stats = record_prefix_cache_stats
 
+    def _patch_fake_engine(module) -> None:
+        original = module.FakeEngine.generate
+        inside = [0]
+
+        async def generate(self, request):
+            inside[0] += 1
+            try:
+                result = await original(self, request)
+            finally:
+                inside[0] -= 1
+            try:
+                now = time.time()
+                first = _state["first_token_at"] is None
+                if first:
+                    _state["first_token_at"] = now
+                    _state["engine_config"] = dict(self.args)
+                _state["last_token_at"] = now
+                _state["tokens"] += result.completion_tokens or 0
+                _results(now, 1)
+                if first or inside[0] == 0 or time.monotonic() - _last_write[0] > 5:
+                    _write()
+            except Exception:  # noqa: BLE001 - a bench probe must never disturb the engine
+                pass
+            return result
+
+        module.FakeEngine.generate = generate
+
     _TARGETS = {
         "vllm.v1.core.sched.scheduler": _patch_scheduler,
         "vllm.v1.core.kv_cache_manager": _patch_kv_manager,
+        "pipeline.engines.fake": _patch_fake_engine,
     }
 
     class _PatchingLoader(importlib.abc.Loader):
