@@ -8,6 +8,11 @@
     runner.py    batches as jobs of the runtime: one `nightshift run`/`resume` process each, watched for counts,
                  cancelled by signal, resumed after a restart
     outputs.py   a batch's output and error files, streamed from its shards (or its checkpoint, if cut short)
+    accounting.py a batch's `usage` and `model`, from its manifest (or its checkpoint, if cut short)
+    expiry.py    `expires_after` / `output_expires_after`: OpenAI's policies and bounds, read from a request
+    linecheck.py an input's lines checked by the server: JSONL at upload, the job's validator before a batch runs
+                 (limits.line_errors fail_batch)
+    retention.py the sweeper: expired files deleted, the bytes of deleted files and finished batches freed
     routes.py    the FastAPI app: the endpoints, OpenAI's errors and status codes
     app.py       the Ray Serve deployment wrapping that app, and the application import path for KubeRay
 

@@ -1,6 +1,7 @@
 """The Batch API server's `GET /metrics`: the metric names a job's driver exports (pipeline/observe/metrics.py), one
 set per unfinished batch of the caller's, each sample labelled with its `batch` id; plus the caller's batches by
-status (`nightshift_server_batches`).
+status (`nightshift_server_batches`) and the files and bytes it holds on disk, by purpose
+(`nightshift_server_stored_files`, `nightshift_server_stored_bytes`).
 
 A batch's job runs in a child process; what it has done is read from the job's own timeline
 (`_staging/timeline.json`, which its driver saves every ~2 s), so a scrape never asks a job anything. Owner-scoped
@@ -22,6 +23,10 @@ from pipeline.observe.timeline import TIMELINE_NAME, Timeline
 from pipeline.server.schemas import BatchObject
 
 BATCHES_METRIC = "nightshift_server_batches"
+STORED_FILES_METRIC = "nightshift_server_stored_files"
+STORED_BYTES_METRIC = "nightshift_server_stored_bytes"
+# Every purpose is exported, held or not, so a dashboard sees a zero rather than a gap.
+PURPOSES = ("batch", "batch_output")
 
 
 def _timeline(output: Path) -> Timeline | None:
@@ -64,6 +69,22 @@ def batch_families(
     return [by_status, *merged.values()]
 
 
+def storage_families(stored: dict[str, tuple[int, int]]) -> list[Metric]:
+    """The caller's files whose bytes are on disk, per purpose: `stored` is purpose -> (files, bytes), the store's
+    `stored_by_purpose` (deleted uploads a running batch still reads included, until it ends)."""
+    files = GaugeMetricFamily(
+        STORED_FILES_METRIC, "The caller's files held on disk, by purpose.", labels=["purpose"]
+    )
+    size = GaugeMetricFamily(
+        STORED_BYTES_METRIC, "Bytes of the caller's files held on disk, by purpose.", labels=["purpose"]
+    )
+    for purpose in sorted({*PURPOSES, *stored}):
+        n, held = stored.get(purpose, (0, 0))
+        files.add_metric([purpose], n)
+        size.add_metric([purpose], held)
+    return [files, size]
+
+
 class _Collector(Collector):
     def __init__(self, found: list[Metric]) -> None:
         self.found = found
@@ -72,8 +93,10 @@ class _Collector(Collector):
         yield from self.found
 
 
-def exposition(counts: dict[str, int], unfinished: list[BatchObject], output_of: Any) -> bytes:
-    """The Prometheus text format of `batch_families`."""
+def exposition(
+    counts: dict[str, int], unfinished: list[BatchObject], output_of: Any, extra: list[Metric] | None = None
+) -> bytes:
+    """The Prometheus text format of `batch_families`, and of `extra` families."""
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(_Collector(batch_families(counts, unfinished, output_of)))
+    registry.register(_Collector([*batch_families(counts, unfinished, output_of), *(extra or [])]))
     return generate_latest(registry)

@@ -20,7 +20,8 @@ def committed(out_dir: Path) -> bool:
     return (out_dir / "manifest.json").is_file()
 
 
-def _shards(out_dir: Path, kind: str) -> list[Path]:
+def shards(out_dir: Path, kind: str) -> list[Path]:
+    """A committed output's shard files of `kind`, in order."""
     manifest = json.loads((out_dir / "manifest.json").read_text())
     return [out_dir / shard["name"] for shard in manifest["shards"][kind]]
 
@@ -41,7 +42,7 @@ def output_bytes(out_dir: Path, kind: str) -> int:
 def iter_output(out_dir: Path, kind: str) -> Iterator[bytes]:
     assert kind in KINDS
     if committed(out_dir):
-        for shard in _shards(out_dir, kind):
+        for shard in shards(out_dir, kind):
             with open(shard, "rb") as f:
                 while piece := f.read(CHUNK_BYTES):
                     yield piece

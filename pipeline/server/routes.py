@@ -18,13 +18,17 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from pydantic import ValidationError
+from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pipeline.config import format_validation_error
 from pipeline.endpoints import SUPPORTED_URLS
 from pipeline.server import outputs
 from pipeline.server.auth import Keyring
-from pipeline.server.metrics import exposition
+from pipeline.server.expiry import ExpiryError, form_policy, parse_policy, seconds_of
+from pipeline.server.linecheck import check_upload
+from pipeline.server.metrics import exposition, storage_families
+from pipeline.server.retention import Sweeper
 from pipeline.server.runner import BatchRunner, DataDir
 from pipeline.server.schemas import (
     FINAL_STATUSES,
@@ -37,7 +41,7 @@ from pipeline.server.schemas import (
     ListPage,
 )
 from pipeline.server.settings import ServerConfig
-from pipeline.server.store import Store, new_id
+from pipeline.server.store import FileGone, Store, new_id
 from pipeline.server.uploads import UploadError, receive_upload
 
 MAX_JSON_BODY_BYTES = 1 << 20  # POST /v1/batches bodies are a few hundred bytes
@@ -71,11 +75,14 @@ class BatchService:
         self.data.create()
         self.store = Store(self.data.database)
         self.runner = BatchRunner(config, self.store, self.data, ray_address)
+        self.sweeper = Sweeper(self.store, self.data, config.retention.sweep_seconds)
 
     def start(self) -> None:
         self.runner.start()
+        self.sweeper.start()
 
     def stop(self) -> None:
+        self.sweeper.stop()
         self.runner.stop()
 
 
@@ -154,12 +161,32 @@ def create_app(service: BatchService) -> FastAPI:
                 )
             if upload.size == 0:
                 raise ApiError(400, "the file is empty", param="file")
+            try:
+                policy = form_policy(upload.fields)
+            except ExpiryError as exc:
+                raise ApiError(400, exc.message, param=exc.param) from None
+            # Every line read once, off the event loop: a file that is not JSONL at all is refused here.
+            check = await run_in_threadpool(check_upload, upload.path, service.config.job.limits)
+            refusal = check.refusal()
+            if refusal:
+                raise ApiError(400, refusal, param="file", code="invalid_file_format")
             file_id = new_id("file-")
             os.replace(upload.path, service.data.upload(file_id))
         except BaseException:
             upload.path.unlink(missing_ok=True)
             raise
-        return service.store.add_file(file_id, who, upload.filename, "batch", upload.size, lines=upload.lines)
+        status, details = check.status()
+        return service.store.add_file(
+            file_id,
+            who,
+            upload.filename,
+            "batch",
+            upload.size,
+            lines=check.lines,
+            expires_seconds=seconds_of(policy, service.config.retention.upload_seconds),
+            status=status,
+            status_details=details,
+        )
 
     @app.get("/v1/files")
     def list_files(
@@ -203,9 +230,9 @@ def create_app(service: BatchService) -> FastAPI:
         row = service.store.file_row(file_id, who)
         if row is None or not service.store.delete_file(file_id, who):
             raise not_found("File", file_id, "file_id")
-        # An upload an unfinished batch still reads keeps its bytes (a resumed job checks its input is unchanged).
-        if row["purpose"] == "batch" and not service.store.file_in_use(file_id):
-            service.data.upload(file_id).unlink(missing_ok=True)
+        # Its bytes go now — an upload an unfinished batch still reads keeps them until that batch ends (a resumed
+        # job checks its input is unchanged); the sweeper frees them then.
+        service.sweeper.free_file(file_id)
         return FileDeleted(id=file_id)
 
     # -- batches ------------------------------------------------------------------------------------------------
@@ -225,6 +252,10 @@ def create_app(service: BatchService) -> FastAPI:
                 f"endpoint {wanted.endpoint!r} is not served; use one of {', '.join(SUPPORTED_URLS)}",
                 "endpoint",
             )
+        try:
+            output_policy = parse_policy(wanted.output_expires_after, "output_expires_after")
+        except ExpiryError as exc:
+            raise ApiError(400, exc.message, param=exc.param) from None
         if wanted.completion_window not in limits.completion_windows:
             raise ApiError(
                 400,
@@ -243,16 +274,21 @@ def create_app(service: BatchService) -> FastAPI:
             )
         batch_id = new_id("batch_")
         service.data.batch(batch_id).mkdir(parents=True)
-        batch = service.store.add_batch(
-            batch_id,
-            who,
-            wanted.endpoint,
-            wanted.input_file_id,
-            wanted.completion_window,
-            wanted.metadata,
-            total=0,
-            expires_at=int(time.time()) + _window_seconds(wanted.completion_window),
-        )
+        try:
+            batch = service.store.add_batch(
+                batch_id,
+                who,
+                wanted.endpoint,
+                wanted.input_file_id,
+                wanted.completion_window,
+                wanted.metadata,
+                total=0,
+                expires_at=int(time.time()) + _window_seconds(wanted.completion_window),
+                output_expires_seconds=seconds_of(output_policy, service.config.retention.output_seconds),
+            )
+        except FileGone:  # deleted or expired since it was looked up
+            service.data.batch(batch_id).rmdir()
+            raise not_found("File", wanted.input_file_id, "input_file_id") from None
         service.runner.submit(batch_id, who)
         return batch
 
@@ -270,11 +306,13 @@ def create_app(service: BatchService) -> FastAPI:
 
     @app.get("/metrics")
     def metrics(who: Owner) -> Response:
-        """Prometheus: the caller's batches by status, and each unfinished one's job metrics (server/metrics.py)."""
+        """Prometheus: the caller's batches by status, each unfinished one's job metrics, and the files and bytes
+        the caller holds on disk (server/metrics.py)."""
         body = exposition(
             service.store.batch_status_counts(who),
             service.store.unfinished_batches_of(who),
             service.data.output,
+            storage_families(service.store.stored_by_purpose(who)),
         )
         return Response(body, media_type=CONTENT_TYPE_LATEST)
 

@@ -37,6 +37,7 @@ from pipeline.io.staging import StagingArea
 from pipeline.runtime.launcher import JobProcess, start_job
 from pipeline.runtime.shifts import SystemClock, clock_from_environment
 from pipeline.server import outputs
+from pipeline.server.accounting import account
 from pipeline.server.schemas import FINAL_STATUSES, BatchError
 from pipeline.server.settings import ServerConfig
 from pipeline.server.store import Store, new_id
@@ -253,6 +254,8 @@ class BatchRunner:
         rc = 0
         if not outputs.committed(out):
             resume = (out / "_staging" / "job.json").is_file()
+            if not resume and self._fails_validation(batch_id):
+                return False
             job = start_job(
                 self._job(batch_id, resume),
                 resume=resume,
@@ -346,7 +349,11 @@ class BatchRunner:
         now = int(time.time())
         total = state.input.lines
         self.store.update_batch(batch_id, total=total, completed=completed, failed=failed)
-        self.store.update_batch(batch_id, only_if=("validating",), status="in_progress", in_progress_at=now)
+        # While it runs, the batch names the job's own model; once it ends, the one its lines ran on (_account).
+        model = state.model.name if state.model else None
+        self.store.update_batch(
+            batch_id, only_if=("validating",), status="in_progress", in_progress_at=now, model=model
+        )
         if completed + failed >= total:
             self.store.update_batch(
                 batch_id, only_if=("in_progress",), status="finalizing", finalizing_at=now
@@ -390,6 +397,7 @@ class BatchRunner:
             **stamps,
             **{f"{status}_at": now},
             **self._register_files(batch_id),
+            **self._account(batch_id),
         )
         log.info("batch finished", batch=batch_id, status=status, completed=completed, failed=failed)
 
@@ -407,6 +415,7 @@ class BatchRunner:
             failed=failed,
             **{f"{status}_at": int(time.time())},
             **self._register_files(batch_id),
+            **self._account(batch_id),
         )
         log.info("batch cut short", batch=batch_id, status=status, completed=completed, failed=failed)
 
@@ -416,7 +425,55 @@ class BatchRunner:
             status="failed",
             failed_at=int(time.time()),
             errors=[BatchError(code=code, message=message)],
+            **self._account(batch_id),
         )
+
+    def _account(self, batch_id: str) -> dict[str, Any]:
+        """The batch's `usage` and `model` as it ends (server/accounting.py): its manifest's, else what its
+        checkpoint staged. Never in the way of its final status: unreadable, they stay unset."""
+        try:
+            found = account(self.data.output(batch_id))
+        except Exception as exc:  # noqa: BLE001 - accounting is a report, not a reason to leave a batch unfinished
+            log.warning("batch usage not read", batch=batch_id, error=str(exc))
+            return {}
+        return {"usage": found.usage, **({"model": found.model} if found.model else {})}
+
+    def _fails_validation(self, batch_id: str) -> bool:
+        """limits.line_errors fail_batch: the batch's input through the job's validator before any of it runs, as
+        OpenAI validates a batch; True when a line is invalid and the batch has ended `failed`, its errors naming
+        the lines (OpenAI's shape: code, message, line) — or `cancelled`, when a cancel came meanwhile."""
+        if self.config.limits.line_errors != "fail_batch":
+            return False
+        from pipeline.server.linecheck import MAX_LISTED_ERRORS, invalid_lines, served_before_run
+
+        batch = self.store.batch(batch_id)
+        assert batch is not None
+        limits = self.config.job.limits.model_copy(update={"only_url": batch.endpoint})
+        path = self.data.upload(batch.input_file_id)
+        errors, invalid, lines = invalid_lines(path, served_before_run(self.config.job), limits)
+        if not invalid:
+            return False
+        if invalid > MAX_LISTED_ERRORS:
+            errors.append(
+                BatchError(
+                    code="too_many_invalid_lines",
+                    message=f"{invalid} of {lines} lines are invalid; the first {MAX_LISTED_ERRORS} are listed",
+                )
+            )
+        failed = self.store.update_batch(
+            batch_id,
+            only_if=("validating",),
+            status="failed",
+            failed_at=int(time.time()),
+            total=lines,
+            errors=errors,
+            **self._account(batch_id),  # nothing ran: zeros
+        )
+        if failed:
+            log.info("batch failed validation", batch=batch_id, invalid=invalid, lines=lines)
+        elif batch_id in self._cancel:  # cancelled while it was validated: it ends so, nothing run
+            self._finish_cut_short(batch_id, "cancelled")
+        return True
 
 
 def _ray_token_environment() -> dict[str, str]:

@@ -23,8 +23,14 @@ class FileObject(BaseModel):
     created_at: int
     filename: str
     purpose: str = Field(description="batch (uploaded input), batch_output (a batch's output or error file)")
-    status: Literal["uploaded", "processed", "error"] = "processed"
-    expires_at: int | None = None
+    status: Literal["uploaded", "processed", "error"] = Field(
+        default="processed",
+        description="processed: checked, every line a JSON object; error: some lines are not (status_details "
+        "names them); uploads are checked as they are received, so none is ever left `uploaded`",
+    )
+    expires_at: int | None = Field(
+        default=None, description="When the file is deleted; null: kept until deleted."
+    )
     status_details: str | None = None
 
 
@@ -52,6 +58,24 @@ class BatchErrors(BaseModel):
     data: list[BatchError]
 
 
+class InputTokensDetails(BaseModel):
+    cached_tokens: int = 0
+
+
+class OutputTokensDetails(BaseModel):
+    reasoning_tokens: int = 0
+
+
+class BatchUsage(BaseModel):
+    """OpenAI's `usage` of a batch: token totals of its requests."""
+
+    input_tokens: int
+    input_tokens_details: InputTokensDetails
+    output_tokens: int
+    output_tokens_details: OutputTokensDetails
+    total_tokens: int
+
+
 class BatchObject(BaseModel):
     id: str
     object: Literal["batch"] = "batch"
@@ -73,6 +97,8 @@ class BatchObject(BaseModel):
     cancelled_at: int | None = None
     request_counts: RequestCounts = Field(default_factory=RequestCounts)
     metadata: dict[str, str] | None = None
+    model: str | None = Field(default=None, description="The model the batch's lines ran on (most of them).")
+    usage: BatchUsage | None = Field(default=None, description="Token totals, set when the batch ends.")
 
 
 class CreateBatchRequest(BaseModel):

@@ -4,7 +4,7 @@ default, who may call it, and the job every batch runs as. Everything is checked
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints, ValidationError, field_validator
 
@@ -34,6 +34,39 @@ class ServerLimits(_Strict):
         default_factory=lambda: ["24h"],
         min_length=1,
         description="completion_window values accepted, e.g. 24h, 90m, 7d (OpenAI: only 24h).",
+    )
+    line_errors: Literal["record", "fail_batch"] = Field(
+        default="record",
+        description="A batch input's invalid lines (not JSON, not a request, a duplicate custom_id, another "
+        "endpoint's url, a model not served): `record` runs the batch and makes each such line an error record "
+        "of its error file; `fail_batch` is OpenAI's behaviour: the batch is validated before it runs and ends "
+        "`failed`, its errors naming the lines, without running any of them.",
+    )
+
+
+class RetentionSettings(_Strict):
+    """How long files live when a request gives no `expires_after` / `output_expires_after`, and how often expired
+    ones are swept. A request's own policy (OpenAI's bounds: 1 hour to 30 days) wins over these."""
+
+    upload_seconds: int | None = Field(
+        default=None,
+        ge=1,
+        description="Uploads (purpose batch) expire this long after their upload; null: kept until deleted. "
+        "(OpenAI expires batch uploads after 30 days: 2592000.)",
+    )
+    output_seconds: int | None = Field(
+        default=30 * 24 * 3600,
+        ge=1,
+        description="A batch's output and error files expire this long after they are made (30 days); null: kept "
+        "until deleted. A finished batch's folder goes once its files are gone (a batch that made none: this long "
+        "after it ended).",
+    )
+    sweep_seconds: float = Field(
+        default=60.0,
+        gt=0,
+        le=3600,
+        description="How often expired files are deleted and the bytes of deleted ones freed (an upload a running "
+        "batch still reads is freed at the first sweep after that batch ends).",
     )
 
 
@@ -68,6 +101,10 @@ class ServerConfig(_Strict):
     )
     auth: AuthSettings = Field(default_factory=AuthSettings, description="API keys.")
     limits: ServerLimits = Field(default_factory=ServerLimits, description="Limits, OpenAI's by default.")
+    retention: RetentionSettings = Field(
+        default_factory=RetentionSettings,
+        description="How long files are kept, and the sweeper that frees them.",
+    )
     job: JobConfig = Field(
         default_factory=JobConfig,
         description="The job config every batch runs with (model, engine, resources …); input and output are the "
@@ -130,8 +167,13 @@ class ServerConfig(_Strict):
             raise ConfigError(str(exc)) from exc
 
     def check(self) -> None:
-        """What cannot be expressed per field: keys are required unless --no-auth on loopback; a usable window."""
+        """What cannot be expressed per field: keys are required unless --no-auth on loopback; a usable window;
+        with limits.line_errors fail_batch, model names a batch's lines can be checked against before it runs."""
         self.window()
+        if self.limits.line_errors == "fail_batch":
+            from pipeline.server.linecheck import served_before_run
+
+            served_before_run(self.job)
         if self.auth.disabled and not is_loopback(self.host):
             raise ConfigError(
                 f"--no-auth is allowed only on loopback; --host {self.host} is reachable from elsewhere: "

@@ -18,7 +18,16 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from pipeline.server.schemas import BatchError, BatchErrors, BatchObject, FileObject, RequestCounts
+from pipeline.server.schemas import (
+    BatchError,
+    BatchErrors,
+    BatchObject,
+    BatchUsage,
+    FileObject,
+    InputTokensDetails,
+    OutputTokensDetails,
+    RequestCounts,
+)
 
 # Each entry moves the schema one version up; never edit one that has shipped, add the next.
 MIGRATIONS: list[str] = [
@@ -64,6 +73,25 @@ MIGRATIONS: list[str] = [
     CREATE INDEX files_by_owner ON files (owner, seq);
     CREATE INDEX batches_by_owner ON batches (owner, seq);
     """,
+    # 3: retention (when a file expires, whether its bytes are still on disk, how long a batch's output files live,
+    # whether its folder is gone), file statuses, and a batch's usage and model. Rows of an older server keep
+    # everything: no expiry, bytes on disk (the sweeper frees those of files it had deleted).
+    """
+    ALTER TABLE files ADD COLUMN expires_at INTEGER;                    -- null: kept until deleted
+    ALTER TABLE files ADD COLUMN status TEXT NOT NULL DEFAULT 'processed';
+    ALTER TABLE files ADD COLUMN status_details TEXT;
+    ALTER TABLE files ADD COLUMN stored INTEGER NOT NULL DEFAULT 1;     -- its bytes are on disk
+    ALTER TABLE batches ADD COLUMN output_expires_seconds INTEGER;      -- its output files' lifetime; null: kept
+    ALTER TABLE batches ADD COLUMN purged INTEGER NOT NULL DEFAULT 0;   -- its folder is removed
+    ALTER TABLE batches ADD COLUMN model TEXT;
+    ALTER TABLE batches ADD COLUMN input_tokens INTEGER;                -- usage: null until the batch ends
+    ALTER TABLE batches ADD COLUMN cached_tokens INTEGER;
+    ALTER TABLE batches ADD COLUMN output_tokens INTEGER;
+    ALTER TABLE batches ADD COLUMN reasoning_tokens INTEGER;
+    CREATE INDEX files_by_expiry ON files (expires_at) WHERE deleted = 0 AND expires_at IS NOT NULL;
+    CREATE INDEX files_held ON files (owner, stored);
+    CREATE INDEX files_by_batch ON files (batch_id);
+    """,
 ]
 SCHEMA_VERSION = len(MIGRATIONS)
 
@@ -79,8 +107,22 @@ _TIMESTAMPS = (
 )
 
 
+_FINAL = "('failed', 'completed', 'expired', 'cancelled')"
+# A file visible through the API: not deleted, not past its expires_at (the sweeper marks expired files deleted
+# later; until then they are already gone for every request).
+_LIVE = "deleted = 0 AND (expires_at IS NULL OR expires_at > ?)"
+
+
 class StoreError(RuntimeError):
     pass
+
+
+class FileGone(StoreError):
+    """The input file was deleted or expired as the batch was created."""
+
+
+def _now() -> int:
+    return int(time.time())
 
 
 def new_id(prefix: str) -> str:
@@ -146,13 +188,38 @@ class Store:
         lines: int | None = None,
         batch_id: str | None = None,
         kind: str | None = None,
+        expires_seconds: int | None = None,
+        status: str = "processed",
+        status_details: str | None = None,
     ) -> FileObject:
+        """A new file. It expires `expires_seconds` after it is made; a batch's output file without them, after
+        its batch's output_expires_seconds (null: kept until deleted)."""
+        now = int(time.time())
         with self._tx() as db:
             seq = db.execute("SELECT COALESCE(MAX(seq), 0) + 1 FROM files").fetchone()[0]
+            if expires_seconds is None and batch_id is not None:
+                found = db.execute(
+                    "SELECT output_expires_seconds FROM batches WHERE id = ?", (batch_id,)
+                ).fetchone()
+                expires_seconds = found[0] if found else None
             db.execute(
-                "INSERT INTO files (id, owner, filename, purpose, bytes, created_at, lines, batch_id, kind, seq)"
-                " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
-                (file_id, owner, filename, purpose, size, int(time.time()), lines, batch_id, kind, seq),
+                "INSERT INTO files (id, owner, filename, purpose, bytes, created_at, lines, batch_id, kind, seq,"
+                " expires_at, status, status_details) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                (
+                    file_id,
+                    owner,
+                    filename,
+                    purpose,
+                    size,
+                    now,
+                    lines,
+                    batch_id,
+                    kind,
+                    seq,
+                    now + expires_seconds if expires_seconds is not None else None,
+                    status,
+                    status_details,
+                ),
             )
         found = self.file_row(file_id, owner)
         assert found is not None
@@ -160,7 +227,9 @@ class Store:
 
     def file_row(self, file_id: str, owner: str) -> sqlite3.Row | None:
         """A file of this owner, or None: another owner's file is as absent as one that never existed."""
-        return self._one("SELECT * FROM files WHERE id = ? AND owner = ? AND deleted = 0", (file_id, owner))
+        return self._one(
+            f"SELECT * FROM files WHERE id = ? AND owner = ? AND {_LIVE}", (file_id, owner, _now())
+        )
 
     def list_files(
         self, owner: str, after: str | None, limit: int, purpose: str | None, ascending: bool
@@ -183,6 +252,66 @@ class Store:
         )
         return row is not None
 
+    # -- retention (server/retention.py) ----------------------------------------------------------------------------
+    def expire_files(self, now: int) -> list[str]:
+        """Mark every file past its expires_at deleted; returns their ids."""
+        with self._tx() as db:
+            rows = db.execute(
+                "UPDATE files SET deleted = 1 WHERE deleted = 0 AND expires_at IS NOT NULL AND expires_at <= ?"
+                " RETURNING id",
+                (now,),
+            ).fetchall()
+        return [r["id"] for r in rows]
+
+    def files_to_free(self) -> list[sqlite3.Row]:
+        """Deleted files whose bytes are still on disk and may go: a batch's output files, and uploads no
+        unfinished batch reads (a deleted upload never gains a reader: add_batch refuses it)."""
+        return self._all(
+            "SELECT * FROM files f WHERE deleted = 1 AND stored = 1 AND (purpose != 'batch' OR NOT EXISTS ("
+            f"SELECT 1 FROM batches b WHERE b.input_file_id = f.id AND b.status NOT IN {_FINAL}))",
+            (),
+        )
+
+    def file_to_free(self, file_id: str) -> sqlite3.Row | None:
+        """One file of `files_to_free`, or None (not deleted, freed already, or an upload still read)."""
+        return self._one(
+            "SELECT * FROM files f WHERE id = ? AND deleted = 1 AND stored = 1 AND (purpose != 'batch' OR NOT EXISTS"
+            f" (SELECT 1 FROM batches b WHERE b.input_file_id = f.id AND b.status NOT IN {_FINAL}))",
+            (file_id,),
+        )
+
+    def mark_freed(self, file_id: str) -> None:
+        with self._tx() as db:
+            db.execute("UPDATE files SET stored = 0 WHERE id = ?", (file_id,))
+
+    def batches_to_purge(self, now: int, batch_id: str | None = None) -> list[str]:
+        """Finished batches whose folder may go: every output file of theirs deleted and freed — or, for a batch
+        that made none, its output lifetime passed since it ended (its job log is kept that long)."""
+        rows = self._all(
+            f"SELECT id FROM batches b WHERE purged = 0 AND status IN {_FINAL}"
+            + (" AND id = ?" if batch_id else "")
+            + " AND NOT EXISTS (SELECT 1 FROM files f WHERE f.batch_id = b.id AND (f.deleted = 0 OR f.stored = 1))"
+            " AND (EXISTS (SELECT 1 FROM files f WHERE f.batch_id = b.id) OR (output_expires_seconds IS NOT NULL"
+            " AND COALESCE(completed_at, failed_at, expired_at, cancelled_at, created_at) + output_expires_seconds"
+            " <= ?))",
+            (*((batch_id,) if batch_id else ()), now),
+        )
+        return [r["id"] for r in rows]
+
+    def mark_purged(self, batch_id: str) -> None:
+        with self._tx() as db:
+            db.execute("UPDATE batches SET purged = 1 WHERE id = ?", (batch_id,))
+
+    def stored_by_purpose(self, owner: str) -> dict[str, tuple[int, int]]:
+        """The owner's files whose bytes are on disk, per purpose: (files, bytes). Deleted files a batch still
+        reads count: their bytes are held until it ends."""
+        rows = self._all(
+            "SELECT purpose, COUNT(*) AS n, COALESCE(SUM(bytes), 0) AS size FROM files WHERE owner = ? AND stored = 1"
+            " GROUP BY purpose",
+            (owner,),
+        )
+        return {r["purpose"]: (r["n"], r["size"]) for r in rows}
+
     # -- batches ----------------------------------------------------------------------------------------------
     def add_batch(
         self,
@@ -194,12 +323,22 @@ class Store:
         metadata: dict[str, str] | None,
         total: int,
         expires_at: int,
+        output_expires_seconds: int | None = None,
     ) -> BatchObject:
+        """A new batch, `validating`. Raises FileGone when its input was deleted or expired since the caller looked
+        it up: checked in the same transaction, so the sweeper never frees an input a batch is about to read."""
         with self._tx() as db:
+            gone = db.execute(
+                "SELECT 1 FROM files WHERE id = ? AND (deleted = 1 OR expires_at <= ?)",
+                (input_file_id, _now()),
+            ).fetchone()
+            if gone is not None:
+                raise FileGone(input_file_id)
             seq = db.execute("SELECT COALESCE(MAX(seq), 0) + 1 FROM batches").fetchone()[0]
             db.execute(
                 "INSERT INTO batches (id, owner, endpoint, input_file_id, completion_window, status, metadata,"
-                " total, created_at, expires_at, seq) VALUES (?, ?, ?, ?, ?, 'validating', ?, ?, ?, ?, ?)",
+                " total, created_at, expires_at, seq, output_expires_seconds)"
+                " VALUES (?, ?, ?, ?, ?, 'validating', ?, ?, ?, ?, ?, ?)",
                 (
                     batch_id,
                     owner,
@@ -211,6 +350,7 @@ class Store:
                     int(time.time()),
                     expires_at,
                     seq,
+                    output_expires_seconds,
                 ),
             )
         found = self.batch(batch_id, owner)
@@ -260,6 +400,8 @@ class Store:
         lost a race — e.g. a job finishing as it is cancelled — changes nothing). Returns whether it applied."""
         if "errors" in fields and fields["errors"] is not None:
             fields["errors"] = json.dumps([e.model_dump() for e in fields["errors"]])
+        if "usage" in fields:  # a BatchUsage, kept as one column per count
+            fields.update(usage_columns(fields.pop("usage")))
         sets = ", ".join(f"{k} = ?" for k in fields)
         sql = f"UPDATE batches SET {sets} WHERE id = ?"
         args: list[Any] = [*fields.values(), batch_id]
@@ -273,7 +415,8 @@ class Store:
         where = ["owner = ?"]
         args: list[Any] = [owner]
         if table == "files":
-            where.append("deleted = 0")
+            where.append(_LIVE)
+            args.append(_now())
             if purpose:
                 where.append("purpose = ?")
                 args.append(purpose)
@@ -299,6 +442,30 @@ def file_object(row: sqlite3.Row) -> FileObject:
         created_at=row["created_at"],
         filename=row["filename"],
         purpose=row["purpose"],
+        status=row["status"],
+        status_details=row["status_details"],
+        expires_at=row["expires_at"],
+    )
+
+
+def usage_columns(usage: BatchUsage) -> dict[str, int]:
+    return {
+        "input_tokens": usage.input_tokens,
+        "cached_tokens": usage.input_tokens_details.cached_tokens,
+        "output_tokens": usage.output_tokens,
+        "reasoning_tokens": usage.output_tokens_details.reasoning_tokens,
+    }
+
+
+def _usage(row: sqlite3.Row) -> BatchUsage | None:
+    if row["input_tokens"] is None:
+        return None
+    return BatchUsage(
+        input_tokens=row["input_tokens"],
+        input_tokens_details=InputTokensDetails(cached_tokens=row["cached_tokens"] or 0),
+        output_tokens=row["output_tokens"] or 0,
+        output_tokens_details=OutputTokensDetails(reasoning_tokens=row["reasoning_tokens"] or 0),
+        total_tokens=row["input_tokens"] + (row["output_tokens"] or 0),
     )
 
 
@@ -316,5 +483,7 @@ def batch_object(row: sqlite3.Row) -> BatchObject:
         created_at=row["created_at"],
         request_counts=RequestCounts(total=row["total"], completed=row["completed"], failed=row["failed"]),
         metadata=json.loads(row["metadata"]) if row["metadata"] else None,
+        model=row["model"],
+        usage=_usage(row),
         **{k: row[k] for k in _TIMESTAMPS},
     )

@@ -1,0 +1,122 @@
+"""The retention sweeper: files past their `expires_at` are deleted, and the bytes of deleted files freed.
+
+What frees what:
+- an upload: its file under `files/` — once no unfinished batch reads it (a deleted or expired input of a running
+  batch keeps its bytes until that batch ends: a resumed job checks its input is unchanged);
+- a batch's output or error file: that file's shards (or, for a batch cut short, its staged parts of that kind);
+- a finished batch's folder (`batches/<id>/`: job log, manifest, what is left of its output) once every output
+  file it made is deleted and freed — or, for a batch that made none, once its output lifetime has passed since it
+  ended.
+
+Every step is marked in the database after the bytes are gone, and each is idempotent: a server killed mid-sweep
+redoes the rest at its next sweep, and nothing not deleted or expired is ever touched. A delete through the API
+frees at once (`free_file`); the sweep runs every `retention.sweep_seconds` in its own thread."""
+
+from __future__ import annotations
+
+import shutil
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import structlog
+
+from pipeline.io.staging import StagingArea
+from pipeline.server import outputs
+
+if TYPE_CHECKING:
+    import sqlite3
+
+    from pipeline.server.runner import DataDir
+    from pipeline.server.store import Store
+
+log = structlog.get_logger(__name__)
+
+
+@dataclass
+class Swept:
+    expired: int = 0  # files marked deleted because they expired
+    freed: int = 0  # deleted files whose bytes were removed
+    freed_bytes: int = 0
+    purged: int = 0  # batch folders removed
+
+
+def remove_output_kind(out_dir: Path, kind: str) -> None:
+    """Remove one kind (results or errors) of a batch's output: its shards once committed, else its staged parts.
+    The other kind stays readable: a committed one's shards are listed by the manifest, a staged one's parts by
+    their own directory."""
+    if outputs.committed(out_dir):
+        for shard in outputs.shards(out_dir, kind):
+            shard.unlink(missing_ok=True)
+        return
+    staging = StagingArea(out_dir)
+    if staging.exists():
+        for part in staging.parts(kind):
+            Path(part).unlink(missing_ok=True)
+
+
+class Sweeper:
+    def __init__(self, store: Store, data: DataDir, interval: float) -> None:
+        self.store = store
+        self.data = data
+        self.interval = interval
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="retention-sweeper", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout=30)
+
+    def _loop(self) -> None:
+        # A first sweep at start: what a previous server marked deleted but did not free (killed mid-sweep).
+        while True:
+            try:
+                swept = self.sweep()
+                if swept.expired or swept.freed or swept.purged:
+                    log.info("retention sweep", **swept.__dict__)
+            except Exception:  # noqa: BLE001 - one failed sweep must not stop the next
+                log.exception("retention sweep failed")
+            if self._stop.wait(self.interval):
+                return
+
+    def sweep(self, now: int | None = None) -> Swept:
+        """Expire, free, purge: one pass."""
+        now = int(time.time()) if now is None else now
+        swept = Swept(expired=len(self.store.expire_files(now)))
+        for row in self.store.files_to_free():
+            swept.freed_bytes += self._free(row)
+            swept.freed += 1
+        for batch_id in self.store.batches_to_purge(now):
+            self._purge(batch_id)
+            swept.purged += 1
+        return swept
+
+    def free_file(self, file_id: str) -> bool:
+        """A file just deleted through the API: its bytes go now, unless an unfinished batch reads it (then at the
+        first sweep after that batch ends), and with it its batch's folder when nothing else of it is left."""
+        row = self.store.file_to_free(file_id)
+        if row is None:
+            return False
+        self._free(row)
+        if row["batch_id"]:
+            for batch_id in self.store.batches_to_purge(int(time.time()), row["batch_id"]):
+                self._purge(batch_id)
+        return True
+
+    def _free(self, row: sqlite3.Row) -> int:
+        if row["purpose"] == "batch_output":
+            remove_output_kind(self.data.output(row["batch_id"]), row["kind"])
+        else:
+            self.data.upload(row["id"]).unlink(missing_ok=True)
+        self.store.mark_freed(row["id"])  # after the bytes are gone: a crash between redoes the unlink
+        return row["bytes"]
+
+    def _purge(self, batch_id: str) -> None:
+        shutil.rmtree(self.data.batch(batch_id), ignore_errors=True)
+        self.store.mark_purged(batch_id)
