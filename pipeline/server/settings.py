@@ -37,12 +37,26 @@ class ServerLimits(_Strict):
     )
 
 
+# A key's label: how the server config names a key without holding its secret (`KEY LABEL` in the keys file).
+LABEL_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$"
+Label = Annotated[str, StringConstraints(pattern=LABEL_PATTERN)]
+
+
 class AuthSettings(_Strict):
     keys_file: Annotated[
-        Path | None, Flag("--api-keys-file", "File of API keys, one per line. Also: $NIGHTSHIFT_API_KEYS.")
-    ] = Field(default=None, description="File of API keys, one per line (# comments).")
+        Path | None,
+        Flag(
+            "--api-keys-file",
+            "File of API keys, one per line (`KEY` or `KEY LABEL`). Also: $NIGHTSHIFT_API_KEYS.",
+        ),
+    ] = Field(
+        default=None,
+        description="File of API keys, one per line (# comments): `KEY`, or `KEY LABEL` to name the key in quotas.keys "
+        "(the label: letters, digits, . _ -).",
+    )
     keys_env: str = Field(
-        default="NIGHTSHIFT_API_KEYS", description="Environment variable holding API keys, comma-separated."
+        default="NIGHTSHIFT_API_KEYS",
+        description="Environment variable holding API keys, comma-separated, each `KEY` or `KEY LABEL`.",
     )
     disabled: Annotated[bool, Flag("--no-auth", "Accept requests without a key (loopback only).")] = Field(
         default=False, description="No keys at all (--no-auth); allowed only when listening on loopback."
