@@ -236,11 +236,13 @@ def serve(
     """The OpenAI Files + Batches API on Ray Serve: point the `openai` client's base_url at http://HOST:PORT/v1."""
     from pipeline.observe.logs import configure_logging
     from pipeline.server.auth import Keyring
+    from pipeline.server.quotas import Quotas
 
     configure_logging(log_format)
     try:
         settings = load_server_config(config, flags.overrides(), flags.labels)
-        Keyring.load(settings.auth)  # keys are checked here, before Ray starts
+        # Keys, and the labels quotas.keys names, are checked here, before Ray starts.
+        Quotas(settings.quotas, Keyring.load(settings.auth).labels)
         settings.data_dir.mkdir(parents=True, exist_ok=True)
     except ConfigError as exc:
         _fail(str(exc))

@@ -3,7 +3,9 @@
     schemas.py   the wire objects (File, Batch, lists, errors) as pydantic models, OpenAI's field names and shapes
     settings.py  the server's config (limits, auth, the job template every batch runs with), checked before start
     store.py     files and batches in SQLite under the data dir (schema versioned, migrated on open)
-    auth.py      API keys (file or environment) and the owner each key maps to
+    auth.py      API keys (file or environment), the owner each key maps to, and the label that names it in config
+    quotas.py    each key's limits (stored bytes, files, unfinished batches) checked against what it holds
+    scheduling.py  the order keys share the engines in: who gets a free slot, whose turn is over
     uploads.py   multipart uploads parsed while they stream in, the size limit enforced on the way
     runner.py    batches as jobs of the runtime: one `nightshift run`/`resume` process each, watched for counts,
                  cancelled by signal, resumed after a restart

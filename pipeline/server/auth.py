@@ -1,31 +1,58 @@
 """API keys: read once at start from a file and/or the environment; a request's bearer key maps to an owner.
 
 The owner stored with each file and batch is a hash of the key, never the key: the database on disk holds no
-secret, and an object is visible only to the key that made it."""
+secret, and an object is visible only to the key that made it.
+
+A key may carry a label (`KEY LABEL` on its line, or in the variable's comma-separated list): the name the server
+config uses for it (quotas.keys), so the config holds no secret. The label is not the owner: relabelling a key keeps
+its files and batches."""
 
 from __future__ import annotations
 
 import hashlib
 import hmac
 import os
+import re
 
 from pipeline.config import ConfigError
-from pipeline.server.settings import AuthSettings
+from pipeline.server.settings import LABEL_PATTERN, AuthSettings
 
 # The owner of every object when the server runs with --no-auth.
 ANONYMOUS = "anonymous"
 
 
+def owner_of(key: str | bytes) -> str:
+    """The owner a key maps to: what the store keeps instead of the key."""
+    return hashlib.sha256(key.encode() if isinstance(key, str) else key).hexdigest()[:32]
+
+
+def parse_key(entry: str, where: str) -> tuple[str, str | None]:
+    """`KEY` or `KEY LABEL` → (key, label or None). `where` names the entry in a message, which never quotes the
+    entry itself: it holds a secret."""
+    parts = entry.split()
+    if len(parts) > 2:
+        raise ConfigError(
+            f"{where}: expected `KEY` or `KEY LABEL`, found {len(parts)} words (a key holds no spaces)"
+        )
+    if len(parts) == 2 and not re.match(LABEL_PATTERN, parts[1]):
+        raise ConfigError(
+            f"{where}: the label after the key must be 1-64 letters, digits, '.', '_' or '-' (starting with a "
+            "letter or digit)"
+        )
+    return parts[0], parts[1] if len(parts) == 2 else None
+
+
 class Keyring:
-    def __init__(self, keys: list[str], disabled: bool) -> None:
+    def __init__(self, keys: list[str], disabled: bool, labels: dict[str, str] | None = None) -> None:
         self._keys = [k.encode() for k in keys]
         self.disabled = disabled
+        self.labels = labels or {}  # owner -> label, for the keys that carry one
 
     @classmethod
     def load(cls, auth: AuthSettings) -> Keyring:
         if auth.disabled:
             return cls([], disabled=True)
-        keys: list[str] = []
+        entries: list[tuple[str, str | None]] = []
         if auth.keys_file is not None:
             try:
                 text = auth.keys_file.read_text()
@@ -33,17 +60,20 @@ class Keyring:
                 raise ConfigError(
                     f"API keys file {auth.keys_file} cannot be read ({exc.strerror or exc})"
                 ) from exc
-            keys += [ln.strip() for ln in text.splitlines() if ln.strip() and not ln.strip().startswith("#")]
-        keys += [k.strip() for k in os.environ.get(auth.keys_env, "").split(",") if k.strip()]
-        if not keys:
+            for number, line in enumerate(text.splitlines(), 1):
+                if line.strip() and not line.strip().startswith("#"):
+                    entries.append(parse_key(line, f"API keys file {auth.keys_file}, line {number}"))
+        listed = [k for k in os.environ.get(auth.keys_env, "").split(",") if k.strip()]
+        entries += [parse_key(k, f"${auth.keys_env}, entry {i}") for i, k in enumerate(listed, 1)]
+        if not entries:
             raise ConfigError(
                 f"no API keys: put them in a file (--api-keys-file) or ${auth.keys_env} (comma-separated), "
                 "or pass --no-auth to listen on loopback without keys"
             )
-        short = [k for k in keys if len(k) < 16]
+        short = [k for k, _ in entries if len(k) < 16]
         if short:
             raise ConfigError(f"{len(short)} API key(s) shorter than 16 characters: use long random keys")
-        return cls(keys, disabled=False)
+        return cls([k for k, _ in entries], disabled=False, labels=_labels(entries))
 
     def owner(self, authorization: str | None) -> str | None:
         """The owner for an `Authorization` header, or None when it carries no known key."""
@@ -57,4 +87,23 @@ class Keyring:
         for key in self._keys:
             if hmac.compare_digest(given, key):
                 match = key
-        return hashlib.sha256(match).hexdigest()[:32] if match else None
+        return owner_of(match) if match else None
+
+
+def _labels(entries: list[tuple[str, str | None]]) -> dict[str, str]:
+    """owner -> label; one label names one key, and a key listed twice carries one label."""
+    labels: dict[str, str] = {}
+    keys_of: dict[str, str] = {}
+    for key, label in entries:
+        if label is None:
+            continue
+        owner = owner_of(key)
+        if keys_of.setdefault(label, owner) != owner:
+            raise ConfigError(
+                f"the label {label!r} is given to two different API keys: give each key its own"
+            )
+        if labels.setdefault(owner, label) != label:
+            raise ConfigError(
+                f"one API key carries two labels, {labels[owner]!r} and {label!r}: keep one (quotas.keys names it)"
+            )
+    return labels

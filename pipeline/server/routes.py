@@ -3,7 +3,8 @@ wraps it in app.py; tests can also drive it directly).
 
 Every error is OpenAI's body `{"error": {"message", "type", "param", "code"}}` with OpenAI's status: 400 for a
 request that cannot be understood, 401 without a known key, 404 for an object this key does not own (or that does
-not exist — the two are indistinguishable on purpose), 413 for an upload over the limit."""
+not exist — the two are indistinguishable on purpose), 413 for an upload over the limit, 400 or 429 for a request
+over its key's quotas (server/quotas.py)."""
 
 from __future__ import annotations
 
@@ -28,6 +29,7 @@ from pipeline.server.auth import Keyring
 from pipeline.server.expiry import ExpiryError, form_policy, parse_policy, seconds_of
 from pipeline.server.linecheck import check_upload
 from pipeline.server.metrics import exposition, storage_families
+from pipeline.server.quotas import QuotaExceeded, Quotas
 from pipeline.server.retention import Sweeper
 from pipeline.server.runner import BatchRunner, DataDir
 from pipeline.server.schemas import (
@@ -71,10 +73,11 @@ class BatchService:
     def __init__(self, config: ServerConfig, ray_address: str | None) -> None:
         self.config = config
         self.keyring = Keyring.load(config.auth)
+        self.quotas = Quotas(config.quotas, self.keyring.labels)
         self.data = DataDir(config.data_dir)
         self.data.create()
         self.store = Store(self.data.database)
-        self.runner = BatchRunner(config, self.store, self.data, ray_address)
+        self.runner = BatchRunner(config, self.store, self.data, ray_address, self.quotas)
         self.sweeper = Sweeper(self.store, self.data, config.retention.sweep_seconds)
 
     def start(self) -> None:
@@ -115,6 +118,12 @@ def create_app(service: BatchService) -> FastAPI:
     async def _api_error(_: Request, exc: ApiError) -> JSONResponse:
         return error_response(exc.status, exc.detail)
 
+    @app.exception_handler(QuotaExceeded)
+    async def _over_quota(_: Request, exc: QuotaExceeded) -> JSONResponse:
+        return error_response(
+            exc.status, ErrorDetail(message=exc.message, type=exc.type, param=exc.param, code=exc.code)
+        )
+
     @app.exception_handler(RequestValidationError)
     async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
         first = exc.errors()[0] if exc.errors() else {}
@@ -144,6 +153,8 @@ def create_app(service: BatchService) -> FastAPI:
                 "file",
                 "file_too_large",
             )
+        # A key already at a limit is refused before its body is read.
+        service.quotas.check_upload(service.store, who, 0)
         try:
             upload = await receive_upload(
                 request.headers.get("content-type"),
@@ -170,6 +181,8 @@ def create_app(service: BatchService) -> FastAPI:
             refusal = check.refusal()
             if refusal:
                 raise ApiError(400, refusal, param="file", code="invalid_file_format")
+            # No await from this check to the insert: another upload of this key cannot pass it meanwhile.
+            service.quotas.check_upload(service.store, who, upload.size)
             file_id = new_id("file-")
             os.replace(upload.path, service.data.upload(file_id))
         except BaseException:
@@ -272,6 +285,7 @@ def create_app(service: BatchService) -> FastAPI:
                 "input_file_id",
                 "too_many_requests",
             )
+        service.quotas.check_batch(service.store, who)  # no await from here to the insert, as for uploads
         batch_id = new_id("batch_")
         service.data.batch(batch_id).mkdir(parents=True)
         try:

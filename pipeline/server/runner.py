@@ -12,6 +12,10 @@ same SIGINT (a batch already finalizing is let finish), the batch stays `in_prog
 checkpoint, and it goes back to the head of the queue to resume at the next opening. A batch whose
 completion_window passes meanwhile, queued or running, ends `expired` with what finished.
 
+Keys share the slots (`max_concurrent_batches`) in turns (server/scheduling.py): a batch whose key has had its turn
+while another key's batch waits is paused the same way — SIGINT, rows kept, engines handed back warm — and queued
+again; it resumes from its checkpoint at its key's next turn, on the engines the other key's batch leaves warm.
+
 Engines stay warm between batches (`engine_idle_seconds`): the runner owns an engine keeper (runtime/engines/warm_keeper.py) and
 every batch's job takes its engines from it; after a job's process ends, whatever of it still runs on them is
 dropped before the batch gets its final status or is resumed. A closed window stops the idle ones at once.
@@ -26,7 +30,7 @@ import hashlib
 import os
 import threading
 import time
-from collections import Counter
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -36,9 +40,10 @@ from pipeline.config import JobConfig
 from pipeline.io.staging import StagingArea
 from pipeline.runtime.launcher import JobProcess, start_job
 from pipeline.runtime.shifts import SystemClock, clock_from_environment
-from pipeline.server import outputs
+from pipeline.server import outputs, scheduling
 from pipeline.server.accounting import account
-from pipeline.server.schemas import FINAL_STATUSES, BatchError
+from pipeline.server.quotas import Quotas
+from pipeline.server.schemas import FINAL_STATUSES, BatchError, BatchObject
 from pipeline.server.settings import ServerConfig
 from pipeline.server.store import Store, new_id
 
@@ -70,14 +75,26 @@ class DataDir:
 
 
 class BatchRunner:
-    def __init__(self, config: ServerConfig, store: Store, data: DataDir, ray_address: str | None) -> None:
+    def __init__(
+        self,
+        config: ServerConfig,
+        store: Store,
+        data: DataDir,
+        ray_address: str | None,
+        quotas: Quotas | None = None,
+    ) -> None:
         self.config = config
         self.store = store
         self.data = data
         self.ray_address = ray_address
+        # Each key's running limit and weight (no labels given: every key has the defaults).
+        self.quotas = quotas or Quotas(config.quotas, {})
         self._lock = threading.Condition()
         self._queue: list[tuple[str, str]] = []  # (batch_id, owner), oldest first
         self._running: dict[str, str] = {}  # batch_id -> owner
+        self._turns: dict[str, _Turn] = {}  # running batch_id -> its turn
+        self._last_turn: dict[str, float] = {}  # owner -> when its last turn began
+        self._yielding: set[str] = set()  # running batches told to give their slot up
         self._procs: dict[str, JobProcess] = {}
         self._cancel: set[str] = set()
         self._stopping = False
@@ -143,11 +160,74 @@ class BatchRunner:
 
     # -- scheduling -------------------------------------------------------------------------------------------
     def _next(self) -> tuple[str, str] | None:
-        """Fair order: the oldest queued batch of the owner with the fewest batches running."""
+        """The batch to start now, in the keys' fair order (server/scheduling.py), or None."""
         if not self._queue or len(self._running) >= self.config.limits.max_concurrent_batches:
             return None
-        busy = Counter(self._running.values())
-        return min(self._queue, key=lambda q: (busy[q[1]], self._queue.index(q)))
+        picked = scheduling.pick(
+            self._waiting(),
+            self._turns_now(),
+            self.config.limits.max_concurrent_batches,
+            self._last_turn,
+            lambda owner: self.quotas.of(owner).max_running_batches,
+        )
+        return (picked.batch_id, picked.owner) if picked else None
+
+    def _waiting(self) -> list[scheduling.Waiting]:
+        out = []
+        for arrival, (batch_id, owner) in enumerate(self._queue):
+            batch = self.store.batch(batch_id)
+            out.append(scheduling.Waiting(batch_id, owner, batch.expires_at if batch else None, arrival))
+        return out
+
+    def _turns_now(self) -> list[scheduling.Running]:
+        out = []
+        now = time.monotonic()
+        for batch_id, owner in self._running.items():
+            turn = self._turns.get(batch_id)
+            working = turn.working_since if turn is not None else None
+            batch = self.store.batch(batch_id)
+            can_yield = (
+                working is not None
+                and batch is not None
+                and batch.status == "in_progress"  # not finalizing: a batch about to commit is let finish
+            )
+            out.append(
+                scheduling.Running(
+                    batch_id,
+                    owner,
+                    working if working is not None else now,
+                    can_yield,
+                    batch_id in self._yielding,
+                )
+            )
+        return out
+
+    def _turn_over(self, batch_id: str, batch: BatchObject | None) -> bool:
+        """Whether this running batch should give its slot to another key's batch now (under the lock). Its turn
+        counts from its first new rows: the job's own start (a resume's driver, ingest) is not the key's time."""
+        turn = self._turns.get(batch_id)
+        if (
+            turn is not None
+            and turn.working_since is None
+            and batch is not None
+            and _rows(batch) > turn.rows_then
+        ):
+            turn.working_since = time.monotonic()
+        if self.config.limits.fair_share_seconds <= 0 or batch_id in self._yielding or not self._queue:
+            return False
+        due = scheduling.to_yield(
+            self._waiting(),
+            self._turns_now(),
+            self.config.limits.max_concurrent_batches,
+            self._last_turn,
+            lambda owner: self.config.limits.fair_share_seconds * self.quotas.of(owner).weight,
+            time.monotonic(),
+            lambda owner: self.quotas.of(owner).max_running_batches,
+        )
+        if batch_id in due:
+            self._yielding.add(batch_id)
+            return True
+        return False
 
     def _closed_until(self):  # noqa: ANN202 - datetime | None
         """None while work may run; else when the window opens next."""
@@ -196,6 +276,9 @@ class BatchRunner:
                     self._lock.wait(timeout)
                 self._queue.remove(picked)
                 self._running[picked[0]] = picked[1]
+                found = self.store.batch(picked[0])
+                self._turns[picked[0]] = _Turn(rows_then=_rows(found) if found else 0)
+                self._last_turn[picked[1]] = time.monotonic()
             threading.Thread(
                 target=self._run, args=(picked[0],), name=f"batch-{picked[0]}", daemon=True
             ).start()
@@ -231,7 +314,7 @@ class BatchRunner:
         )
 
     def _run(self, batch_id: str) -> None:
-        paused = False
+        paused: str | None = None
         try:
             paused = self._drive(batch_id)
         except Exception as exc:  # noqa: BLE001 - one batch's failure must not take the runner down
@@ -241,16 +324,23 @@ class BatchRunner:
             with self._lock:
                 owner = self._running.pop(batch_id, None)
                 self._procs.pop(batch_id, None)
+                self._turns.pop(batch_id, None)
+                self._yielding.discard(batch_id)
                 if paused and owner is not None and not self._stopping:
-                    self._queue.insert(0, (batch_id, owner))  # first to resume at the next opening
+                    # The window's end: first of its key's to resume at the next opening. A turn's end: behind
+                    # what waits (the keys' order, not the queue's, decides who is next: server/scheduling.py).
+                    where = 0 if paused == "window" else len(self._queue)
+                    self._queue.insert(where, (batch_id, owner))
                 self._lock.notify_all()
 
-    def _drive(self, batch_id: str) -> bool:
-        """Run the batch's job to its end; True when the window's end paused it (it resumes at the next opening)."""
+    def _drive(self, batch_id: str) -> str | None:
+        """Run the batch's job to its end. Paused instead, the reason: "window" (the window's end: it resumes at
+        the next opening) or "turn" (another key's turn: it resumes at its key's next)."""
         out = self.data.output(batch_id)
         self.data.batch(batch_id).mkdir(parents=True, exist_ok=True)
         cut_short: str | None = None
-        paused = False
+        paused: str | None = None
+        pause_began = 0.0
         rc = 0
         if not outputs.committed(out):
             resume = (out / "_staging" / "job.json").is_file()
@@ -264,6 +354,7 @@ class BatchRunner:
                 env=_ray_token_environment(),
                 log_file=self.data.batch(batch_id) / "job.log",
             )
+            log.info("batch job started", batch=batch_id, resumed=resume)
             with self._lock:
                 self._procs[batch_id] = job
                 if self._stopping:
@@ -284,30 +375,50 @@ class BatchRunner:
                     and batch is not None
                     and batch.status != "finalizing"  # nearly done: let it commit
                 ):
-                    paused = True
+                    paused = "window"
                     log.info(
                         "window closed: batch paused",
                         batch=batch_id,
                         completed=batch.request_counts.completed,
                     )
+                if cut_short is None and not paused:
+                    with self._lock:
+                        turn_over = self._turn_over(batch_id, batch)
+                    if turn_over:
+                        paused = "turn"
+                        log.info(
+                            "another key's turn: batch paused",
+                            batch=batch_id,
+                            completed=batch.request_counts.completed if batch else None,
+                        )
+                if paused and not pause_began:
+                    pause_began = time.monotonic()
                 if cut_short or self._stopping or paused:
                     job.interrupt()  # once: the grace counts from the first
             rc = exit_code
-            self._drop_engines(batch_id, release_idle=paused)
+            # A window's end frees the accelerators for the day; another key's turn takes the engines warm.
+            self._drop_engines(batch_id, release_idle=paused == "window")
+            if paused:
+                log.info(
+                    "batch stopped for its pause",
+                    batch=batch_id,
+                    reason=paused,
+                    stopped_in_s=round(time.monotonic() - pause_began, 1),
+                )
             if self._stopping:
-                return False  # left unfinished on purpose: the next server resumes it
+                return None  # left unfinished on purpose: the next server resumes it
             if batch_id in self._cancel:
                 cut_short = "cancelled"
             if paused and not cut_short and not outputs.committed(out):
                 self._observe(batch_id, out)  # the counts it keeps while it waits: rows on disk
-                return True
+                return paused
         if cut_short and not outputs.committed(out):
             self._finish_cut_short(batch_id, cut_short)
         elif outputs.committed(out):
             self._finish(batch_id, "cancelled" if cut_short else "completed")
         else:
             self._fail(batch_id, "job_failed", _last_error(self.data.batch(batch_id) / "job.log", rc))
-        return False
+        return None
 
     def _drop_engines(self, batch_id: str, release_idle: bool) -> None:
         """The job's process has ended: whatever of it still runs on warm engines ends too (a killed job could
@@ -474,6 +585,19 @@ class BatchRunner:
         elif batch_id in self._cancel:  # cancelled while it was validated: it ends so, nothing run
             self._finish_cut_short(batch_id, "cancelled")
         return True
+
+
+@dataclass
+class _Turn:
+    """A running batch's turn on the engines."""
+
+    rows_then: int  # rows it had on disk when the turn began
+    working_since: float | None = None  # when its first new rows of the turn were seen (monotonic)
+
+
+def _rows(batch: BatchObject) -> int:
+    """Rows a batch has on disk (its live counts: finished results and errors)."""
+    return batch.request_counts.completed + batch.request_counts.failed
 
 
 def _ray_token_environment() -> dict[str, str]:

@@ -6,7 +6,16 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StringConstraints, ValidationError, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    SerializerFunctionWrapHandler,
+    StringConstraints,
+    ValidationError,
+    field_validator,
+    model_serializer,
+)
 
 from pipeline.config import ConfigError, JobConfig, format_validation_error, read_yaml_mapping, set_dotted
 from pipeline.config_flags import Flag
@@ -28,7 +37,16 @@ class ServerLimits(_Strict):
     max_concurrent_batches: int = Field(
         default=1,
         ge=1,
-        description="Batches running at once; the rest wait their turn, one owner after another.",
+        description="Batches running at once; the rest wait their turn, one key after another.",
+    )
+    fair_share_seconds: float = Field(
+        default=300.0,
+        ge=0,
+        description="A key's turn on the engines while another key's batch waits for a slot: a running batch that "
+        "has run this long (times its key's quotas weight) and finished rows in that time is paused — stopped as "
+        "the night window stops it, its rows kept — and resumes from its checkpoint at its key's next turn. Each "
+        "pause costs a job start (seconds), so keep turns well above that. 0: never pause a batch for another "
+        "key's.",
     )
     completion_windows: list[Annotated[str, StringConstraints(pattern=r"^[1-9][0-9]{0,4}[mhd]$")]] = Field(
         default_factory=lambda: ["24h"],
@@ -70,12 +88,91 @@ class RetentionSettings(_Strict):
     )
 
 
+# A key's label: how the server config names a key without holding its secret (`KEY LABEL` in the keys file).
+LABEL_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$"
+Label = Annotated[str, StringConstraints(pattern=LABEL_PATTERN)]
+
+
+class Quota(_Strict):
+    """What one key may hold and run. null: no limit."""
+
+    max_stored_bytes: int | None = Field(
+        default=None,
+        ge=0,
+        description="Bytes of files a key may hold: its uploads and its batches' output and error files (null: no "
+        "limit). An upload that would pass it is refused, and so is a new batch while the key is at it (400).",
+    )
+    max_files: int | None = Field(
+        default=None,
+        ge=0,
+        description="Files a key may hold, uploads and batch outputs (null: no limit); an upload past it is refused "
+        "(400).",
+    )
+    max_queued_batches: int | None = Field(
+        default=None,
+        ge=0,
+        description="Batches a key may have unfinished at once — waiting, running or paused, as OpenAI counts "
+        "enqueued batches (null: no limit); creating one more is refused (429).",
+    )
+    max_running_batches: int | None = Field(
+        default=None,
+        ge=1,
+        description="Of a key's batches, how many may run at once (null: up to limits.max_concurrent_batches); the "
+        "others wait for one to end. Nothing is refused.",
+    )
+    weight: float = Field(
+        default=1.0,
+        gt=0,
+        le=1000,
+        description="The key's share of the engines against other keys with batches waiting: its turn lasts "
+        "limits.fair_share_seconds × weight.",
+    )
+
+
+class KeyQuota(Quota):
+    """One key's overrides: the fields given replace the defaults (null: no limit for this key), the others
+    inherit them."""
+
+    @model_serializer(mode="wrap")
+    def _given_only(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        # Only what was given: the server config travels to the Serve replica as JSON, and a dumped default would
+        # come back as an override (a key's `null`, no limit, would replace a limited default).
+        return {k: v for k, v in handler(self).items() if k in self.model_fields_set}
+
+
+class QuotaSettings(Quota):
+    """Every key's quotas (the fields above), and per key, by its label, the fields that differ."""
+
+    keys: dict[Label, KeyQuota] = Field(
+        default_factory=dict,
+        description="Per key, by the label it carries in the keys file (a line `KEY LABEL`): the fields given "
+        "replace the defaults above, e.g. {team-a: {max_stored_bytes: 10000000000, weight: 2}}.",
+    )
+
+    def for_label(self, label: str | None) -> Quota:
+        """The quotas of a key with this label (None: an unlabelled key)."""
+        base = Quota(**{name: getattr(self, name) for name in Quota.model_fields})
+        given = self.keys.get(label) if label is not None else None
+        if given is None:
+            return base
+        return base.model_copy(update={name: getattr(given, name) for name in given.model_fields_set})
+
+
 class AuthSettings(_Strict):
     keys_file: Annotated[
-        Path | None, Flag("--api-keys-file", "File of API keys, one per line. Also: $NIGHTSHIFT_API_KEYS.")
-    ] = Field(default=None, description="File of API keys, one per line (# comments).")
+        Path | None,
+        Flag(
+            "--api-keys-file",
+            "File of API keys, one per line (`KEY` or `KEY LABEL`). Also: $NIGHTSHIFT_API_KEYS.",
+        ),
+    ] = Field(
+        default=None,
+        description="File of API keys, one per line (# comments): `KEY`, or `KEY LABEL` to name the key in quotas.keys "
+        "(the label: letters, digits, . _ -).",
+    )
     keys_env: str = Field(
-        default="NIGHTSHIFT_API_KEYS", description="Environment variable holding API keys, comma-separated."
+        default="NIGHTSHIFT_API_KEYS",
+        description="Environment variable holding API keys, comma-separated, each `KEY` or `KEY LABEL`.",
     )
     disabled: Annotated[bool, Flag("--no-auth", "Accept requests without a key (loopback only).")] = Field(
         default=False, description="No keys at all (--no-auth); allowed only when listening on loopback."
@@ -104,6 +201,11 @@ class ServerConfig(_Strict):
     retention: RetentionSettings = Field(
         default_factory=RetentionSettings,
         description="How long files are kept, and the sweeper that frees them.",
+    )
+    quotas: QuotaSettings = Field(
+        default_factory=QuotaSettings,
+        description="Per key: stored bytes, files, unfinished and running batches, and its share of the engines. No "
+        "limits by default.",
     )
     job: JobConfig = Field(
         default_factory=JobConfig,
@@ -168,7 +270,8 @@ class ServerConfig(_Strict):
 
     def check(self) -> None:
         """What cannot be expressed per field: keys are required unless --no-auth on loopback; a usable window;
-        with limits.line_errors fail_batch, model names a batch's lines can be checked against before it runs."""
+        with limits.line_errors fail_batch, model names a batch's lines can be checked against before it runs;
+        per-key quotas need keys (that each label names one is checked against the keys: server/quotas.py)."""
         self.window()
         if self.limits.line_errors == "fail_batch":
             from pipeline.server.linecheck import served_before_run
@@ -178,6 +281,11 @@ class ServerConfig(_Strict):
             raise ConfigError(
                 f"--no-auth is allowed only on loopback; --host {self.host} is reachable from elsewhere: "
                 "give API keys (--api-keys-file or $NIGHTSHIFT_API_KEYS) or listen on 127.0.0.1"
+            )
+        if self.auth.disabled and self.quotas.keys:
+            raise ConfigError(
+                "quotas.keys names API keys by their labels, and --no-auth has no keys: remove quotas.keys (the "
+                "quotas above it apply to every request) or give labelled keys"
             )
 
 

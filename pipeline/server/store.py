@@ -243,6 +243,15 @@ class Store:
             )
             return cur.rowcount == 1
 
+    def owner_files_usage(self, owner: str) -> tuple[int, int]:
+        """(files, bytes) of an owner's files not deleted (what server/quotas.py counts against its limits)."""
+        row = self._one(
+            "SELECT COUNT(*) AS n, COALESCE(SUM(bytes), 0) AS size FROM files WHERE owner = ? AND deleted = 0",
+            (owner,),
+        )
+        assert row is not None
+        return row["n"], row["size"]
+
     def file_in_use(self, file_id: str) -> bool:
         """Whether an unfinished batch reads this upload (its content must outlive a delete until then)."""
         row = self._one(

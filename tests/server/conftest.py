@@ -44,7 +44,15 @@ def free_port() -> int:
 class Server:
     """`nightshift serve` as a child process on a loopback port; restartable on the same data dir."""
 
-    def __init__(self, root: Path, job: dict, extra: dict | None = None, env: dict | None = None) -> None:
+    def __init__(
+        self,
+        root: Path,
+        job: dict,
+        extra: dict | None = None,
+        env: dict | None = None,
+        keys: str | None = None,
+    ) -> None:
+        """`keys`: the keys file's text (default: KEY_A and KEY_B, unlabelled)."""
         self.root = root
         self.port = free_port()
         self.config = root / "server.yaml"
@@ -57,7 +65,7 @@ class Server:
         self.config.write_text(yaml.safe_dump(config))
         self.env = env or {}
         self.keys = root / "keys"
-        self.keys.write_text(f"# test keys\n{KEY_A}\n{KEY_B}\n")
+        self.keys.write_text(keys if keys is not None else f"# test keys\n{KEY_A}\n{KEY_B}\n")
         self.proc: subprocess.Popen | None = None
         self.starts: list[float] = []
 
