@@ -236,12 +236,13 @@ def serve(
     """The OpenAI Files + Batches API on Ray Serve: point the `openai` client's base_url at http://HOST:PORT/v1."""
     from pipeline.observe.logs import configure_logging
     from pipeline.server.auth import Keyring
+    from pipeline.server.datadir import prepare_data_dir
 
     configure_logging(log_format)
     try:
         settings = load_server_config(config, flags.overrides(), flags.labels)
         Keyring.load(settings.auth)  # keys are checked here, before Ray starts
-        settings.data_dir.mkdir(parents=True, exist_ok=True)
+        prepare_data_dir(settings.data_dir)  # private from here on, and refused if another server holds it
     except ConfigError as exc:
         _fail(str(exc))
     except OSError as exc:
