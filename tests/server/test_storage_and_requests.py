@@ -14,7 +14,12 @@ import pytest
 
 from pipeline.server.datadir import DataDirInUse, check_free
 from pipeline.server.routes import MAX_JSON_BODY_BYTES
-from pipeline.server.uploads import FORM_OVERHEAD_BYTES, MAX_FORM_PARTS, MAX_PART_HEADER_BYTES
+from pipeline.server.uploads import (
+    FORM_OVERHEAD_BYTES,
+    MAX_FORM_FIELDS_BYTES,
+    MAX_FORM_PARTS,
+    MAX_PART_HEADER_BYTES,
+)
 from tests.server.conftest import KEY_A, MAX_FILE_BYTES
 from tests.server.test_openai_client import FINAL, wait_for, write_input
 
@@ -99,6 +104,14 @@ def test_a_form_of_many_small_fields_is_refused_early_with_memory_bounded(server
     assert str(MAX_FORM_PARTS) in error["message"] and "parts" in error["message"]
     grown_mib = (_rss_kib(pid) - before) / 1024
     assert grown_mib < 30, f"the replica grew by {grown_mib:.0f} MiB"
+
+
+def test_form_fields_are_bounded_together(server):
+    """Each field within its own limit, all of them over the form's."""
+    fields = [_part(f"f{i}", b"x" * 1000) for i in range(MAX_FORM_FIELDS_BYTES // 1000 + 1)]
+    response = _post_form(server, _form(_part("purpose", b"batch"), *fields))
+    assert response.status_code == 400, response.text
+    assert f"more than {MAX_FORM_FIELDS_BYTES} bytes" in response.json()["error"]["message"]
 
 
 def test_a_part_whose_headers_together_pass_the_cap_is_refused(server):
