@@ -236,6 +236,7 @@ def serve(
     """The OpenAI Files + Batches API on Ray Serve: point the `openai` client's base_url at http://HOST:PORT/v1."""
     from pipeline.observe.logs import configure_logging
     from pipeline.server.auth import Keyring
+    from pipeline.server.datadir import prepare_data_dir
     from pipeline.server.quotas import Quotas
 
     configure_logging(log_format)
@@ -243,7 +244,7 @@ def serve(
         settings = load_server_config(config, flags.overrides(), flags.labels)
         # Keys, and the labels quotas.keys names, are checked here, before Ray starts.
         Quotas(settings.quotas, Keyring.load(settings.auth).labels)
-        settings.data_dir.mkdir(parents=True, exist_ok=True)
+        prepare_data_dir(settings.data_dir)  # private from here on, and refused if another server holds it
     except ConfigError as exc:
         _fail(str(exc))
     except OSError as exc:

@@ -14,7 +14,7 @@ from typing import Any
 
 from cluster.home import nightshift_home
 
-__all__ = ["atomic_write_bytes", "atomic_write_json", "exclusive_lock", "nightshift_home"]
+__all__ = ["atomic_write_bytes", "atomic_write_json", "exclusive_lock", "fsync_path", "nightshift_home"]
 
 
 def atomic_write_bytes(path: Path, data: bytes) -> None:
@@ -30,6 +30,15 @@ def atomic_write_bytes(path: Path, data: bytes) -> None:
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+def fsync_path(path: Path) -> None:
+    """Flush a file's data, or a directory's entries, to the disk."""
+    fd = os.open(path, os.O_RDONLY | (os.O_DIRECTORY if path.is_dir() else 0))
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def atomic_write_json(path: Path, obj: Any) -> None:

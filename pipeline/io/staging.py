@@ -39,6 +39,7 @@ from pydantic import ValidationError
 
 from pipeline.config import StorageConfig
 from pipeline.io.locations import RetryPolicy, s3_filesystem, with_retries
+from pipeline.local_files import fsync_path
 from pipeline.state import JobState
 
 T = TypeVar("T")
@@ -140,6 +141,9 @@ def _write_parquet_atomic(table: pa.Table, path: Path) -> None:
     tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex}.tmp")
     try:
         pq.write_table(table, tmp, compression="zstd")
+        # Its bytes reach the disk before its name does: after a power cut a part is whole or absent (and an
+        # absent one is run again on resume), never a torn file under a part's name.
+        fsync_path(tmp)
         os.replace(tmp, path)
     except BaseException:
         tmp.unlink(missing_ok=True)

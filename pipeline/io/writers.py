@@ -202,6 +202,20 @@ class _SpoolUpload(io.RawIOBase):
             super().close()
 
 
+class _SyncedFile(io.BufferedWriter):
+    """A local shard: its bytes are on the disk once it is closed, before the manifest that vouches for it is
+    written — so after a power cut a committed output's shards are whole."""
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        try:
+            self.flush()
+            os.fsync(self.fileno())
+        finally:
+            super().close()
+
+
 class OutputTarget(ABC):
     """Where a job's shards and manifest go. Names are plain file names inside the target."""
 
@@ -291,7 +305,7 @@ class LocalTarget(OutputTarget):
         return (self.path / name).exists()
 
     def open_write(self, name: str) -> BinaryIO:
-        return open(self.path / name, "wb")  # noqa: SIM115 - the caller closes it
+        return _SyncedFile(io.FileIO(self.path / name, "wb"))
 
     def put_file(self, local_path: Path, name: str) -> None:
         shutil.copyfile(local_path, self.path / name)

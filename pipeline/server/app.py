@@ -37,8 +37,11 @@ class BatchAPI:
         import ray
 
         config = ServerConfig.model_validate_json(config_json)
-        # The batches' jobs join the cluster this replica runs in.
-        self.service = BatchService(config, ray.get_runtime_context().gcs_address)
+        # The batches' jobs join the cluster this replica runs in. A replica Serve replaces may still be stopping
+        # (its jobs get their grace): the data dir's lock is waited for that long.
+        self.service = BatchService(
+            config, ray.get_runtime_context().gcs_address, lock_wait=REPLICA_SHUTDOWN_SECONDS
+        )
         self.service.start()
 
     def __serve_build_asgi_app__(self) -> Any:

@@ -9,11 +9,11 @@ over its key's quotas (server/quotas.py)."""
 from __future__ import annotations
 
 import json
-import os
 import time
 from collections.abc import Iterator
 from typing import Annotated, Any
 
+import structlog
 from fastapi import Depends, FastAPI, Header, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -26,6 +26,7 @@ from pipeline.config import format_validation_error
 from pipeline.endpoints import SUPPORTED_URLS
 from pipeline.server import outputs
 from pipeline.server.auth import Keyring
+from pipeline.server.datadir import DataDirLock, make_private, private_umask, publish
 from pipeline.server.expiry import ExpiryError, form_policy, parse_policy, seconds_of
 from pipeline.server.linecheck import check_upload
 from pipeline.server.metrics import exposition, storage_families
@@ -44,7 +45,9 @@ from pipeline.server.schemas import (
 )
 from pipeline.server.settings import ServerConfig
 from pipeline.server.store import FileGone, Store, new_id
-from pipeline.server.uploads import UploadError, receive_upload
+from pipeline.server.uploads import FORM_OVERHEAD_BYTES, UploadError, receive_upload
+
+log = structlog.get_logger(__name__)
 
 MAX_JSON_BODY_BYTES = 1 << 20  # POST /v1/batches bodies are a few hundred bytes
 
@@ -68,25 +71,42 @@ def not_found(kind: str, object_id: str, param: str = "id") -> ApiError:
 
 
 class BatchService:
-    """Everything a request needs: the state, the runner and who may call."""
+    """Everything a request needs: the state, the runner and who may call.
 
-    def __init__(self, config: ServerConfig, ray_address: str | None) -> None:
+    It holds the data dir's lock from before the database opens until `stop` (or its process's end): a second
+    service on the same dir is refused (server/datadir.py), after waiting `lock_wait` seconds for the holder to go —
+    a Serve replica's predecessor may still be in its graceful shutdown."""
+
+    def __init__(self, config: ServerConfig, ray_address: str | None, lock_wait: float = 0.0) -> None:
         self.config = config
         self.keyring = Keyring.load(config.auth)
         self.quotas = Quotas(config.quotas, self.keyring.labels)
-        self.data = DataDir(config.data_dir)
-        self.data.create()
-        self.store = Store(self.data.database)
-        self.runner = BatchRunner(config, self.store, self.data, ray_address, self.quotas)
-        self.sweeper = Sweeper(self.store, self.data, config.retention.sweep_seconds)
+        self.lock = DataDirLock.acquire(config.data_dir, lock_wait)
+        try:
+            self.data = DataDir(config.data_dir)
+            self.data.create()
+            self.store = Store(self.data.database)
+            # Data dirs of servers that kept it world-readable, and files made before the umask below applied.
+            if changed := make_private(config.data_dir):
+                log.info("data dir made private", data_dir=str(config.data_dir), entries=changed)
+            self.runner = BatchRunner(config, self.store, self.data, ray_address, self.quotas)
+            self.sweeper = Sweeper(self.store, self.data, config.retention.sweep_seconds)
+        except BaseException:
+            self.lock.release()
+            raise
 
     def start(self) -> None:
+        private_umask()  # the runner's job processes inherit it
         self.runner.start()
         self.sweeper.start()
 
     def stop(self) -> None:
-        self.sweeper.stop()
-        self.runner.stop()
+        try:
+            self.sweeper.stop()
+            self.runner.stop()
+            self.store.close()
+        finally:
+            self.lock.release()
 
 
 def current_owner(request: Request, authorization: Annotated[str | None, Header()] = None) -> str:
@@ -146,7 +166,7 @@ def create_app(service: BatchService) -> FastAPI:
     @app.post("/v1/files")
     async def upload_file(request: Request, who: Owner) -> FileObject:
         declared = request.headers.get("content-length")
-        if declared and declared.isdigit() and int(declared) > limits.max_file_bytes + 64 * 1024:
+        if declared and declared.isdigit() and int(declared) > limits.max_file_bytes + FORM_OVERHEAD_BYTES:
             raise ApiError(
                 413,
                 f"file is larger than this server's limit of {limits.max_file_bytes} bytes",
@@ -184,7 +204,7 @@ def create_app(service: BatchService) -> FastAPI:
             # No await from this check to the insert: another upload of this key cannot pass it meanwhile.
             service.quotas.check_upload(service.store, who, upload.size)
             file_id = new_id("file-")
-            os.replace(upload.path, service.data.upload(file_id))
+            publish(upload.path, service.data.upload(file_id))  # durable before the row points at it
         except BaseException:
             upload.path.unlink(missing_ok=True)
             raise
@@ -376,11 +396,18 @@ def _read_file(path: Any) -> Iterator[bytes]:
 
 
 async def _json_body(request: Request) -> Any:
+    """The body, cut at MAX_JSON_BODY_BYTES as it streams in (a chunked body declares no length)."""
+    too_large = ApiError(
+        413, f"the request body is larger than this server's limit of {MAX_JSON_BODY_BYTES} bytes"
+    )
+    declared = request.headers.get("content-length")
+    if declared and declared.isdigit() and int(declared) > MAX_JSON_BODY_BYTES:
+        raise too_large
     body = bytearray()
     async for chunk in request.stream():
         body.extend(chunk)
         if len(body) > MAX_JSON_BODY_BYTES:
-            raise ApiError(413, "request body too large")
+            raise too_large
     try:
         return json.loads(body)
     except ValueError as exc:

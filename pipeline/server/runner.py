@@ -30,6 +30,7 @@ import hashlib
 import os
 import threading
 import time
+import traceback
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -42,6 +43,8 @@ from pipeline.runtime.launcher import JobProcess, start_job
 from pipeline.runtime.shifts import SystemClock, clock_from_environment
 from pipeline.server import outputs, scheduling
 from pipeline.server.accounting import account
+from pipeline.server.datadir import fsync_tree, make_private
+from pipeline.server.public_errors import public_message
 from pipeline.server.quotas import Quotas
 from pipeline.server.schemas import FINAL_STATUSES, BatchError, BatchObject
 from pipeline.server.settings import ServerConfig
@@ -319,7 +322,9 @@ class BatchRunner:
             paused = self._drive(batch_id)
         except Exception as exc:  # noqa: BLE001 - one batch's failure must not take the runner down
             log.exception("batch runner failed", batch=batch_id)
-            self._fail(batch_id, "server_error", f"{type(exc).__name__}: {exc}")
+            self._fail(
+                batch_id, "server_error", f"{type(exc).__name__}: {exc}", detail=traceback.format_exc()
+            )
         finally:
             with self._lock:
                 owner = self._running.pop(batch_id, None)
@@ -415,7 +420,8 @@ class BatchRunner:
         if cut_short and not outputs.committed(out):
             self._finish_cut_short(batch_id, cut_short)
         elif outputs.committed(out):
-            self._finish(batch_id, "cancelled" if cut_short else "completed")
+            # Committed after all: the status is still why it was cut short (an expired batch stays expired).
+            self._finish(batch_id, cut_short or "completed")
         else:
             self._fail(batch_id, "job_failed", _last_error(self.data.batch(batch_id) / "job.log", rc))
         return None
@@ -470,9 +476,15 @@ class BatchRunner:
                 batch_id, only_if=("in_progress",), status="finalizing", finalizing_at=now
             )
 
-    def _register_files(self, batch_id: str) -> dict[str, str | None]:
+    def _output_files(self, batch_id: str) -> tuple[list[dict[str, Any]], dict[str, str | None]]:
+        """The batch's output and error files as file rows, and the batch's columns that name them; written
+        together with its final status (Store.finish_batch). What they point at is made private and durable first:
+        its job's processes may have written it with another umask, and none of them fsyncs its directory."""
         out = self.data.output(batch_id)
-        owner = self.store.owner_of(batch_id)
+        make_private(self.data.batch(batch_id))
+        if out.is_dir():
+            fsync_tree(out)
+        rows: list[dict[str, Any]] = []
         ids: dict[str, str | None] = {"output_file_id": None, "error_file_id": None}
         for kind, column, label in (
             ("results", "output_file_id", "output"),
@@ -480,17 +492,18 @@ class BatchRunner:
         ):
             if outputs.output_rows(out, kind):
                 file_id = new_id("file-")
-                self.store.add_file(
-                    file_id,
-                    owner,
-                    f"{batch_id}_{label}.jsonl",
-                    "batch_output",
-                    outputs.output_bytes(out, kind),
-                    batch_id=batch_id,
-                    kind=kind,
+                rows.append(
+                    {
+                        "id": file_id,
+                        "filename": f"{batch_id}_{label}.jsonl",
+                        "purpose": "batch_output",
+                        "bytes": outputs.output_bytes(out, kind),
+                        "batch_id": batch_id,
+                        "kind": kind,
+                    }
                 )
                 ids[column] = file_id
-        return ids
+        return rows, ids
 
     def _finish(self, batch_id: str, status: str) -> None:
         out = self.data.output(batch_id)
@@ -499,18 +512,20 @@ class BatchRunner:
         batch = self.store.batch(batch_id)
         assert batch is not None
         stamps = {"finalizing_at": batch.finalizing_at or now, "in_progress_at": batch.in_progress_at or now}
-        self.store.update_batch(
+        files, ids = self._output_files(batch_id)
+        if self.store.finish_batch(
             batch_id,
+            files,
             status=status,
             total=completed + failed,
             completed=completed,
             failed=failed,
             **stamps,
             **{f"{status}_at": now},
-            **self._register_files(batch_id),
+            **ids,
             **self._account(batch_id),
-        )
-        log.info("batch finished", batch=batch_id, status=status, completed=completed, failed=failed)
+        ):
+            log.info("batch finished", batch=batch_id, status=status, completed=completed, failed=failed)
 
     def _finish_cut_short(self, batch_id: str, status: str) -> None:
         """Cancelled or expired before its output was committed: what the checkpoint holds is what finished."""
@@ -519,23 +534,34 @@ class BatchRunner:
         if batch is None or batch.status in FINAL_STATUSES:
             return
         completed, failed = outputs.output_rows(out, "results"), outputs.output_rows(out, "errors")
-        self.store.update_batch(
+        files, ids = self._output_files(batch_id)
+        if self.store.finish_batch(
             batch_id,
+            files,
             status=status,
             completed=completed,
             failed=failed,
             **{f"{status}_at": int(time.time())},
-            **self._register_files(batch_id),
+            **ids,
             **self._account(batch_id),
-        )
-        log.info("batch cut short", batch=batch_id, status=status, completed=completed, failed=failed)
+        ):
+            log.info("batch cut short", batch=batch_id, status=status, completed=completed, failed=failed)
 
-    def _fail(self, batch_id: str, code: str, message: str) -> None:
-        self.store.update_batch(
+    def _fail(self, batch_id: str, code: str, message: str, detail: str | None = None) -> None:
+        """The batch fails with `message` as its owner may read it (server/public_errors.py); the whole text —
+        and `detail`, a traceback — goes to the batch's job.log for the operator."""
+        job_log = self.data.batch(batch_id) / "job.log"
+        try:
+            with open(job_log, "a") as f:
+                f.write(f"server: batch failed ({code}): {message}\n{detail or ''}")
+        except OSError as exc:
+            log.warning("batch failure not written to its job.log", batch=batch_id, error=str(exc))
+        self.store.finish_batch(
             batch_id,
+            [],
             status="failed",
             failed_at=int(time.time()),
-            errors=[BatchError(code=code, message=message)],
+            errors=[BatchError(code=code, message=public_message(message, self.data.root))],
             **self._account(batch_id),
         )
 

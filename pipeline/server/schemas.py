@@ -7,13 +7,17 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 BatchStatus = Literal[
     "validating", "failed", "in_progress", "finalizing", "completed", "expired", "cancelling", "cancelled"
 ]
 # Statuses a batch never leaves.
 FINAL_STATUSES = frozenset({"failed", "completed", "expired", "cancelled"})
+# A batch's metadata, as OpenAI bounds it.
+METADATA_MAX_PAIRS = 16
+METADATA_MAX_KEY_CHARS = 64
+METADATA_MAX_VALUE_CHARS = 512
 
 
 class FileObject(BaseModel):
@@ -109,9 +113,27 @@ class CreateBatchRequest(BaseModel):
     input_file_id: str = Field(min_length=1, max_length=128)
     endpoint: str
     completion_window: str
-    # OpenAI: up to 16 pairs, keys up to 64 characters, values up to 512.
-    metadata: dict[str, str] | None = Field(default=None, max_length=16)
+    metadata: dict[str, str] | None = None
     output_expires_after: dict[str, Any] | None = None
+
+    @field_validator("metadata")
+    @classmethod
+    def _metadata_bounds(cls, metadata: dict[str, str] | None) -> dict[str, str] | None:
+        """OpenAI's bounds: up to 16 pairs, keys up to 64 characters, values up to 512."""
+        if metadata is None:
+            return None
+        if len(metadata) > METADATA_MAX_PAIRS:
+            raise ValueError(f"at most {METADATA_MAX_PAIRS} key-value pairs, got {len(metadata)}")
+        for key, value in metadata.items():
+            if len(key) > METADATA_MAX_KEY_CHARS:
+                raise ValueError(
+                    f"keys are at most {METADATA_MAX_KEY_CHARS} characters; {key[:20]!r}… has {len(key)}"
+                )
+            if len(value) > METADATA_MAX_VALUE_CHARS:
+                raise ValueError(
+                    f"values are at most {METADATA_MAX_VALUE_CHARS} characters; the value of {key!r} has {len(value)}"
+                )
+        return metadata
 
 
 class ListPage(BaseModel):

@@ -13,12 +13,13 @@ import secrets
 import sqlite3
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 from pipeline.server.schemas import (
+    FINAL_STATUSES,
     BatchError,
     BatchErrors,
     BatchObject,
@@ -419,6 +420,43 @@ class Store:
             args += list(only_if)
         with self._tx() as db:
             return db.execute(sql, args).rowcount == 1
+
+    def finish_batch(self, batch_id: str, files: Sequence[dict[str, Any]], **fields: Any) -> bool:
+        """Give a batch its final status (`fields`) and its output files (`files`: columns of a files row, the
+        owner, creation time and order added here) their rows, in one transaction: a crash between the two would
+        leave file rows whose batch still looks unfinished, and the restarted server would register them again.
+        A batch already in a final status keeps it, and gets no files: returns whether it changed."""
+        if "errors" in fields and fields["errors"] is not None:
+            fields["errors"] = json.dumps([e.model_dump() for e in fields["errors"]])
+        if "usage" in fields:  # a BatchUsage, kept as one column per count
+            fields.update(usage_columns(fields.pop("usage")))
+        final = tuple(FINAL_STATUSES)
+        with self._tx() as db:
+            row = db.execute(
+                f"SELECT owner FROM batches WHERE id = ? AND status NOT IN ({', '.join('?' for _ in final)})",
+                (batch_id, *final),
+            ).fetchone()
+            if row is None:
+                return False
+            now = int(time.time())
+            # Output files live the batch's output_expires_after, counted from their own creation, as OpenAI's.
+            lifetime = db.execute(
+                "SELECT output_expires_seconds FROM batches WHERE id = ?", (batch_id,)
+            ).fetchone()[0]
+            for file in files:
+                seq = db.execute("SELECT COALESCE(MAX(seq), 0) + 1 FROM files").fetchone()[0]
+                values = {**file, "owner": row["owner"], "created_at": now, "seq": seq}
+                if lifetime is not None:
+                    values.setdefault("expires_at", now + lifetime)
+                db.execute(
+                    f"INSERT INTO files ({', '.join(values)}) VALUES ({', '.join('?' for _ in values)})",
+                    tuple(values.values()),
+                )
+            db.execute(
+                f"UPDATE batches SET {', '.join(f'{k} = ?' for k in fields)} WHERE id = ?",
+                (*fields.values(), batch_id),
+            )
+        return True
 
     def _page(self, table, owner, after, limit, ascending, purpose, convert):  # noqa: ANN001 - internal
         where = ["owner = ?"]

@@ -2,7 +2,12 @@
 
 The file part goes straight to a temporary file under the data dir, its bytes and lines counted on the way; the
 upload stops the moment it passes the size limit. The client's filename is kept as a label only: where the bytes
-live is decided by the server's own id, so nothing a request says reaches a filesystem path."""
+live is decided by the server's own id, so nothing a request says reaches a filesystem path.
+
+Everything else in the body is bounded too, so memory stays flat whatever a client sends: the number of parts,
+each part's headers, the form fields' bytes together, and the body as a whole — the file's limit plus
+FORM_OVERHEAD_BYTES, counted as it streams in, so a chunked body (which declares no Content-Length) is cut there
+just as a declared one is refused up front."""
 
 from __future__ import annotations
 
@@ -17,6 +22,12 @@ from python_multipart.multipart import MultipartParseError, MultipartParser, par
 # Small form fields (purpose, expires_after[...]) are read into memory; nothing legitimate is longer than this.
 MAX_FIELD_BYTES = 1024
 MAX_FILENAME_CHARS = 255
+# An upload is `file`, `purpose` and `expires_after[anchor|seconds]`: room to spare, and no more.
+MAX_FORM_PARTS = 16
+MAX_FORM_FIELDS_BYTES = 8 * 1024  # every field but the file, together
+MAX_PART_HEADER_BYTES = 4 * 1024  # one part's header lines, together
+# What a body may hold beyond the file's bytes: boundaries, part headers and fields (covers the limits above).
+FORM_OVERHEAD_BYTES = 64 * 1024
 
 
 class UploadError(Exception):
@@ -68,12 +79,43 @@ async def receive_upload(
     fields: dict[str, str] = {}
     current: bytearray = bytearray()
     sink = None
-    counted = {"size": 0, "newlines": 0, "last": b"\n", "file_parts": 0, "filename": ""}
+    counted = {
+        "size": 0,
+        "newlines": 0,
+        "last": b"\n",
+        "file_parts": 0,
+        "filename": "",
+        "parts": 0,
+        "header_bytes": 0,
+        "field_bytes": 0,
+    }
+
+    def on_part_begin() -> None:
+        counted["parts"] += 1
+        counted["header_bytes"] = 0
+        if counted["parts"] > MAX_FORM_PARTS:
+            raise UploadError(
+                400,
+                f"the form has more than {MAX_FORM_PARTS} parts; an upload sends `file` and `purpose` "
+                "(and `expires_after[...]`)",
+                code="too_many_form_parts",
+            )
+
+    def count_header(length: int) -> None:
+        counted["header_bytes"] += length
+        if counted["header_bytes"] > MAX_PART_HEADER_BYTES:
+            raise UploadError(
+                400,
+                f"a form part's headers are longer than {MAX_PART_HEADER_BYTES} bytes",
+                code="invalid_request",
+            )
 
     def on_header_field(data: bytes, start: int, end: int) -> None:
+        count_header(end - start)
         state["header_field"] += data[start:end]
 
     def on_header_value(data: bytes, start: int, end: int) -> None:
+        count_header(end - start)
         state["header_value"] += data[start:end]
 
     def on_header_end() -> None:
@@ -111,8 +153,15 @@ async def receive_upload(
             sink.write(chunk)
         else:
             current.extend(chunk)
+            counted["field_bytes"] += len(chunk)
             if len(current) > MAX_FIELD_BYTES:
                 raise UploadError(400, f"form field {state['name']!r} is too long", param=state["name"])
+            if counted["field_bytes"] > MAX_FORM_FIELDS_BYTES:
+                raise UploadError(
+                    400,
+                    f"the form's fields besides `file` hold more than {MAX_FORM_FIELDS_BYTES} bytes",
+                    code="form_too_large",
+                )
 
     def on_part_end() -> None:
         nonlocal sink
@@ -129,6 +178,7 @@ async def receive_upload(
     parser = MultipartParser(
         boundary,
         {
+            "on_part_begin": on_part_begin,
             "on_header_field": on_header_field,
             "on_header_value": on_header_value,
             "on_header_end": on_header_end,
@@ -138,8 +188,19 @@ async def receive_upload(
             "on_end": on_end,
         },
     )
+    max_body = max_bytes + FORM_OVERHEAD_BYTES
+    received = 0
     try:
         async for chunk in body:
+            received += len(chunk)
+            if received > max_body:
+                raise UploadError(
+                    413,
+                    f"the request body is larger than this server's limit of {max_body} bytes (a file of up to "
+                    f"{max_bytes} bytes and its form)",
+                    param="file",
+                    code="file_too_large",
+                )
             parser.write(chunk)
         parser.finalize()
         if not state["ended"]:

@@ -47,7 +47,7 @@ from pipeline.config import StorageConfig
 from pipeline.io.locations import Location
 from pipeline.io.staging import STAGED_SCHEMA, LocalFiles, PartFiles, StagingArea, with_later_columns
 from pipeline.io.writers import MANIFEST_NAME, OutputTarget, output_target, shard_encoder
-from pipeline.local_files import atomic_write_json
+from pipeline.local_files import atomic_write_json, fsync_path
 from pipeline.manifest import Manifest
 from pipeline.runtime.executor import IN_PROCESS, TaskExecutor, ray_placement
 from pipeline.stages.shard import (
@@ -618,7 +618,12 @@ def commit(
     if isinstance(manifest, Manifest):
         manifest = manifest.model_dump(mode="json")
     if target.is_local:
-        atomic_write_json(Path(target.location.path) / MANIFEST_NAME, manifest)
+        directory = Path(target.location.path)
+        # Durable as well: the shards' directory entries reach the disk before the manifest that vouches for them
+        # (each shard's bytes did when it was closed, io/writers.py), then the manifest's own entry.
+        fsync_path(directory)
+        atomic_write_json(directory / MANIFEST_NAME, manifest)
+        fsync_path(directory)
     else:
         target.put_bytes(MANIFEST_NAME, (json.dumps(manifest, indent=2, ensure_ascii=False) + "\n").encode())
     try:

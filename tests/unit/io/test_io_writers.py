@@ -206,3 +206,34 @@ def test_http_targets_stage_locally_by_url_s3_targets_in_the_bucket(monkeypatch,
     assert s3.stages_in_output
     assert s3.staging_area().describe() == "s3://bkt/runs/one/_staging"
     assert s3.staging_area().scratch == local_job_dir("s3://bkt/runs/one")  # spills stay on local disk
+
+
+def test_staged_parts_shards_and_manifest_reach_the_disk_before_they_count(staging: StagingArea, monkeypatch):
+    """After a power cut a part or a shard is whole or absent: each is fsynced before its name (a part's rename)
+    or the manifest that vouches for it exists, and the manifest's directory entry is fsynced too."""
+    import os
+
+    events: list[tuple[str, str]] = []
+    real_fsync, real_replace = os.fsync, os.replace
+    monkeypatch.setattr(
+        os, "fsync", lambda fd: events.append(("fsync", os.readlink(f"/proc/self/fd/{fd}"))) or real_fsync(fd)
+    )
+    monkeypatch.setattr(
+        os, "replace", lambda a, b: events.append(("replace", f"{a} {b}")) or real_replace(a, b)
+    )
+
+    staging.write_rows("results", [result_row(f"r{i:03d}", line=i + 1) for i in range(20)])
+    fsynced, renamed = events[0], events[1]
+    (part,) = staging.parts("results")
+    assert fsynced[0] == "fsync" and renamed == ("replace", f"{fsynced[1]} {part}")
+
+    events.clear()
+    output = Path(staging.root).parent
+    summary = write_outputs(output, staging, rows_per_shard=7, expected_rows=20)
+    finalize_module.commit(output, staging, summary)
+    manifest_at = next(
+        i for i, (kind, what) in enumerate(events) if kind == "replace" and what.endswith("/manifest.json")
+    )
+    before = {what for kind, what in events[:manifest_at] if kind == "fsync"}
+    assert {str(output / s["name"]) for s in summary["shards"]["results"]} <= before and str(output) in before
+    assert ("fsync", str(output)) in events[manifest_at:]
