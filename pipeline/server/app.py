@@ -11,6 +11,7 @@ from typing import Any
 from ray import serve
 
 from pipeline.runtime.launcher import STOP_GRACE_SECONDS
+from pipeline.server.exposure import check_exposure
 from pipeline.server.routes import BatchService, create_app
 from pipeline.server.settings import ServerConfig
 
@@ -37,6 +38,9 @@ class BatchAPI:
         import ray
 
         config = ServerConfig.model_validate_json(config_json)
+        # Before any request is taken: no keys while Serve listens beyond loopback stops the replica here, however
+        # the application was built (server/exposure.py).
+        check_exposure(config)
         # The batches' jobs join the cluster this replica runs in.
         self.service = BatchService(config, ray.get_runtime_context().gcs_address)
         self.service.start()
@@ -66,4 +70,7 @@ def app_builder(args: dict[str, Any]) -> serve.Application:
     except ValidationError as exc:
         raise ConfigError(f"server config: {format_validation_error(exc)}") from exc
     config.check()
+    # Serve runs already when it builds an application from its config (KubeRay's serveConfigV2): its real HTTP
+    # options are known here, before any replica starts.
+    check_exposure(config)
     return build_app(config)
