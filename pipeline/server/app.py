@@ -34,10 +34,9 @@ REPLICA_SHUTDOWN_SECONDS = STOP_GRACE_SECONDS + 30.0
 )
 @serve.ingress()
 class BatchAPI:
-    def __init__(self, config_json: str) -> None:
+    def __init__(self, config: ServerConfig) -> None:
         import ray
 
-        config = ServerConfig.model_validate_json(config_json)
         # Before any request is taken: no keys while Serve listens beyond loopback stops the replica here, however
         # the application was built (server/exposure.py).
         check_exposure(config)
@@ -55,7 +54,10 @@ class BatchAPI:
 
 
 def build_app(config: ServerConfig) -> serve.Application:
-    return BatchAPI.bind(config.model_dump_json())
+    # The config object, not its JSON: JSON leaves secrets out (engine.http.api_key serializes to nothing, so it is
+    # never written to a job's checkpoint), and the replica's jobs need them. Ray keeps the bound arguments in the
+    # cluster's control store, behind the cluster's token.
+    return BatchAPI.bind(config)
 
 
 def app_builder(args: dict[str, Any]) -> serve.Application:
