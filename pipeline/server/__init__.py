@@ -9,6 +9,7 @@
                  cancelled by signal, resumed after a restart
     outputs.py   a batch's output and error files, streamed from its shards (or its checkpoint, if cut short)
     routes.py    the FastAPI app: the endpoints, OpenAI's errors and status codes
+    health.py    /healthz (liveness) and /readyz (the database takes a write, Ray answers), without a key
     exposure.py  where Serve really listens: no keys (auth.disabled) only while that is loopback
     app.py       the Ray Serve deployment wrapping that app, and the application import path for KubeRay
 

@@ -24,6 +24,7 @@ from pipeline.config import format_validation_error
 from pipeline.endpoints import SUPPORTED_URLS
 from pipeline.server import outputs
 from pipeline.server.auth import Keyring
+from pipeline.server.health import health_routes
 from pipeline.server.metrics import exposition
 from pipeline.server.runner import BatchRunner, DataDir
 from pipeline.server.schemas import (
@@ -99,6 +100,7 @@ Owner = Annotated[str, Depends(current_owner)]
 def create_app(service: BatchService) -> FastAPI:
     app = FastAPI(title="nightshift Batch API", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.service = service
+    app.include_router(health_routes(service.data.database))  # /healthz, /readyz: no key (server/health.py)
     limits = service.config.limits
 
     def error_response(status: int, detail: ErrorDetail) -> JSONResponse:

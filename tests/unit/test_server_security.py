@@ -1,9 +1,13 @@
 """The Batch API's guards that need no running server: a per-batch metrics port refused in its config, no keys refused
-wherever Serve listens beyond loopback, and `serve` joining Ray with token authentication as `run` does."""
+wherever Serve listens beyond loopback, `serve` joining Ray with token authentication as `run` does, and the health
+routes (`/healthz`, `/readyz`) on the app itself."""
 
 from __future__ import annotations
 
+import sqlite3
+
 import pytest
+from fastapi.testclient import TestClient
 from typer.testing import CliRunner
 
 from cluster.auth import AUTH_MODE_ENV, LOOPBACK_ENV, TOKEN_ENV, TOKEN_PATH_ENV
@@ -129,3 +133,64 @@ def test_serve_on_an_open_cluster_is_warned(tmp_path, no_ray_token, ray_starts):
         gcs.server.stop(None)
     assert isinstance(result.exception, RayStarted), result.output
     assert f"the Ray cluster at {gcs.address} does not enforce a token" in result.output
+
+
+# ------------------------------------------------------------------------------------------ /healthz and /readyz
+
+
+@pytest.fixture
+def api(tmp_path, monkeypatch):
+    """The app with an API key, over a service with no Ray connected (as in a replica whose cluster is gone)."""
+    from pipeline.server.routes import BatchService, create_app
+
+    monkeypatch.setenv("NIGHTSHIFT_API_KEYS", "k" * 20)
+    service = BatchService(ServerConfig(data_dir=tmp_path / "data"), None)
+    return TestClient(create_app(service)), service
+
+
+def test_healthz_answers_without_a_key_while_the_api_wants_one(api):
+    client, _ = api
+    assert client.get("/v1/batches").status_code == 401
+    answer = client.get("/healthz")
+    assert answer.status_code == 200 and answer.json() == {"status": "ok"}
+
+
+def test_readyz_is_503_with_the_reason_while_ray_is_not_reachable(api):
+    client, _ = api
+    answer = client.get("/readyz")
+    assert answer.status_code == 503
+    assert answer.json() == {
+        "status": "unavailable",
+        "checks": {"database": "ok", "ray": "not connected to a Ray cluster"},
+    }
+
+
+def test_readyz_writes_to_the_database_and_says_when_it_cannot(api, monkeypatch):
+    import pipeline.server.health as health
+
+    monkeypatch.setattr(health, "ray_problem", lambda: None)
+    monkeypatch.setattr(health, "READY_TIMEOUT_S", 0.2)
+    client, service = api
+    assert client.get("/readyz").json() == {"status": "ok", "checks": {"database": "ok", "ray": "ok"}}
+    # Another writer holds the database: a read would pass, a write cannot.
+    holder = sqlite3.connect(service.data.database, isolation_level=None)
+    holder.execute("BEGIN EXCLUSIVE")
+    try:
+        answer = client.get("/readyz")
+    finally:
+        holder.execute("ROLLBACK")
+        holder.close()
+    assert answer.status_code == 503
+    assert answer.json()["checks"] == {
+        "database": "the database takes no write: database is locked",
+        "ray": "ok",
+    }
+    assert client.get("/readyz").status_code == 200
+    # The data dir's database is gone: never answered by a new empty one.
+    service.store.close()
+    for suffix in ("", "-wal", "-shm"):
+        service.data.database.with_name(service.data.database.name + suffix).unlink(missing_ok=True)
+    answer = client.get("/readyz")
+    assert answer.status_code == 503 and "unable to open database file" in answer.json()["checks"]["database"]
+    assert str(service.data.root) not in answer.text
+    assert not service.data.database.exists()
