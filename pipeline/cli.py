@@ -229,11 +229,19 @@ def serve(
             "--config", "-c", help="Server config YAML (limits, auth, the job every batch runs as)."
         ),
     ] = None,
+    token_file: Annotated[
+        Path | None,
+        typer.Option(
+            help="With --address: file holding the cluster's Ray token (as for `run --token-file`). Default: "
+            "RAY_AUTH_TOKEN, RAY_AUTH_TOKEN_PATH, then $NIGHTSHIFT_HOME/ray/auth_token."
+        ),
+    ] = None,
     log_format: Annotated[str, typer.Option(help="Logs: console or json.")] = "console",
     *,
     flags: FlagValues,
 ) -> None:
     """The OpenAI Files + Batches API on Ray Serve: point the `openai` client's base_url at http://HOST:PORT/v1."""
+    from cluster.auth import AuthError
     from pipeline.observe.logs import configure_logging
     from pipeline.server.auth import Keyring
     from pipeline.server.datadir import prepare_data_dir
@@ -253,7 +261,10 @@ def serve(
         )
     from pipeline.server.serving import serve_forever
 
-    serve_forever(settings.model_copy(update={"data_dir": settings.data_dir.resolve()}))
+    try:
+        serve_forever(settings.model_copy(update={"data_dir": settings.data_dir.resolve()}), token_file)
+    except (AuthError, ConfigError) as exc:
+        _fail(str(exc))
 
 
 def _check_environment(job: JobConfig) -> None:

@@ -23,11 +23,14 @@ import pytest
 FAKE_CHILD = """#!{python}
 import json, os, signal, sys, time
 
+given = dict(os.environ)  # what the launcher gave it, before the defaults below
+for name, value in {defaults!r}.items():
+    os.environ.setdefault(name, value)
 argv = sys.argv[1:]
 job_file = argv[argv.index("--config") + 1] if "--config" in argv else None
 record = {{
     "argv": argv,
-    "env": dict(os.environ),
+    "env": given,
     "job_file": open(job_file).read() if job_file else None,
     "sigint": str(signal.getsignal(signal.SIGINT)),
 }}
@@ -51,10 +54,13 @@ sys.exit(3)
 """
 
 
-def install_fake_python(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    """Make `sys.executable` the fake child for this test."""
+def install_fake_python(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, defaults: dict[str, str] | None = None
+) -> Path:
+    """Make `sys.executable` the fake child for this test. `defaults`: $FAKE_RECORD and $FAKE_BEHAVIOUR for a
+    child whose launcher passes no such variable (a job gets only the variables a job needs)."""
     program = tmp_path / "fake-python"
-    program.write_text(FAKE_CHILD.format(python=sys.executable))
+    program.write_text(FAKE_CHILD.format(python=sys.executable, defaults=defaults or {}))
     program.chmod(program.stat().st_mode | stat.S_IXUSR)
     monkeypatch.setattr(sys, "executable", str(program))
     return program

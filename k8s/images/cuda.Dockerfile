@@ -23,3 +23,16 @@ assert v == '${PYTHON_VERSION}', 'python ' + v + ' != ${PYTHON_VERSION}'; \
 assert ray.__version__ == '${RAY_VERSION}', 'ray ' + ray.__version__; \
 assert torch.version.cuda, 'torch is not a CUDA build'; \
 print('python', v, 'ray', ray.__version__, 'vllm', vllm.__version__, 'cuda', torch.version.cuda)"
+
+# The pods run as uid 1000, never as root (runAsNonRoot, runAsUser in k8s/*.yaml): the image has that user, with a
+# home for the caches vLLM, Triton and the model hub write. A base that already has uid 1000 (Ubuntu 24.04's
+# `ubuntu`) keeps its user under its own name.
+ARG NIGHTSHIFT_UID=1000
+RUN set -eu; \
+    getent group "${NIGHTSHIFT_UID}" >/dev/null || groupadd --gid "${NIGHTSHIFT_UID}" nightshift; \
+    getent passwd "${NIGHTSHIFT_UID}" >/dev/null || \
+        useradd --uid "${NIGHTSHIFT_UID}" --gid "${NIGHTSHIFT_UID}" --create-home --shell /bin/bash nightshift; \
+    home="$(getent passwd "${NIGHTSHIFT_UID}" | cut -d: -f6)"; \
+    mkdir -p "${home}"; \
+    chown "${NIGHTSHIFT_UID}:${NIGHTSHIFT_UID}" "${home}"
+USER ${NIGHTSHIFT_UID}:${NIGHTSHIFT_UID}

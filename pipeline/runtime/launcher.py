@@ -13,6 +13,8 @@ What the launcher owns, so both callers do it the same way:
   `run --config JOB_FILE`, with the job (its JobConfig as YAML) written to JOB_FILE first, readable by its owner only;
 - secrets: the http engine's api_key reaches the child only through its environment (under `api_key_env`), never
   on its command line nor in the job file (JobConfig never serializes it);
+- the child's environment: only what a job needs of the launcher's (runtime/job_env.py), never all of it — the
+  server's API keys and credentials stay with the server;
 - the child's process: it stays in the launcher's process group (a Ctrl-C on the terminal reaches both), gets a
   default SIGINT disposition whatever it inherited, and on Linux dies with the thread that started it;
 - stopping it: SIGINT, then STOP_GRACE_SECONDS to end, then SIGKILL.
@@ -28,7 +30,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -76,10 +78,19 @@ def write_job_file(job: JobConfig, path: Path) -> None:
         file.write(yaml.safe_dump(spec, sort_keys=False))
 
 
-def job_environment(job: JobConfig, extra: Mapping[str, str] | None = None) -> dict[str, str]:
-    """The child's environment: the launcher's, `extra` over it, and the http engine's api_key under the
-    variable the job reads it from — for a resumed job too, whose checkpoint names that variable."""
-    env = {**os.environ, **(extra or {})}
+def job_environment(
+    job: JobConfig, extra: Mapping[str, str] | None = None, withhold: Collection[str] = ()
+) -> dict[str, str]:
+    """The child's environment: the part of the launcher's a job may see (runtime/job_env.py: the allowlist; a
+    name in `withhold` never), the variable the http engine reads its key from, `extra` over them, and a key given
+    in the job's config under that variable — for a resumed job too, whose checkpoint names it."""
+    from pipeline.runtime.job_env import inherited_environment
+
+    env = inherited_environment(os.environ, job, withhold)
+    key_env = getattr(job.engine.args(), "api_key_env", None)
+    if key_env and key_env in os.environ and key_env not in withhold:
+        env[key_env] = os.environ[key_env]
+    env.update(extra or {})
     if job.engine.http.api_key is not None:
         env[_api_key_env(job)] = job.engine.http.api_key.get_secret_value()
     return env
@@ -160,13 +171,15 @@ def start_job(
     job_file: Path,
     flags: Sequence[str] = (),
     env: Mapping[str, str] | None = None,
+    withhold: Collection[str] = (),
     log_file: Path | None = None,
     grace: float = STOP_GRACE_SECONDS,
 ) -> JobProcess:
     """Start the job as a child process (see `job_command` and `job_environment`). `env`: variables to add to the
-    child's environment. `log_file`: the child's stdout and stderr, appended; default: the launcher's own."""
+    child's environment; `withhold`: variables of the launcher's it must never get (e.g. the server's API keys).
+    `log_file`: the child's stdout and stderr, appended; default: the launcher's own."""
     command = job_command(job, resume, job_file, flags)
-    child_env = job_environment(job, env)
+    child_env = job_environment(job, env, withhold)
     prepare = _child_preparation()
     with open(log_file, "ab") if log_file is not None else contextlib.nullcontext() as out:
         popen = subprocess.Popen(

@@ -16,6 +16,8 @@
                  (limits.line_errors fail_batch)
     retention.py the sweeper: expired files deleted, the bytes of deleted files and finished batches freed
     routes.py    the FastAPI app: the endpoints, OpenAI's errors and status codes
+    health.py    /healthz (liveness) and /readyz (the database takes a write, Ray answers), without a key
+    exposure.py  where Serve really listens: no keys (auth.disabled) only while that is loopback
     app.py       the Ray Serve deployment wrapping that app, and the application import path for KubeRay
 
 Imports point downward: the server uses the runtime (through the `nightshift` CLI in a child process and the staging

@@ -11,6 +11,7 @@ from typing import Any
 from ray import serve
 
 from pipeline.runtime.launcher import STOP_GRACE_SECONDS
+from pipeline.server.exposure import check_exposure
 from pipeline.server.routes import BatchService, create_app
 from pipeline.server.settings import ServerConfig
 
@@ -33,10 +34,12 @@ REPLICA_SHUTDOWN_SECONDS = STOP_GRACE_SECONDS + 30.0
 )
 @serve.ingress()
 class BatchAPI:
-    def __init__(self, config_json: str) -> None:
+    def __init__(self, config: ServerConfig) -> None:
         import ray
 
-        config = ServerConfig.model_validate_json(config_json)
+        # Before any request is taken: no keys while Serve listens beyond loopback stops the replica here, however
+        # the application was built (server/exposure.py).
+        check_exposure(config)
         # The batches' jobs join the cluster this replica runs in. A replica Serve replaces may still be stopping
         # (its jobs get their grace): the data dir's lock is waited for that long.
         self.service = BatchService(
@@ -54,7 +57,10 @@ class BatchAPI:
 
 
 def build_app(config: ServerConfig) -> serve.Application:
-    return BatchAPI.bind(config.model_dump_json())
+    # The config object, not its JSON: JSON leaves secrets out (engine.http.api_key serializes to nothing, so it is
+    # never written to a job's checkpoint), and the replica's jobs need them. Ray keeps the bound arguments in the
+    # cluster's control store, behind the cluster's token.
+    return BatchAPI.bind(config)
 
 
 def app_builder(args: dict[str, Any]) -> serve.Application:
@@ -69,4 +75,7 @@ def app_builder(args: dict[str, Any]) -> serve.Application:
     except ValidationError as exc:
         raise ConfigError(f"server config: {format_validation_error(exc)}") from exc
     config.check()
+    # Serve runs already when it builds an application from its config (KubeRay's serveConfigV2): its real HTTP
+    # options are known here, before any replica starts.
+    check_exposure(config)
     return build_app(config)

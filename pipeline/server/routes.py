@@ -28,6 +28,7 @@ from pipeline.server import outputs
 from pipeline.server.auth import Keyring
 from pipeline.server.datadir import DataDirLock, make_private, private_umask, publish
 from pipeline.server.expiry import ExpiryError, form_policy, parse_policy, seconds_of
+from pipeline.server.health import health_routes
 from pipeline.server.linecheck import check_upload
 from pipeline.server.metrics import exposition, storage_families
 from pipeline.server.quotas import QuotaExceeded, Quotas
@@ -129,6 +130,7 @@ Owner = Annotated[str, Depends(current_owner)]
 def create_app(service: BatchService) -> FastAPI:
     app = FastAPI(title="nightshift Batch API", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.service = service
+    app.include_router(health_routes(service.data.database))  # /healthz, /readyz: no key (server/health.py)
     limits = service.config.limits
 
     def error_response(status: int, detail: ErrorDetail) -> JSONResponse:

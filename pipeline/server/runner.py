@@ -357,6 +357,7 @@ class BatchRunner:
                 job_file=self.data.batch(batch_id) / "job.yaml",
                 flags=["--no-progress"],
                 env=_ray_token_environment(),
+                withhold=[self.config.auth.keys_env],  # the server's API keys, whatever the variable's name
                 log_file=self.data.batch(batch_id) / "job.log",
             )
             log.info("batch job started", batch=batch_id, resumed=resume)

@@ -1,12 +1,17 @@
 """`nightshift serve`: start (or join) Ray, run the Serve application on HOST:PORT, and stay up until SIGINT or
 SIGTERM; then shut Serve down, which stops the batches' jobs without giving them a final status, so the next
 server resumes them. Deleting the application waits for the replica's graceful shutdown, which waits for the jobs,
-each within its stop grace (runtime/launcher.py; server/app.py: Serve's timeout is longer)."""
+each within its stop grace (runtime/launcher.py; server/app.py: Serve's timeout is longer).
+
+Ray's token authentication as `nightshift run` has it (cluster/auth.py): a private local Ray starts with
+RAY_AUTH_MODE=token; a cluster given by --address is asked first whether it wants a token and takes this one — a
+missing or refused token stops the server in one line that says what to set, and an open cluster is warned about."""
 
 from __future__ import annotations
 
 import signal
 import threading
+from pathlib import Path
 
 import structlog
 
@@ -15,15 +20,33 @@ from pipeline.server.settings import ServerConfig
 log = structlog.get_logger(__name__)
 
 
-def serve_forever(config: ServerConfig) -> None:
+def serve_forever(config: ServerConfig, token_file: Path | None = None) -> None:
+    """Raises cluster.auth.AuthError (the cluster's token) and ConfigError (keys off while Serve listens beyond
+    loopback) before any request is taken."""
+    from cluster.auth import driver_environment
+
+    with driver_environment(config.address, token_file) as warnings:
+        for warning in warnings:
+            log.warning(warning)
+        _serve(config)
+
+
+def _serve(config: ServerConfig) -> None:
     import ray
     from ray import serve
 
     from pipeline.runtime.session import start_ray
     from pipeline.server.app import APP_NAME, build_app
+    from pipeline.server.exposure import check_exposure
 
     start_ray(config.address)
-    serve.start(http_options={"host": config.host, "port": config.port})
+    try:
+        serve.start(http_options={"host": config.host, "port": config.port})
+        # A cluster whose Serve already runs keeps its own HTTP options: the ones that count.
+        check_exposure(config)
+    except BaseException:
+        ray.shutdown()
+        raise
     serve.run(build_app(config), name=APP_NAME, route_prefix="/", blocking=False)
     log.info("serving", url=f"http://{config.host}:{config.port}/v1", data_dir=str(config.data_dir))
     print(f"nightshift Batch API at http://{config.host}:{config.port}/v1", flush=True)

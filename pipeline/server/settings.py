@@ -257,6 +257,13 @@ class ServerConfig(_Strict):
             )
         if job.output_options.format != "jsonl":
             raise ValueError("output files are JSONL, as OpenAI's are: remove job.output_options.format")
+        if job.observe.metrics_port is not None:
+            # Every batch's job would open that port on its driver, answering anyone without a key (and a second
+            # batch running at once could not bind it): the server's own /metrics, behind the keys, has them.
+            raise ValueError(
+                "job.observe.metrics_port would open an unauthenticated port for every batch: remove it; the "
+                "server's /metrics (with an API key) shows each key's batches"
+            )
         return job
 
     def window(self):  # noqa: ANN201 - pipeline.hours.Hours | None

@@ -10,7 +10,12 @@
   ConfigMap), every Ray container gets them that way, and no ConfigMap holds anything that looks like one;
 - `network_policy_errors`: a NetworkPolicy selects each cluster's head and admits its GCS, dashboard and Ray Client
   ports only from that cluster's own pods and the KubeRay operator, and lets every pod of the cluster (workers, job
-  submitter) reach the head.
+  submitter) reach the head;
+- `identity_errors`: every pod runs as a user other than root (`runAsNonRoot: true`, a non-zero `runAsUser`, an
+  `fsGroup` for its volumes), and no container — nor the autoscaler — turns that back;
+- `service_account_errors`: no pod gets the Kubernetes API token mounted (`automountServiceAccountToken: false`);
+  where the in-tree autoscaler runs (the one container that calls the API), the head's projected service-account
+  token is mounted into it alone, through `autoscalerOptions.volumeMounts`.
 """
 
 from __future__ import annotations
@@ -239,4 +244,92 @@ def network_policy_errors(doc: dict, documents: list[dict]) -> list[str]:
         if not all(reachable):
             missing = [labels for labels, ok in zip(own, reachable, strict=True) if not ok]
             errors.append(f"{where}: pods labelled {missing} of this cluster could not reach its head")
+    return errors
+
+
+# --------------------------------------------------------------------------------------------- identity
+
+# Where Kubernetes mounts a pod's API token, and where the autoscaler (Ray's KubeRay node provider) reads it.
+SERVICE_ACCOUNT_PATH = "/var/run/secrets/kubernetes.io/serviceaccount"
+
+
+def _runs_as_root(context: dict) -> bool:
+    return context.get("runAsNonRoot") is False or context.get("runAsUser") == 0
+
+
+def pod_user(template: dict) -> int | None:
+    """The uid a pod template runs its containers as (its pod-level runAsUser)."""
+    return ((template.get("spec") or {}).get("securityContext") or {}).get("runAsUser")
+
+
+def identity_errors(doc: dict) -> list[str]:
+    errors = []
+    for where, template in pod_templates(doc):
+        context = (template.get("spec") or {}).get("securityContext") or {}
+        at = f"{where}.spec.securityContext"
+        if context.get("runAsNonRoot") is not True:
+            errors.append(f"{at}.runAsNonRoot must be true: the pod must not run as root")
+        uid = context.get("runAsUser")
+        if not isinstance(uid, int) or isinstance(uid, bool) or uid <= 0:
+            errors.append(f"{at}.runAsUser must be the image's non-root uid, got {uid!r}")
+        if not isinstance(context.get("fsGroup"), int):
+            errors.append(f"{at}.fsGroup must be set, so mounted volumes are writable to that user")
+        for container_where, container in _containers(template):
+            if _runs_as_root(container.get("securityContext") or {}):
+                errors.append(f"{where}.{container_where} runs as root (runAsNonRoot false or runAsUser 0)")
+    for where, spec in cluster_specs(doc):
+        if spec.get("enableInTreeAutoscaling"):
+            context = (spec.get("autoscalerOptions") or {}).get("securityContext") or {}
+            if context.get("runAsNonRoot") is not True or _runs_as_root(context):
+                errors.append(
+                    f"{where}.autoscalerOptions.securityContext.runAsNonRoot must be true (the autoscaler container)"
+                )
+    return errors
+
+
+def _token_volumes(template: dict) -> set[str]:
+    """Names of the pod's volumes that carry a service-account token."""
+    names = set()
+    for volume in (template.get("spec") or {}).get("volumes") or []:
+        sources = (volume.get("projected") or {}).get("sources") or []
+        if any("serviceAccountToken" in source for source in sources):
+            names.add(volume.get("name"))
+    return names
+
+
+def _mounts_the_token(mount: dict, token_volumes: set[str]) -> bool:
+    return (
+        mount.get("name") in token_volumes
+        or (mount.get("mountPath") or "").rstrip("/") == SERVICE_ACCOUNT_PATH
+    )
+
+
+def service_account_errors(doc: dict) -> list[str]:
+    errors = []
+    for where, template in pod_templates(doc):
+        spec = template.get("spec") or {}
+        if spec.get("automountServiceAccountToken") is not False:
+            errors.append(
+                f"{where}.spec.automountServiceAccountToken must be false: no Ray container calls the Kubernetes API"
+            )
+        tokens = _token_volumes(template)
+        for container_where, container in _containers(template):
+            for mount in container.get("volumeMounts") or []:
+                if _mounts_the_token(mount, tokens):
+                    errors.append(
+                        f"{where}.{container_where} mounts the Kubernetes API token ({mount.get('name')})"
+                    )
+    for where, spec in cluster_specs(doc):
+        if not spec.get("enableInTreeAutoscaling"):
+            continue
+        tokens = _token_volumes((spec.get("headGroupSpec") or {}).get("template") or {})
+        mounts = (spec.get("autoscalerOptions") or {}).get("volumeMounts") or []
+        if not any(
+            mount.get("name") in tokens and (mount.get("mountPath") or "").rstrip("/") == SERVICE_ACCOUNT_PATH
+            for mount in mounts
+        ):
+            errors.append(
+                f"{where}.autoscalerOptions.volumeMounts: the autoscaler calls the Kubernetes API; mount a projected "
+                f"serviceAccountToken volume of the head pod at {SERVICE_ACCOUNT_PATH}"
+            )
     return errors

@@ -34,7 +34,11 @@ from security_rules import (
     auth_errors,
     container_errors,
     credential_errors,
+    identity_errors,
     network_policy_errors,
+    pod_templates,
+    pod_user,
+    service_account_errors,
 )
 
 REPO = Path(__file__).resolve().parents[2]
@@ -283,6 +287,8 @@ def security_errors(name: str, doc: dict | None = None, context: list[dict] | No
         + container_errors(doc)
         + credential_errors([doc] + [d for d in everything if d.get("kind") == "ConfigMap"])
         + network_policy_errors(doc, context)
+        + identity_errors(doc)
+        + service_account_errors(doc)
     )
 
 
@@ -416,6 +422,83 @@ def test_credentials_in_a_configmap_fail():
     configmap = load("configmap-job.yaml")
     configmap["data"]["job.yaml"] += "aws_secret_access_key: not-a-real-secret\n"
     assert any("belong in a Secret" in error for error in credential_errors([configmap]))
+
+
+def _pod_spec(doc: dict, group: str) -> dict:
+    (_, spec), *_ = cluster_specs(doc)
+    pod = spec["headGroupSpec"] if group == "head" else worker(doc, group)
+    return pod["template"]["spec"]
+
+
+@pytest.mark.parametrize("name, group", RAY_GROUPS)
+@pytest.mark.parametrize(
+    "change, problem",
+    [
+        (lambda p: p["securityContext"].pop("runAsNonRoot"), "runAsNonRoot must be true"),
+        (lambda p: p["securityContext"].update(runAsUser=0), "runAsUser must be the image's non-root uid"),
+        (lambda p: p["securityContext"].pop("fsGroup"), "fsGroup must be set"),
+        (lambda p: p["containers"][0]["securityContext"].update(runAsUser=0), "runs as root"),
+        (lambda p: p["containers"][0]["securityContext"].update(runAsNonRoot=False), "runs as root"),
+        (lambda p: p.pop("automountServiceAccountToken"), "automountServiceAccountToken must be false"),
+        (lambda p: p.update(automountServiceAccountToken=True), "automountServiceAccountToken must be false"),
+    ],
+)
+def test_a_pod_that_runs_as_root_or_gets_the_api_token_fails(name, group, change, problem):
+    doc = load(name)
+    change(_pod_spec(doc, group))
+    assert any(problem in error for error in security_errors(name, doc)), (name, group)
+
+
+@pytest.mark.parametrize("name", RAY_FILES)
+def test_only_the_autoscaler_gets_the_api_token(name):
+    doc = load(name)
+    _pod_spec(doc, "head")["containers"][0]["volumeMounts"].append(
+        {"name": "kube-api-token", "mountPath": "/x"}
+    )
+    assert any("mounts the Kubernetes API token" in error for error in security_errors(name, doc))
+    doc = load(name)
+    for _, spec in cluster_specs(doc):
+        del spec["autoscalerOptions"]["volumeMounts"]
+    assert any("the autoscaler calls the Kubernetes API" in error for error in security_errors(name, doc))
+    doc = load(name)
+    for _, spec in cluster_specs(doc):
+        del spec["autoscalerOptions"]["securityContext"]["runAsNonRoot"]
+    assert any("(the autoscaler container)" in error for error in security_errors(name, doc))
+
+
+def test_the_job_submitter_is_not_root_and_gets_no_token():
+    doc = load("rayjob.yaml")
+    del doc["spec"]["submitterPodTemplate"]["spec"]["securityContext"]
+    errors = security_errors("rayjob.yaml", doc)
+    assert any("submitterPodTemplate.spec.securityContext.runAsNonRoot" in error for error in errors)
+    doc = load("rayjob.yaml")
+    doc["spec"]["submitterPodTemplate"]["spec"]["automountServiceAccountToken"] = True
+    assert any(
+        "submitterPodTemplate.spec.automount" in error for error in security_errors("rayjob.yaml", doc)
+    )
+
+
+def image_user(dockerfile: str) -> int | str | None:
+    """The user the image's processes run as: its last USER (ARG defaults substituted; a uid as int), or None
+    (root) without one."""
+    arguments = dict(re.findall(r"^ARG (\w+)=(\S+)$", dockerfile, re.MULTILINE))
+    users = re.findall(r"^USER\s+(\S+)", dockerfile, re.MULTILINE)
+    if not users:
+        return None
+    user = re.sub(r"\$\{(\w+)\}|\$(\w+)", lambda m: arguments.get(m[1] or m[2], ""), users[-1]).split(":")[0]
+    return int(user) if user.isdigit() else user
+
+
+def test_the_images_run_as_the_non_root_user_the_pods_run_as():
+    uids = {pod_user(template) for _, doc in ray_documents() for _, template in pod_templates(doc)}
+    (uid,) = uids  # one user in every pod of every manifest
+    assert isinstance(uid, int) and uid > 0
+    for dockerfile in ("cuda.Dockerfile", "rocm.Dockerfile"):
+        text = (K8S / "images" / dockerfile).read_text()
+        assert image_user(text) == uid, dockerfile
+        # The image creates that user (or keeps its base's) with a home for the engines' caches.
+        assert re.search(r"useradd --uid \"\$\{NIGHTSHIFT_UID\}\".*--create-home", text), dockerfile
+        assert image_user(text + "USER root\n") == "root" and image_user(text.replace("USER ", "# ")) is None
 
 
 @pytest.mark.parametrize("name", RAY_FILES)

@@ -133,7 +133,9 @@ def _serve_settings(monkeypatch, args: list[str]):
     import pipeline.server.serving
 
     seen = []
-    monkeypatch.setattr(pipeline.server.serving, "serve_forever", seen.append)
+    monkeypatch.setattr(
+        pipeline.server.serving, "serve_forever", lambda config, token_file=None: seen.append(config)
+    )
     result = CliRunner().invoke(app, ["serve", *args], env={"COLUMNS": "240"})
     return result, seen
 

@@ -333,9 +333,9 @@ def _shift_job(tmp_path, monkeypatch, behaviour: str):  # noqa: ANN202 - ShiftJo
     from pipeline.runtime.shifts import ShiftJob
     from tests.fake_job_process import install_fake_python
 
-    install_fake_python(tmp_path, monkeypatch)
-    monkeypatch.setenv("FAKE_RECORD", str(tmp_path / "record.jsonl"))
-    monkeypatch.setenv("FAKE_BEHAVIOUR", behaviour)
+    install_fake_python(
+        tmp_path, monkeypatch, {"FAKE_RECORD": str(tmp_path / "record.jsonl"), "FAKE_BEHAVIOUR": behaviour}
+    )
     job = JobConfig(input=str(tmp_path / "in.jsonl"), output=str(tmp_path / "out"))
     return ShiftJob(job, resume=False, flags=["--no-progress"])
 

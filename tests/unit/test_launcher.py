@@ -4,6 +4,7 @@ on SIGINT as a job does, or ignores SIGINT as a stuck job would."""
 
 from __future__ import annotations
 
+import os
 import signal
 import stat
 import time
@@ -150,3 +151,80 @@ def test_sigint_reaches_the_child_even_where_the_launcher_ignores_it(tmp_path, f
     seen = _record(tmp_path)
     assert seen["sigint"] != str(signal.SIG_IGN)
     assert child.stop() == 130
+
+
+# What the launcher's own environment holds besides what a job needs: a server's API keys and credentials.
+LAUNCHER_ENVIRONMENT = {
+    "NIGHTSHIFT_API_KEYS": "server-key-" + "0" * 20,
+    "SERVER_KEYS_ELSEWHERE": "server-key-" + "1" * 20,
+    "SOME_CANARY": "canary-value",
+    "AWS_ACCESS_KEY_ID": "AKIA-canary",
+    "AWS_SECRET_ACCESS_KEY": "aws-secret-canary",
+    "GOOGLE_APPLICATION_CREDENTIALS": "/secrets/gcp.json",
+    "RAY_AUTH_MODE": "token",
+    "RAY_AUTH_TOKEN_PATH": "/home/ns/.nightshift/ray/auth_token",
+    "HF_TOKEN": "hf-token-for-gated-models",
+    "LC_ALL": "C.UTF-8",
+    "NIGHTSHIFT_HOME": "/home/ns/.nightshift",
+    "VLLM_CPU_OMP_THREADS_BIND": "0-3",
+}
+
+
+@pytest.fixture
+def launcher_environment(monkeypatch):
+    for name, value in LAUNCHER_ENVIRONMENT.items():
+        monkeypatch.setenv(name, value)
+
+
+def test_a_job_gets_only_the_variables_a_job_needs(tmp_path, fake_python, launcher_environment):
+    child = _start(tmp_path, "exit:0", withhold=["SERVER_KEYS_ELSEWHERE"])
+    assert child.wait() == 0
+    env = _record(tmp_path)["env"]
+    for gone in (
+        "NIGHTSHIFT_API_KEYS",
+        "SERVER_KEYS_ELSEWHERE",
+        "SOME_CANARY",
+        "GOOGLE_APPLICATION_CREDENTIALS",
+    ):
+        assert gone not in env, gone
+    assert not any(name.startswith("AWS_") for name in env)  # the job's locations are local
+    for kept in ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN_PATH", "HF_TOKEN", "LC_ALL", "NIGHTSHIFT_HOME", "PATH"):
+        assert env[kept] == os.environ[kept], kept
+    assert env["VLLM_CPU_OMP_THREADS_BIND"] == "0-3"
+    assert env["FAKE_BEHAVIOUR"] == "exit:0"  # the caller's own variables are added
+
+
+def test_s3_credentials_reach_only_a_job_with_an_s3_location(tmp_path, fake_python, launcher_environment):
+    job = _job(tmp_path).model_copy(update={"output": "s3://bucket/batches/out"})
+    child = _start(tmp_path, "exit:0", job)
+    assert child.wait() == 0
+    env = _record(tmp_path)["env"]
+    assert env["AWS_ACCESS_KEY_ID"] == "AKIA-canary" and env["AWS_SECRET_ACCESS_KEY"] == "aws-secret-canary"
+    assert "NIGHTSHIFT_API_KEYS" not in env and "SOME_CANARY" not in env
+
+
+def test_an_adapter_on_s3_is_an_s3_location_too(tmp_path):
+    from pipeline.runtime.job_env import uses_s3
+
+    assert not uses_s3(_job(tmp_path))
+    adapter = {"sql": "s3://bucket/adapters/sql"}
+    assert uses_s3(JobConfig.model_validate({"engine": {"vllm": {"lora_modules": adapter}}}))
+    pool = {"name": "lora", "engine_overrides": {"lora_modules": adapter}}
+    assert uses_s3(JobConfig.model_validate({"pools": [pool]}))
+
+
+def test_a_withheld_variable_never_passes_even_one_the_table_allows(
+    tmp_path, fake_python, launcher_environment
+):
+    child = _start(tmp_path, "exit:0", withhold=["RAY_AUTH_TOKEN_PATH", "MY_ENDPOINT_KEY"])
+    assert child.wait() == 0
+    assert "RAY_AUTH_TOKEN_PATH" not in _record(tmp_path)["env"]
+
+
+def test_the_variable_the_http_engine_reads_its_key_from_passes(tmp_path, fake_python, monkeypatch):
+    """`run --hours --engine http` with the key in $NIGHTSHIFT_API_KEY (or the variable the job names): each
+    shift's job reads it there."""
+    monkeypatch.setenv("MY_ENDPOINT_KEY", SECRET)
+    child = _start(tmp_path, "exit:0", _job(tmp_path, api_key_env="MY_ENDPOINT_KEY"))
+    assert child.wait() == 0
+    assert _record(tmp_path)["env"]["MY_ENDPOINT_KEY"] == SECRET

@@ -1,0 +1,84 @@
+"""`GET /healthz` and `GET /readyz`: the API's own liveness and readiness, for probes and load balancers.
+
+Neither takes a key (probes carry none) and neither tells anything about tenants, files or paths.
+
+- `/healthz` (liveness): the replica's HTTP app answers. Nothing else is touched, so it stays cheap and a slow
+  database or cluster never gets a live replica restarted.
+- `/readyz` (readiness): the replica can do its work. The state database takes a write — a committed transaction
+  that rewrites its schema version with the value it has, so a read-only, full or locked disk, or a data dir that
+  vanished, shows here and not in the next upload — and the Ray cluster the batches run on answers (one call to its
+  GCS). Each check is bounded by READY_TIMEOUT_S; 503 with the reason of each failing check otherwise.
+"""
+
+from __future__ import annotations
+
+import sqlite3
+from pathlib import Path
+from typing import Any
+
+from fastapi import APIRouter
+from fastapi.responses import JSONResponse
+
+# A probe's answer must come well within a Kubernetes probe's default timeout (1 s would be tight on a busy disk;
+# give probes timeoutSeconds >= 5, as k8s/rayservice.yaml does).
+READY_TIMEOUT_S = 2.0
+
+
+def database_problem(path: Path) -> str | None:
+    """None when the database at `path` commits a write; else why not (never its path)."""
+    try:
+        # mode=rw: a missing file is a failure, not a new empty database.
+        conn = sqlite3.connect(
+            f"file:{path}?mode=rw", uri=True, timeout=READY_TIMEOUT_S, isolation_level=None
+        )
+        try:
+            conn.execute("BEGIN IMMEDIATE")  # the write lock, waited for at most the timeout
+            try:
+                (version,) = conn.execute("PRAGMA user_version").fetchone()
+                # A real write (a new page in the log, synced at commit) that changes nothing: under the write lock,
+                # the version written is the version read.
+                conn.execute(f"PRAGMA user_version = {int(version)}")
+            except BaseException:
+                conn.execute("ROLLBACK")
+                raise
+            conn.execute("COMMIT")
+        finally:
+            conn.close()
+    except sqlite3.Error as exc:
+        return f"the database takes no write: {exc}"
+    return None
+
+
+def ray_problem() -> str | None:
+    """None when the Ray cluster this process is connected to answers; else why not."""
+    import ray
+
+    if not ray.is_initialized():
+        return "not connected to a Ray cluster"
+    from ray.experimental.internal_kv import internal_kv_get_gcs_client
+
+    try:
+        internal_kv_get_gcs_client().internal_kv_exists(
+            b"nightshift-readyz", namespace=b"nightshift", timeout=READY_TIMEOUT_S
+        )
+    except Exception as exc:  # noqa: BLE001 - whatever it is, the cluster did not answer
+        return f"the Ray cluster does not answer ({type(exc).__name__})"
+    return None
+
+
+def health_routes(database: Path) -> APIRouter:
+    router = APIRouter()
+
+    @router.get("/healthz", include_in_schema=False)
+    def healthz() -> dict[str, Any]:
+        return {"status": "ok"}
+
+    @router.get("/readyz", include_in_schema=False)
+    def readyz() -> JSONResponse:
+        problems = {"database": database_problem(database), "ray": ray_problem()}
+        checks = {name: problem or "ok" for name, problem in problems.items()}
+        if any(problems.values()):
+            return JSONResponse({"status": "unavailable", "checks": checks}, status_code=503)
+        return JSONResponse({"status": "ok", "checks": checks})
+
+    return router

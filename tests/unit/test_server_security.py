@@ -1,0 +1,196 @@
+"""The Batch API's guards that need no running server: a per-batch metrics port refused in its config, no keys refused
+wherever Serve listens beyond loopback, `serve` joining Ray with token authentication as `run` does, and the health
+routes (`/healthz`, `/readyz`) on the app itself."""
+
+from __future__ import annotations
+
+import sqlite3
+
+import pytest
+from fastapi.testclient import TestClient
+from typer.testing import CliRunner
+
+from cluster.auth import AUTH_MODE_ENV, LOOPBACK_ENV, TOKEN_ENV, TOKEN_PATH_ENV
+from pipeline.config import ConfigError
+from pipeline.server.exposure import ServeHttp, refuse_open_no_auth
+from pipeline.server.settings import ServerConfig, load_server_config
+from tests.unit.cluster.test_auth import TOKEN, FakeGcs
+
+# ------------------------------------------------------------------------------------------ metrics port
+
+
+def test_a_per_batch_metrics_port_is_refused_in_the_server_config(tmp_path):
+    config = tmp_path / "server.yaml"
+    config.write_text("job:\n  observe:\n    metrics_port: 9100\n")
+    with pytest.raises(ConfigError, match=r"job\.observe\.metrics_port .*unauthenticated port.*remove it"):
+        load_server_config(config, {})
+    from pipeline.server.app import app_builder
+
+    with pytest.raises(ConfigError, match="metrics_port"):
+        app_builder({"auth": {"disabled": True}, "job": {"observe": {"metrics_port": 9100}}})
+
+
+# ------------------------------------------------------------------------------------------ where Serve listens
+
+
+@pytest.mark.parametrize("host", ["0.0.0.0", "::", "10.1.2.3", "api.internal"])
+def test_no_keys_are_refused_when_serve_listens_beyond_loopback_whatever_the_configs_host(host):
+    config = ServerConfig(auth={"disabled": True})  # host: 127.0.0.1, the check of the config alone passes
+    config.check()
+    with pytest.raises(ConfigError) as refused:
+        refuse_open_no_auth(config, ServeHttp(host=host, port=8000))
+    message = str(refused.value)
+    assert f"http_options.host {host}" in message and "API keys" in message and "127.0.0.1" in message
+
+
+@pytest.mark.parametrize(
+    "serving",
+    [None, ServeHttp(host="127.0.0.1", port=8000), ServeHttp("localhost", 1), ServeHttp(None, 8000)],
+)
+def test_no_keys_pass_on_loopback_without_serve_or_with_its_proxies_off(serving):
+    refuse_open_no_auth(ServerConfig(auth={"disabled": True}), serving)
+
+
+def test_keys_pass_wherever_serve_listens():
+    refuse_open_no_auth(ServerConfig(host="0.0.0.0"), ServeHttp(host="0.0.0.0", port=8000))
+
+
+# ------------------------------------------------------------------------------------------ serve joins Ray as run
+
+
+@pytest.fixture
+def no_ray_token(tmp_path, monkeypatch):
+    """No Ray auth variables and an empty NIGHTSHIFT_HOME: the only token is what the test gives."""
+    for name in (AUTH_MODE_ENV, TOKEN_ENV, TOKEN_PATH_ENV, LOOPBACK_ENV):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("NIGHTSHIFT_HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("HOME", str(tmp_path / "user"))
+
+
+class RayStarted(Exception):
+    pass
+
+
+@pytest.fixture
+def ray_starts(monkeypatch):
+    """Stands in for starting Ray: records the environment Ray would start with, then stops `serve` there."""
+    import os
+
+    import pipeline.runtime.session
+
+    seen: list[dict] = []
+
+    def start_ray(address):  # noqa: ANN001, ANN202
+        seen.append({"address": address, **{k: os.environ.get(k) for k in (AUTH_MODE_ENV, TOKEN_PATH_ENV)}})
+        raise RayStarted
+
+    monkeypatch.setattr(pipeline.runtime.session, "start_ray", start_ray)
+    return seen
+
+
+def _serve(tmp_path, *args: str):  # noqa: ANN202
+    from pipeline.cli import app
+
+    return CliRunner().invoke(app, ["serve", "--no-auth", "--data-dir", str(tmp_path / "data"), *args])
+
+
+def test_serve_starts_its_local_ray_with_token_auth(tmp_path, no_ray_token, ray_starts):
+    result = _serve(tmp_path)
+    assert isinstance(result.exception, RayStarted), result.output
+    assert ray_starts == [{"address": None, AUTH_MODE_ENV: "token", TOKEN_PATH_ENV: None}]
+
+
+def test_serve_on_a_cluster_that_wants_a_token_it_lacks_stops_in_one_line(tmp_path, no_ray_token, ray_starts):
+    gcs = FakeGcs(TOKEN)
+    try:
+        result = _serve(tmp_path, "--address", gcs.address)
+    finally:
+        gcs.server.stop(None)
+    assert result.exit_code == 2 and ray_starts == []
+    (line,) = [line for line in result.output.splitlines() if line.strip()]
+    assert line.startswith(f"error: the Ray cluster at {gcs.address} requires a token and none was found")
+    assert "--token-file" in line
+
+
+def test_serve_on_a_cluster_joins_with_the_token_given(tmp_path, no_ray_token, ray_starts):
+    token = tmp_path / "token"
+    token.write_text(TOKEN)
+    token.chmod(0o600)
+    gcs = FakeGcs(TOKEN)
+    try:
+        result = _serve(tmp_path, "--address", gcs.address, "--token-file", str(token))
+    finally:
+        gcs.server.stop(None)
+    assert isinstance(result.exception, RayStarted), result.output
+    assert ray_starts == [{"address": gcs.address, AUTH_MODE_ENV: "token", TOKEN_PATH_ENV: str(token)}]
+
+
+def test_serve_on_an_open_cluster_is_warned(tmp_path, no_ray_token, ray_starts):
+    gcs = FakeGcs(None)
+    try:
+        result = _serve(tmp_path, "--address", gcs.address)
+    finally:
+        gcs.server.stop(None)
+    assert isinstance(result.exception, RayStarted), result.output
+    assert f"the Ray cluster at {gcs.address} does not enforce a token" in result.output
+
+
+# ------------------------------------------------------------------------------------------ /healthz and /readyz
+
+
+@pytest.fixture
+def api(tmp_path, monkeypatch):
+    """The app with an API key, over a service with no Ray connected (as in a replica whose cluster is gone)."""
+    from pipeline.server.routes import BatchService, create_app
+
+    monkeypatch.setenv("NIGHTSHIFT_API_KEYS", "k" * 20)
+    service = BatchService(ServerConfig(data_dir=tmp_path / "data"), None)
+    return TestClient(create_app(service)), service
+
+
+def test_healthz_answers_without_a_key_while_the_api_wants_one(api):
+    client, _ = api
+    assert client.get("/v1/batches").status_code == 401
+    answer = client.get("/healthz")
+    assert answer.status_code == 200 and answer.json() == {"status": "ok"}
+
+
+def test_readyz_is_503_with_the_reason_while_ray_is_not_reachable(api):
+    client, _ = api
+    answer = client.get("/readyz")
+    assert answer.status_code == 503
+    assert answer.json() == {
+        "status": "unavailable",
+        "checks": {"database": "ok", "ray": "not connected to a Ray cluster"},
+    }
+
+
+def test_readyz_writes_to_the_database_and_says_when_it_cannot(api, monkeypatch):
+    import pipeline.server.health as health
+
+    monkeypatch.setattr(health, "ray_problem", lambda: None)
+    monkeypatch.setattr(health, "READY_TIMEOUT_S", 0.2)
+    client, service = api
+    assert client.get("/readyz").json() == {"status": "ok", "checks": {"database": "ok", "ray": "ok"}}
+    # Another writer holds the database: a read would pass, a write cannot.
+    holder = sqlite3.connect(service.data.database, isolation_level=None)
+    holder.execute("BEGIN EXCLUSIVE")
+    try:
+        answer = client.get("/readyz")
+    finally:
+        holder.execute("ROLLBACK")
+        holder.close()
+    assert answer.status_code == 503
+    assert answer.json()["checks"] == {
+        "database": "the database takes no write: database is locked",
+        "ray": "ok",
+    }
+    assert client.get("/readyz").status_code == 200
+    # The data dir's database is gone: never answered by a new empty one.
+    service.store.close()
+    for suffix in ("", "-wal", "-shm"):
+        service.data.database.with_name(service.data.database.name + suffix).unlink(missing_ok=True)
+    answer = client.get("/readyz")
+    assert answer.status_code == 503 and "unable to open database file" in answer.json()["checks"]["database"]
+    assert str(service.data.root) not in answer.text
+    assert not service.data.database.exists()
