@@ -14,7 +14,8 @@ frees at once (`free_file`); the sweep runs every `retention.sweep_seconds` in i
 
 A server killed mid-request leaves what no row points at: an upload's scratch part, an upload renamed into place
 before its row was inserted, a batch folder made before its row. `clear_leftovers` removes them when the next
-server opens the data dir, before it takes a request — the only time nothing of the kind is in flight."""
+server opens the data dir, before it takes a request — the only time nothing of the kind is in flight — unless its
+database is new (then no row could name anything, and the files are the operator's to judge)."""
 
 from __future__ import annotations
 
@@ -116,17 +117,26 @@ class Sweeper:
         for part in _entries(self.data.scratch):
             _remove(part)
             found.parts += 1
-        stored = {self.data.upload(file_id).name for file_id in self.store.stored_file_ids()}
-        for path in _entries(self.data.files):
-            if path.name not in stored:
-                _remove(path)
-                found.uploads += 1
-        # A folder the rows say was purged is as much a leftover as one of no batch.
-        unpurged = set(self.store.unpurged_batch_ids())
-        for path in _entries(self.data.batches):
-            if path.name not in unpurged:
-                _remove(path)
-                found.folders += 1
+        if self.store.found_version == 0:
+            # A database created just now beside uploads or batch folders (a lost or moved state.sqlite): that no
+            # row names them says nothing about them; they are the operator's to judge, not removed.
+            if unnamed := len(_entries(self.data.files)) + len(_entries(self.data.batches)):
+                log.warning(
+                    "the data dir's database is new: its uploads and batch folders are not served",
+                    entries=unnamed,
+                )
+        else:
+            stored = {self.data.upload(file_id).name for file_id in self.store.stored_file_ids()}
+            for path in _entries(self.data.files):
+                if path.name not in stored:
+                    _remove(path)
+                    found.uploads += 1
+            # A folder the rows say was purged is as much a leftover as one of no batch.
+            unpurged = set(self.store.unpurged_batch_ids())
+            for path in _entries(self.data.batches):
+                if path.name not in unpurged:
+                    _remove(path)
+                    found.folders += 1
         if found != Leftovers():
             log.info("removed what a stopped server left", **found.__dict__)
         return found

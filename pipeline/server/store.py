@@ -153,7 +153,8 @@ class Store:
         self._conn.execute("PRAGMA journal_mode=WAL")
         self._lock = threading.Lock()
         with self._lock:
-            migrate(self._conn, path)
+            # 0: the database was created now (whatever else the data dir holds, no row of it names anything yet).
+            self.found_version = migrate(self._conn, path)
 
     def close(self) -> None:
         with self._lock:

@@ -291,6 +291,31 @@ def test_what_a_server_killed_mid_request_left_is_removed_when_the_next_starts(
         service.lock.release()
 
 
+def test_beside_a_new_database_uploads_and_batch_folders_are_kept(tmp_path, monkeypatch):
+    """A data dir whose database is created now (lost, or moved away): no row could name its files, so none is
+    taken for a leftover; a scratch part is one all the same."""
+    from pipeline.server.routes import BatchService
+    from pipeline.server.settings import AuthSettings, ServerConfig
+
+    data = DataDir(tmp_path / "data")
+    data.create()
+    kept = [
+        data.upload("file-0123456789abcdef01234567"),
+        data.batch("batch_0123456789abcdef01234567") / "job.log",
+    ]
+    part = data.scratch / "upload-0123456789abcdef.part"
+    for path in [*kept, part]:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text("x")
+    monkeypatch.setenv("NIGHTSHIFT_API_KEYS", KEY)
+    service = BatchService(ServerConfig(data_dir=data.root, auth=AuthSettings()), None)
+    try:
+        assert all(p.exists() for p in kept) and not part.exists()
+    finally:
+        service.store.close()
+        service.lock.release()
+
+
 def test_a_batch_that_made_no_file_keeps_its_folder_for_the_output_lifetime(sweeping):
     store, data, sweeper = sweeping
     store.add_file("file-in", "o", "in.jsonl", "batch", 7)
