@@ -10,7 +10,12 @@ What frees what:
 
 Every step is marked in the database after the bytes are gone, and each is idempotent: a server killed mid-sweep
 redoes the rest at its next sweep, and nothing not deleted or expired is ever touched. A delete through the API
-frees at once (`free_file`); the sweep runs every `retention.sweep_seconds` in its own thread."""
+frees at once (`free_file`); the sweep runs every `retention.sweep_seconds` in its own thread.
+
+A server killed mid-request leaves what no row points at: an upload's scratch part, an upload renamed into place
+before its row was inserted, a batch folder made before its row. `clear_leftovers` removes them when the next
+server opens the data dir, before it takes a request — the only time nothing of the kind is in flight — unless its
+database is new (then no row could name anything, and the files are the operator's to judge)."""
 
 from __future__ import annotations
 
@@ -33,6 +38,13 @@ if TYPE_CHECKING:
     from pipeline.server.store import Store
 
 log = structlog.get_logger(__name__)
+
+
+@dataclass
+class Leftovers:
+    parts: int = 0  # scratch parts of uploads cut short
+    uploads: int = 0  # files under files/ that no stored row names
+    folders: int = 0  # batch folders of no batch, or of a purged one
 
 
 @dataclass
@@ -97,6 +109,38 @@ class Sweeper:
             swept.purged += 1
         return swept
 
+    def clear_leftovers(self) -> Leftovers:
+        """Remove what a killed server left that nothing points at. Call it only while no request runs: an upload
+        in flight has a scratch part and, for a moment, a file without its row, and a batch being created a
+        folder without its row."""
+        found = Leftovers()
+        for part in _entries(self.data.scratch):
+            _remove(part)
+            found.parts += 1
+        if self.store.found_version == 0:
+            # A database created just now beside uploads or batch folders (a lost or moved state.sqlite): that no
+            # row names them says nothing about them; they are the operator's to judge, not removed.
+            if unnamed := len(_entries(self.data.files)) + len(_entries(self.data.batches)):
+                log.warning(
+                    "the data dir's database is new: its uploads and batch folders are not served",
+                    entries=unnamed,
+                )
+        else:
+            stored = {self.data.upload(file_id).name for file_id in self.store.stored_file_ids()}
+            for path in _entries(self.data.files):
+                if path.name not in stored:
+                    _remove(path)
+                    found.uploads += 1
+            # A folder the rows say was purged is as much a leftover as one of no batch.
+            unpurged = set(self.store.unpurged_batch_ids())
+            for path in _entries(self.data.batches):
+                if path.name not in unpurged:
+                    _remove(path)
+                    found.folders += 1
+        if found != Leftovers():
+            log.info("removed what a stopped server left", **found.__dict__)
+        return found
+
     def free_file(self, file_id: str) -> bool:
         """A file just deleted through the API: its bytes go now, unless an unfinished batch reads it (then at the
         first sweep after that batch ends), and with it its batch's folder when nothing else of it is left."""
@@ -120,3 +164,18 @@ class Sweeper:
     def _purge(self, batch_id: str) -> None:
         shutil.rmtree(self.data.batch(batch_id), ignore_errors=True)
         self.store.mark_purged(batch_id)
+
+
+def _entries(directory: Path) -> list[Path]:
+    return list(directory.iterdir()) if directory.is_dir() else []
+
+
+def _remove(path: Path) -> None:
+    # A leftover that cannot go (a network filesystem's busy placeholder) must not keep the server from starting.
+    try:
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path)
+        else:
+            path.unlink(missing_ok=True)
+    except OSError as exc:
+        log.warning("a leftover could not be removed", path=str(path), error=str(exc))

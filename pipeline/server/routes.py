@@ -92,6 +92,8 @@ class BatchService:
                 log.info("data dir made private", data_dir=str(config.data_dir), entries=changed)
             self.runner = BatchRunner(config, self.store, self.data, ray_address, self.quotas)
             self.sweeper = Sweeper(self.store, self.data, config.retention.sweep_seconds)
+            # Before any request: what a killed predecessor left mid-request, and nothing in flight now.
+            self.sweeper.clear_leftovers()
         except BaseException:
             self.lock.release()
             raise

@@ -153,7 +153,8 @@ class Store:
         self._conn.execute("PRAGMA journal_mode=WAL")
         self._lock = threading.Lock()
         with self._lock:
-            migrate(self._conn, path)
+            # 0: the database was created now (whatever else the data dir holds, no row of it names anything yet).
+            self.found_version = migrate(self._conn, path)
 
     def close(self) -> None:
         with self._lock:
@@ -311,6 +312,14 @@ class Store:
     def mark_purged(self, batch_id: str) -> None:
         with self._tx() as db:
             db.execute("UPDATE batches SET purged = 1 WHERE id = ?", (batch_id,))
+
+    def stored_file_ids(self) -> list[str]:
+        """Uploads whose bytes are on disk by the rows (everything else under files/ is a leftover)."""
+        return [r["id"] for r in self._all("SELECT id FROM files WHERE purpose = 'batch' AND stored = 1", ())]
+
+    def unpurged_batch_ids(self) -> list[str]:
+        """Batches whose folder the rows keep (everything else under batches/ is a leftover)."""
+        return [r["id"] for r in self._all("SELECT id FROM batches WHERE purged = 0", ())]
 
     def stored_by_purpose(self, owner: str) -> dict[str, tuple[int, int]]:
         """The owner's files whose bytes are on disk, per purpose: (files, bytes). Deleted files a batch still

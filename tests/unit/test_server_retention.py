@@ -240,6 +240,82 @@ def test_a_killed_sweep_is_finished_by_the_next(sweeping):
     assert data.upload("file-c").exists()
 
 
+def test_what_a_server_killed_mid_request_left_is_removed_when_the_next_starts(
+    sweeping, tmp_path, monkeypatch
+):
+    """A kill while an upload streamed in (its scratch part), between an upload's rename into place and its row
+    (a file no row names), or between a batch's folder and its row (a folder no row names): nothing points at them,
+    and the next service on the data dir removes them before it takes a request — and nothing else."""
+    from pipeline.server.routes import BatchService
+    from pipeline.server.settings import AuthSettings, ServerConfig
+
+    store, data, _ = sweeping
+    store.add_file("file-kept", "o", "k.jsonl", "batch", 3)
+    data.upload("file-kept").write_text("{}\n")
+    store.add_file("file-held", "o", "h.jsonl", "batch", 3)  # deleted, its bytes held by a batch: kept
+    data.upload("file-held").write_text("{}\n")
+    store.add_batch(
+        "batch_live", "o", "/v1/chat/completions", "file-held", "24h", None, 0, int(time.time()) + DAY
+    )
+    store.delete_file("file-held", "o")
+    (data.output("batch_live") / "_staging").mkdir(parents=True)
+    store.add_batch(
+        "batch_gone", "o", "/v1/chat/completions", "file-kept", "24h", None, 0, int(time.time()) + DAY
+    )
+    store.update_batch("batch_gone", status="completed", completed_at=int(time.time()))
+    store.mark_purged("batch_gone")
+    store.close()
+    leftovers = [
+        data.scratch / "upload-0123456789abcdef.part",  # killed mid-stream
+        data.upload("file-0123456789abcdef01234567"),  # killed between the rename and the row
+        data.batch("batch_0123456789abcdef01234567") / "job.log",  # killed between the mkdir and the row
+        data.batch("batch_gone") / "job.log",  # a folder the rows say was purged
+    ]
+    for path in leftovers:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text("x")
+
+    monkeypatch.setenv("NIGHTSHIFT_API_KEYS", KEY)
+    service = BatchService(ServerConfig(data_dir=data.root, auth=AuthSettings()), None)
+    try:
+        assert not any(p.exists() for p in leftovers)
+        assert (
+            not data.batch("batch_0123456789abcdef01234567").exists()
+            and not data.batch("batch_gone").exists()
+        )
+        assert sorted(p.name for p in data.files.iterdir()) == ["file-held.jsonl", "file-kept.jsonl"]
+        assert [p.name for p in data.batches.iterdir()] == ["batch_live"]
+        assert (data.output("batch_live") / "_staging").is_dir() and not list(data.scratch.iterdir())
+    finally:
+        service.store.close()
+        service.lock.release()
+
+
+def test_beside_a_new_database_uploads_and_batch_folders_are_kept(tmp_path, monkeypatch):
+    """A data dir whose database is created now (lost, or moved away): no row could name its files, so none is
+    taken for a leftover; a scratch part is one all the same."""
+    from pipeline.server.routes import BatchService
+    from pipeline.server.settings import AuthSettings, ServerConfig
+
+    data = DataDir(tmp_path / "data")
+    data.create()
+    kept = [
+        data.upload("file-0123456789abcdef01234567"),
+        data.batch("batch_0123456789abcdef01234567") / "job.log",
+    ]
+    part = data.scratch / "upload-0123456789abcdef.part"
+    for path in [*kept, part]:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text("x")
+    monkeypatch.setenv("NIGHTSHIFT_API_KEYS", KEY)
+    service = BatchService(ServerConfig(data_dir=data.root, auth=AuthSettings()), None)
+    try:
+        assert all(p.exists() for p in kept) and not part.exists()
+    finally:
+        service.store.close()
+        service.lock.release()
+
+
 def test_a_batch_that_made_no_file_keeps_its_folder_for_the_output_lifetime(sweeping):
     store, data, sweeper = sweeping
     store.add_file("file-in", "o", "in.jsonl", "batch", 7)
