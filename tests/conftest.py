@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import json
+import os
 import re
+import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -28,6 +31,25 @@ def foreign_lines(stdout: str, stderr: str) -> list[str]:
     lines = [line for line in stderr.splitlines() if line.strip() and not _OWN_LOG_LINE.match(line)]
     lines += [line for line in (stdout + "\n" + stderr).splitlines() if any(n in line for n in KNOWN_NOISE)]
     return lines
+
+
+def run_bench_smoke(script: str, *args: str) -> subprocess.CompletedProcess:
+    """A bench script of this tree (`bench/<script>`) in a child Python, as a user runs it; asserts it succeeded."""
+    repo = Path(__file__).resolve().parents[1]
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(repo), os.environ.get("PYTHONPATH")])),
+    }
+    proc = subprocess.run(
+        [sys.executable, str(repo / "bench" / script), *args],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=env,
+        cwd=repo,
+    )
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    return proc
 
 
 def chat_line(custom_id: str, content: str, **body) -> str:

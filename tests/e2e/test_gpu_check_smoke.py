@@ -8,35 +8,20 @@ the engine cores recorded them), and the table printed.
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
+from tests.conftest import run_bench_smoke
+
 pytestmark = pytest.mark.slow
 
-REPO = Path(__file__).resolve().parents[2]
 PATHS = ["nightshift", "vllm-offline", "vllm-run-batch"]
 
 
 @pytest.fixture(scope="module")
 def smoke(tmp_path_factory, embedded_model) -> tuple[dict, str]:
     out = tmp_path_factory.mktemp("gpu-check") / "gpu_check.json"
-    env = {
-        **os.environ,
-        "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
-    }
-    proc = subprocess.run(
-        [sys.executable, str(REPO / "bench" / "gpu_check.py"), "--smoke", "--out", str(out)],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        env=env,
-        cwd=REPO,
-    )
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    proc = run_bench_smoke("gpu_check.py", "--smoke", "--out", str(out))
     return json.loads(out.read_text()), proc.stdout
 
 

@@ -6,28 +6,13 @@ routing loading adapters no more often than no routing."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[2]
+from tests.conftest import run_bench_smoke
 
 
 def test_lora_routing_smoke_reports_fewer_or_equal_loads_routed(tmp_path: Path) -> None:
-    env = {
-        **os.environ,
-        "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
-    }
-    proc = subprocess.run(
-        [sys.executable, str(REPO / "bench" / "lora_routing.py"), "--smoke", "--out-dir", str(tmp_path)],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        env=env,
-        cwd=REPO,
-    )
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    proc = run_bench_smoke("lora_routing.py", "--smoke", "--out-dir", str(tmp_path))
     summary = json.loads((tmp_path / "lora_routing-smoke.json").read_text())
     assert "refused" not in summary
     runs = {run["path"]: run for run in summary["runs"]}
