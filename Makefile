@@ -33,8 +33,11 @@ run: install
 	$(VENV)/bin/nightshift run examples/chat.jsonl $(OUT) --overwrite
 	@echo "results: $(OUT)/results-*.jsonl   errors: $(OUT)/errors-*.jsonl   manifest: $(OUT)/manifest.json"
 
+# Two worker processes (tests/conftest.py says what they share and in what order the tiers go).
+TEST_WORKERS ?= 2
+
 test: install chromium
-	$(PY) -m pytest -q --durations=25
+	$(PY) -m pytest -q --durations=25 -n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder
 
 # The report test opens report.html in headless Chromium; installed here when missing and apt-get can (else the
 # test is skipped and says why).

@@ -158,10 +158,16 @@ def once_settled(read, quiet_s: float = 3.0, timeout_s: float = 60.0):
 
 @pytest.fixture(scope="session")
 def embedded_model():
-    """The embedded model, converted into NIGHTSHIFT_HOME on first use (about 20 s) and reused after that."""
+    """The embedded model, converted into NIGHTSHIFT_HOME on first use (about 20 s) and reused after that; one
+    process converts it while the other test processes wait (the conversion is atomic, the wait saves the work)."""
+    import fcntl
+    import tempfile
+
     from pipeline.models import resolve_model
 
-    return resolve_model(None)
+    with open(Path(tempfile.gettempdir()) / "nightshift-tests-model.lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        return resolve_model(None)
 
 
 @pytest.fixture
@@ -172,14 +178,78 @@ def make_input(tmp_path):
     return make
 
 
-def pytest_terminal_summary(terminalreporter):
-    """Print what the failure tests measured (see tests/failure_figures.py)."""
-    from tests.failure_figures import FIGURES, summary_lines
+# Parallel runs. `make test` runs the suite in two worker processes (pytest-xdist, `--dist loadgroup`): much of a
+# test's time is a child process importing, a cluster starting or a job waiting on its engine, and the other worker
+# computes meanwhile. What a worker may share with no other:
+# - a module's tests stay together (a module-scoped fixture starts its engine or cluster once), and so do the tests
+#   of a fixture that starts something for many modules (the e2e warm engines, the server tests' shared server);
+# - each worker claims CPU cores for its engines as if it were a machine of its own (cluster/cpu_cores.py): a test
+#   that asserts its engines' cores must not find them held by an engine of the other worker.
+# The longest tiers are handed out first, so that the short unit tests fill the end.
+_TIERS = ("e2e", "server", "integration", "k8s", "unit")
+_SHARED_BY_FIXTURE = {"shared_engines": "e2e-warm-engines", "server": "server-shared"}
 
-    if FIGURES:
+
+def pytest_configure(config):
+    worker = os.environ.get("PYTEST_XDIST_WORKER")
+    if worker:
+        import tempfile
+
+        os.environ["NIGHTSHIFT_CPU_LOCK_DIR"] = str(
+            Path(tempfile.gettempdir()) / f"nightshift-cpu-cores-{worker}"
+        )
+
+
+def _work_unit(item: pytest.Item) -> str:
+    for fixture, group in _SHARED_BY_FIXTURE.items():
+        if fixture in item.fixturenames:
+            return group
+    return item.nodeid.split("::")[0]
+
+
+def pytest_collection_modifyitems(config, items):
+    def rank(pair: tuple[int, pytest.Item]) -> tuple:
+        index, item = pair
+        parts = Path(item.nodeid.split("::")[0]).parts
+        tier = _TIERS.index(parts[1]) if len(parts) > 2 and parts[1] in _TIERS else len(_TIERS)
+        return (tier, _work_unit(item) not in _SHARED_BY_FIXTURE.values(), index)
+
+    items[:] = [item for _, item in sorted(enumerate(items), key=rank)]
+    if config.pluginmanager.hasplugin("xdist"):
+        for item in items:
+            item.add_marker(pytest.mark.xdist_group(_work_unit(item)))
+
+
+# What the tests recorded (tests/failure_figures.py), gathered from their reports in the process that prints.
+_RECORDED: dict[str, list] = {}
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """Move what a test (or its fixtures) recorded onto the report of the phase that recorded it."""
+    from tests.failure_figures import take_pending
+
+    outcome = yield
+    outcome.get_result().user_properties.extend(take_pending())
+
+
+def pytest_runtest_logreport(report):
+    for kind, value in report.user_properties:
+        _RECORDED.setdefault(kind, []).append(value)
+
+
+def pytest_terminal_summary(terminalreporter):
+    """Print what the failure tests measured and the measurements other tests noted (tests/failure_figures.py)."""
+    from tests.failure_figures import FIGURE, NOTE, figure_lines
+
+    if _RECORDED.get(FIGURE):
         terminalreporter.write_sep("-", "failure figures (rows lost and duplicated must be 0)")
-        for line in summary_lines():
+        for line in figure_lines(_RECORDED[FIGURE]):
             terminalreporter.write_line(line)
+    if _RECORDED.get(NOTE):
+        terminalreporter.write_sep("-", "measured")
+        for text in _RECORDED[NOTE]:
+            terminalreporter.write_line(text)
 
 
 class as_actor:  # noqa: N801 - reads as a function at the call site

@@ -18,6 +18,7 @@ import pytest
 
 from tests.conftest import MODEL_NAME, chat_line, read_jsonl, write_lines
 from tests.e2e.conftest import run_cli
+from tests.failure_figures import note
 from tests.server.conftest import KEY_A, Server
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
@@ -60,7 +61,7 @@ def real_server(tmp_path_factory, embedded_model):
     srv.stop()
 
 
-def test_openai_client_round_trip_cold_cancelled_then_warm(real_server, shared_engines, tmp_path, capsys):
+def test_openai_client_round_trip_cold_cancelled_then_warm(real_server, shared_engines, tmp_path):
     """First batch: the engine starts. Second: cancelled mid-run on that engine (its requests leave the engine).
     Third: runs on the same engine, unharmed, and gives the rows `nightshift run` gives."""
     import openai
@@ -106,12 +107,11 @@ def test_openai_client_round_trip_cold_cancelled_then_warm(real_server, shared_e
     t0 = time.monotonic()
     warm = finish(start(uploaded.id))
     warm_s = time.monotonic() - t0
-    with capsys.disabled():
-        print(
-            f"\nBatch API, real engine: first batch {cold_s:.1f} s (engine start), after a cancel {warm_s:.1f} s (warm)"
-        )
-        print(f"batch {warm.status} {warm.request_counts}")
-        print(client.files.content(warm.output_file_id).text.splitlines()[0][:400])
+    note(
+        f"Batch API, real engine: first batch {cold_s:.1f} s (engine start), after a cancel {warm_s:.1f} s (warm)\n"
+        f"batch {warm.status} {warm.request_counts}\n"
+        + client.files.content(warm.output_file_id).text.splitlines()[0][:400]
+    )
 
     for batch in (cold, warm):
         assert batch.status == "completed", batch.errors

@@ -55,11 +55,20 @@ def _clean(timeout_s: float = 5.0) -> bool:
         time.sleep(0.1)
 
 
+# The test this process runs after the one being torn down (pytest knows it then; with pytest-xdist it is the next
+# test of this worker, not of the whole collection).
+_NEXT_ITEM: dict = {}
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_teardown(item, nextitem):
+    _NEXT_ITEM["item"] = nextitem
+    yield
+
+
 def _next_module_uses_local_ray(request: pytest.FixtureRequest) -> bool:
-    items = request.session.items
-    mine = [i for i, item in enumerate(items) if item.module is request.module]
-    later = items[mine[-1] + 1 :] if mine else []
-    return bool(later) and "local_ray" in later[0].fixturenames
+    later = _NEXT_ITEM.get("item")
+    return later is not None and later.module is not request.module and "local_ray" in later.fixturenames
 
 
 @pytest.fixture(scope="module")

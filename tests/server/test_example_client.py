@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.failure_figures import note
 from tests.server.conftest import KEY_A
 
 pytestmark = pytest.mark.timeout(180)
@@ -20,9 +21,7 @@ pytestmark = pytest.mark.timeout(180)
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 
 
-def test_the_example_client_prints_usage_model_and_expiry_and_downloads_results(
-    server, client_a, tmp_path, capsys
-):
+def test_the_example_client_prints_usage_model_and_expiry_and_downloads_results(server, client_a, tmp_path):
     results = tmp_path / "results.jsonl"
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}  # the script needs nothing of the repo
     run = subprocess.run(
@@ -32,8 +31,7 @@ def test_the_example_client_prints_usage_model_and_expiry_and_downloads_results(
     )  # fmt: skip
     out = run.stdout
     assert run.returncode == 0, out + run.stderr
-    with capsys.disabled():
-        print(f"\n$ python examples/batch_api_client.py\n{out}", end="")
+    note(f"$ python examples/batch_api_client.py\n{out.rstrip()}")
 
     batch_id = re.search(r"^batch (batch_\w+): validating$", out, re.M).group(1)
     batch = client_a.batches.retrieve(batch_id)

@@ -15,6 +15,7 @@ import openai
 import pytest
 
 from tests.conftest import chat_line
+from tests.failure_figures import note
 from tests.server.conftest import KEY_A, KEY_B
 
 pytestmark = pytest.mark.timeout(600)
@@ -25,7 +26,7 @@ ROWS = 6
 POLLERS = 4
 
 
-def test_many_small_batches_and_concurrent_polls_lose_nothing(server, tmp_path, capsys):
+def test_many_small_batches_and_concurrent_polls_lose_nothing(server, tmp_path):
     keys = [KEY_A, KEY_B, KEY_A]
     clients = [openai.OpenAI(base_url=server.base_url, api_key=k, max_retries=0) for k in keys[:CLIENTS]]
     submitted: list[tuple[openai.OpenAI, str, list[str]]] = []
@@ -98,9 +99,8 @@ def test_many_small_batches_and_concurrent_polls_lose_nothing(server, tmp_path, 
     ordered = sorted(latencies)
     p50 = statistics.median(ordered)
     p99 = ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))]
-    with capsys.disabled():
-        print(
-            f"\nBatch API load: {len(submitted)} batches x {ROWS} rows from {CLIENTS} clients in {took:.1f} s; "
-            f"{len(ordered)} GETs by {POLLERS} pollers meanwhile: p50 {p50 * 1000:.1f} ms, p99 {p99 * 1000:.1f} ms"
-        )
+    note(
+        f"Batch API load: {len(submitted)} batches x {ROWS} rows from {CLIENTS} clients in {took:.1f} s; "
+        f"{len(ordered)} GETs by {POLLERS} pollers meanwhile: p50 {p50 * 1000:.1f} ms, p99 {p99 * 1000:.1f} ms"
+    )
     assert len(ordered) > 10 * POLLERS  # the polls really ran alongside

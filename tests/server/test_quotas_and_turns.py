@@ -12,6 +12,7 @@ import openai
 import pytest
 
 from tests.conftest import chat_line
+from tests.failure_figures import note
 from tests.fake_oracle import comparable, run_in_process
 from tests.server.conftest import JOB, KEY_A, KEY_B, MAX_FILE_BYTES, Server
 from tests.server.test_openai_client import FINAL, lines_of, wait_for, write_input
@@ -130,9 +131,7 @@ def test_the_stored_bytes_limit(shared, tmp_path):
     small.files.create(file=sized(tmp_path / "e.jsonl", 1000).open("rb"), purpose="batch")
 
 
-def test_a_small_batch_of_one_key_finishes_while_another_keys_big_batch_waits_its_turn(
-    shared, tmp_path, capsys
-):
+def test_a_small_batch_of_one_key_finishes_while_another_keys_big_batch_waits_its_turn(shared, tmp_path):
     a, b = client(shared, KEY_A), client(shared, KEY_B)
     # 240 requests of 10 tokens, 4 at a time at 0.05 s a token: about 30 s of work.
     big = write_input(tmp_path / "big.jsonl", 240, max_tokens=10)
@@ -175,8 +174,7 @@ def test_a_small_batch_of_one_key_finishes_while_another_keys_big_batch_waits_it
     assert [comparable(r) for r in errors] == [comparable(r) for r in expected_errors]
     job_log = (shared.root / "data" / "batches" / batch_a.id / "job.log").read_text()
     assert "interrupted; finished rows are kept" in job_log and "resuming job" in job_log
-    with capsys.disabled():
-        print(
-            f"\nkey B's 8-line batch: created -> completed in {b_took:.1f} s while key A's 240-line batch waited; "
-            f"A resumed (first new row) {resumed_after:.1f} s after B completed"
-        )
+    note(
+        f"key B's 8-line batch: created -> completed in {b_took:.1f} s while key A's 240-line batch waited; "
+        f"A resumed (first new row) {resumed_after:.1f} s after B completed"
+    )

@@ -32,6 +32,7 @@ import openai
 import pytest
 
 from tests.conftest import chat_line
+from tests.failure_figures import note
 from tests.server.conftest import JOB, KEY_A, KEY_B, MAX_FILE_BYTES, Server
 from tests.server.test_openai_client import FINAL
 from tests.server.test_retention_usage import stored, until
@@ -297,7 +298,7 @@ class Pollers:
         return "; ".join(out) + f"; {self.failures} failed while the server was down"
 
 
-def test_two_tenants_quotas_retention_and_a_kill_mid_sweep(soak, capsys):
+def test_two_tenants_quotas_retention_and_a_kill_mid_sweep(soak):
     a = openai.OpenAI(base_url=soak.base_url, api_key=KEY_A, max_retries=0, timeout=120)
     b = openai.OpenAI(base_url=soak.base_url, api_key=KEY_B, max_retries=0, timeout=120)
     data = soak.root / "data"
@@ -501,14 +502,13 @@ def test_two_tenants_quotas_retention_and_a_kill_mid_sweep(soak, capsys):
     assert not list((data / "tmp").iterdir()), "scratch parts of uploads cut short were kept"
     assert stored(soak, KEY_B)["batch"][0] == sum(1 for c, _ in ledger.kept.values() if c is b)
 
-    with capsys.disabled():
-        marked_at_kill, freed_at_kill = stats["at_kill"]
-        print(
-            f"\nBatch API soak: {len(ledger.batches)} batches from 2 tenants in {stats['traffic']:.1f} s of traffic "
-            f"(B's quotas refused an upload and a batch); a burst of {len(burst)} uploads "
-            f"at {stats['burst_rate']:.1f}/s (median {stats['burst_upload'] * 1000:.0f} ms); killed with "
-            f"{marked_at_kill} burst files marked expired and not yet freed ({freed_at_kill} freed), after the kill "
-            f"{stats['after_kill'][0]} still on disk and {stats['after_kill'][2]} batches unfinished; its processes "
-            f"gone {stats['crash']:.1f} s after the kill, restarted in {soak.starts[-1]:.1f} s, every batch completed {stats['drain']:.1f} s later, the rest swept "
-            f"{stats['swept']:.1f} s after the last expiry.\n  {pollers.report()}"
-        )
+    marked_at_kill, freed_at_kill = stats["at_kill"]
+    note(
+        f"Batch API soak: {len(ledger.batches)} batches from 2 tenants in {stats['traffic']:.1f} s of traffic "
+        f"(B's quotas refused an upload and a batch); a burst of {len(burst)} uploads "
+        f"at {stats['burst_rate']:.1f}/s (median {stats['burst_upload'] * 1000:.0f} ms); killed with "
+        f"{marked_at_kill} burst files marked expired and not yet freed ({freed_at_kill} freed), after the kill "
+        f"{stats['after_kill'][0]} still on disk and {stats['after_kill'][2]} batches unfinished; its processes "
+        f"gone {stats['crash']:.1f} s after the kill, restarted in {soak.starts[-1]:.1f} s, every batch completed {stats['drain']:.1f} s later, the rest swept "
+        f"{stats['swept']:.1f} s after the last expiry.\n  {pollers.report()}"
+    )

@@ -62,7 +62,11 @@ def test_keys_pass_wherever_serve_listens():
 def no_ray_token(tmp_path, monkeypatch):
     """No Ray auth variables and an empty NIGHTSHIFT_HOME: the only token is what the test gives."""
     for name in (AUTH_MODE_ENV, TOKEN_ENV, TOKEN_PATH_ENV, LOOPBACK_ENV):
-        monkeypatch.delenv(name, raising=False)
+        # Set, then deleted: monkeypatch records the variable, so what `serve` sets in this process (it pins
+        # RAY_AUTH_MODE for the Ray it starts) is undone after the test, and the next Ray this process starts
+        # does not inherit it.
+        monkeypatch.setenv(name, "")
+        monkeypatch.delenv(name)
     monkeypatch.setenv("NIGHTSHIFT_HOME", str(tmp_path / "home"))
     monkeypatch.setenv("HOME", str(tmp_path / "user"))
 
