@@ -207,6 +207,12 @@ def _work_unit(item: pytest.Item) -> str:
     return item.nodeid.split("::")[0]
 
 
+def pytest_itemcollected(item):
+    # Marked as each test is collected: pytest-xdist reads the groups in its own pytest_collection_modifyitems.
+    if item.config.pluginmanager.hasplugin("xdist"):
+        item.add_marker(pytest.mark.xdist_group(_work_unit(item)))
+
+
 def pytest_collection_modifyitems(config, items):
     def rank(pair: tuple[int, pytest.Item]) -> tuple:
         index, item = pair
@@ -215,9 +221,6 @@ def pytest_collection_modifyitems(config, items):
         return (tier, _work_unit(item) not in _SHARED_BY_FIXTURE.values(), index)
 
     items[:] = [item for _, item in sorted(enumerate(items), key=rank)]
-    if config.pluginmanager.hasplugin("xdist"):
-        for item in items:
-            item.add_marker(pytest.mark.xdist_group(_work_unit(item)))
 
 
 # What the tests recorded (tests/failure_figures.py), gathered from their reports in the process that prints.
@@ -262,3 +265,4 @@ class as_actor:  # noqa: N801 - reads as a function at the call site
     def __getattr__(self, name: str) -> Any:
         method = getattr(self._target, name)
         return type("Method", (), {"remote": staticmethod(method)})
+
