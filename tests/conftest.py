@@ -265,4 +265,3 @@ class as_actor:  # noqa: N801 - reads as a function at the call site
     def __getattr__(self, name: str) -> Any:
         method = getattr(self._target, name)
         return type("Method", (), {"remote": staticmethod(method)})
-
