@@ -178,16 +178,19 @@ def make_input(tmp_path):
     return make
 
 
-# Parallel runs. `make test` runs the suite in two worker processes (pytest-xdist, `--dist loadgroup`): much of a
-# test's time is a child process importing, a cluster starting or a job waiting on its engine, and the other worker
-# computes meanwhile. What a worker may share with no other:
-# - a module's tests stay together (a module-scoped fixture starts its engine or cluster once), and so do the tests
-#   of a fixture that starts something for many modules (the e2e warm engines, the server tests' shared server);
+# Parallel runs. `make test` runs the suite in three worker processes (pytest-xdist, `--dist loadgroup`). The
+# real-engine tests (tests/e2e) run one after another in one worker: each keeps this box's two cores busy while it
+# starts or runs an engine, and two of them at once took longer than one after the other. The other two workers
+# run the other tiers beside them: much of those tests' time is a child process importing, a cluster starting or a
+# job waiting on its fake engine. What a worker shares with no other:
+# - a module's tests stay together (a module-scoped fixture starts its cluster or server once), and so do the
+#   tests of a fixture that starts something for many modules (the server tests' shared server);
 # - each worker claims CPU cores for its engines as if it were a machine of its own (cluster/cpu_cores.py): a test
-#   that asserts its engines' cores must not find them held by an engine of the other worker.
-# The longest tiers are handed out first, so that the short unit tests fill the end.
+#   that asserts its engines' cores must not find them held by an engine of another worker.
+# The longest units are handed out first, so that the short unit tests fill the end.
 _TIERS = ("e2e", "server", "integration", "k8s", "unit")
-_SHARED_BY_FIXTURE = {"shared_engines": "e2e-warm-engines", "server": "server-shared"}
+_ONE_AFTER_ANOTHER = "e2e"
+_SHARED_BY_FIXTURE = {"server": "server-shared"}
 
 
 def pytest_configure(config):
@@ -200,7 +203,14 @@ def pytest_configure(config):
         )
 
 
+def _tier(item: pytest.Item) -> str | None:
+    parts = Path(item.nodeid.split("::")[0]).parts
+    return parts[1] if len(parts) > 2 and parts[1] in _TIERS else None
+
+
 def _work_unit(item: pytest.Item) -> str:
+    if _tier(item) == _ONE_AFTER_ANOTHER:
+        return _ONE_AFTER_ANOTHER
     for fixture, group in _SHARED_BY_FIXTURE.items():
         if fixture in item.fixturenames:
             return group
@@ -216,9 +226,12 @@ def pytest_itemcollected(item):
 def pytest_collection_modifyitems(config, items):
     def rank(pair: tuple[int, pytest.Item]) -> tuple:
         index, item = pair
-        parts = Path(item.nodeid.split("::")[0]).parts
-        tier = _TIERS.index(parts[1]) if len(parts) > 2 and parts[1] in _TIERS else len(_TIERS)
-        return (tier, _work_unit(item) not in _SHARED_BY_FIXTURE.values(), index)
+        tier = _tier(item)
+        return (
+            _TIERS.index(tier) if tier else len(_TIERS),
+            _work_unit(item) not in _SHARED_BY_FIXTURE.values(),
+            index,
+        )
 
     items[:] = [item for _, item in sorted(enumerate(items), key=rank)]
 

@@ -35,6 +35,14 @@ JOB = {
 }
 
 
+# What Ray raises when its raylet did not register within its fixed 30 s.
+RAY_START_TIMED_OUT = "The current node timed out during startup"
+
+
+class RayStartTimedOut(RuntimeError):
+    pass
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -74,6 +82,14 @@ class Server:
         return f"http://127.0.0.1:{self.port}/v1"
 
     def start(self) -> None:
+        """Start the server and wait until it answers. A server whose Ray timed out while starting (Ray waits 30 s
+        for its raylet, which a box running another worker's engine starts can exceed) is started once more."""
+        try:
+            self._start_once()
+        except RayStartTimedOut:
+            self._start_once()
+
+    def _start_once(self) -> None:
         log = open(self.root / "serve.log", "ab")  # noqa: SIM115 - the child owns it
         env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2]), **self.env}
         env.pop("NIGHTSHIFT_API_KEYS", None)
@@ -88,7 +104,11 @@ class Server:
         deadline = time.monotonic() + 90
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited: {(self.root / 'serve.log').read_text()[-3000:]}")
+                tail = (self.root / "serve.log").read_text()[-3000:]
+                self.proc = None
+                if RAY_START_TIMED_OUT in tail:
+                    raise RayStartTimedOut(tail)
+                raise RuntimeError(f"server exited: {tail}")
             try:
                 if httpx.get(f"{self.base_url}/batches", timeout=2).status_code == 401:
                     self.starts.append(time.monotonic() - t0)
