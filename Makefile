@@ -33,8 +33,8 @@ run: install
 	$(VENV)/bin/nightshift run examples/chat.jsonl $(OUT) --overwrite
 	@echo "results: $(OUT)/results-*.jsonl   errors: $(OUT)/errors-*.jsonl   manifest: $(OUT)/manifest.json"
 
-# Three worker processes: the real-engine tests in one, the other tiers beside them (tests/conftest.py says why).
-TEST_WORKERS ?= 3
+# Two worker processes: the real-engine tests in one, the other tiers in the other (tests/conftest.py says why).
+TEST_WORKERS ?= 2
 
 test: install chromium
 	$(PY) -m pytest -q --durations=25 -n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder

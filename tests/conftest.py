@@ -178,11 +178,12 @@ def make_input(tmp_path):
     return make
 
 
-# Parallel runs. `make test` runs the suite in three worker processes (pytest-xdist, `--dist loadgroup`). The
-# real-engine tests (tests/e2e) run one after another in one worker: each keeps this box's two cores busy while it
-# starts or runs an engine, and two of them at once took longer than one after the other. The other two workers
-# run the other tiers beside them: much of those tests' time is a child process importing, a cluster starting or a
-# job waiting on its fake engine. What a worker shares with no other:
+# Parallel runs. `make test` runs the suite in two worker processes (pytest-xdist, `--dist loadgroup`). The
+# real-engine tests (tests/e2e) run one after another in one worker: on average they keep about one and a half of
+# this box's two cores busy, and two of them at once took longer than one after the other (as did a third worker
+# beside them: the box was then the bottleneck of every tier). The other worker runs the other tiers beside them,
+# whose time is mostly a child process importing, a cluster starting or a job waiting on its fake engine. What a
+# worker shares with no other:
 # - a module's tests stay together (a module-scoped fixture starts its cluster or server once), and so do the
 #   tests of a fixture that starts something for many modules (the server tests' shared server);
 # - each worker claims CPU cores for its engines as if it were a machine of its own (cluster/cpu_cores.py): a test
