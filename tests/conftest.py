@@ -204,6 +204,22 @@ def pytest_configure(config):
         )
 
 
+# The worker beside the real-engine tests gives way to them. Their engines bind one compute thread to each core they
+# claim, and a step waits for its slowest thread: a test process of the other tiers taking a core from one of them at
+# the same priority stalls the whole engine, not a core's worth of it. At a lower priority the other tiers run on
+# what the engines leave free (their imports use one core of two most of the time).
+BESIDE_ENGINES_NICENESS = 10
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item):
+    # Before the test's fixtures, so the clusters and processes they start inherit the priority.
+    if os.environ.get("PYTEST_XDIST_WORKER") and _tier(item) != _ONE_AFTER_ANOTHER:
+        current = os.getpriority(os.PRIO_PROCESS, 0)
+        if current < BESIDE_ENGINES_NICENESS:
+            os.nice(BESIDE_ENGINES_NICENESS - current)
+
+
 def _tier(item: pytest.Item) -> str | None:
     parts = Path(item.nodeid.split("::")[0]).parts
     return parts[1] if len(parts) > 2 and parts[1] in _TIERS else None
