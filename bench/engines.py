@@ -95,6 +95,10 @@ class EngineArgs:
     # None: each path's default, and they differ: nightshift's is 0.9, vLLM 0.32's 0.92 (on a GPU, a smaller KV
     # cache for nightshift). A number reaches every path.
     gpu_memory_utilization: float | None = None
+    # None: the KV cache is what kv_cache_gib gives. A number caps every path's engines at that many KV blocks
+    # (vLLM's num_gpu_blocks_override, honoured on CPU too): the prefix-heavy bench sizes each engine's cache to hold
+    # a share of the job's prefixes.
+    num_gpu_blocks_override: int | None = None
 
 
 @dataclass
@@ -458,14 +462,18 @@ def run_nightshift(
     ]  # fmt: skip
     if args.gpu_memory_utilization is not None:
         cmd += ["--gpu-memory-utilization", str(args.gpu_memory_utilization)]
-    if args.max_num_batched_tokens is not None:
-        # No flag for it: nightshift takes further vLLM args from the job file's engine.vllm.extra (YAML reads JSON).
-        job = work / f"{name}-job.yaml"
-        job.write_text(
-            json.dumps(
-                {"engine": {"vllm": {"extra": {"max_num_batched_tokens": args.max_num_batched_tokens}}}}
-            )
+    # No flags for these: nightshift takes further vLLM args from the job file's engine.vllm.extra (YAML reads JSON).
+    extra = {
+        arg: value
+        for arg, value in (
+            ("max_num_batched_tokens", args.max_num_batched_tokens),
+            ("num_gpu_blocks_override", args.num_gpu_blocks_override),
         )
+        if value is not None
+    }
+    if extra:
+        job = work / f"{name}-job.yaml"
+        job.write_text(json.dumps({"engine": {"vllm": {"extra": extra}}}))
         cmd += ["--config", str(job)]
     # A private Ray temp dir: the engine's logs (in Ray's session logs) are then this run's, even if another Ray
     # runs on the box; kept short because Ray puts unix sockets under it (path length limit).
@@ -528,6 +536,8 @@ def run_run_batch(
         cmd += ["--max-num-batched-tokens", str(args.max_num_batched_tokens)]
     if args.gpu_memory_utilization is not None:
         cmd += ["--gpu-memory-utilization", str(args.gpu_memory_utilization)]
+    if args.num_gpu_blocks_override is not None:
+        cmd += ["--num-gpu-blocks-override", str(args.num_gpu_blocks_override)]
     cmd += extra_args or []
     timed = timed_subprocess(cmd, env, work / f"{name}.log", timeout_s)
     return timed, _openai_outputs(read_jsonl(out)), {}
@@ -564,6 +574,7 @@ def raw_worker(spec_json: str) -> None:
         enforce_eager=eng["enforce_eager"],
         enable_prefix_caching=eng["enable_prefix_caching"],
         max_num_batched_tokens=eng.get("max_num_batched_tokens"),  # None: vLLM's default for the LLM class
+        num_gpu_blocks_override=eng.get("num_gpu_blocks_override"),
         # vLLM's default when not given (None is not accepted here).
         **({"gpu_memory_utilization": u} if (u := eng.get("gpu_memory_utilization")) else {}),
         # nightshift and run-batch log engine stats (running/waiting, throughput); keep the same small cost here.
