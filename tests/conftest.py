@@ -195,6 +195,8 @@ _SHARED_BY_FIXTURE = {"server": "server-shared"}
 
 
 def pytest_configure(config):
+    # Read by every raylet the tests start: BESIDE_ENGINES_NICENESS says why.
+    os.environ.setdefault("RAY_worker_niceness", "0")
     worker = os.environ.get("PYTEST_XDIST_WORKER")
     if worker:
         import tempfile
@@ -205,10 +207,13 @@ def pytest_configure(config):
 
 
 # The worker beside the real-engine tests gives way to them. Their engines bind one compute thread to each core they
-# claim, and a step waits for its slowest thread: a test process of the other tiers taking a core from one of them at
-# the same priority stalls the whole engine, not a core's worth of it. At a lower priority the other tiers run on
-# what the engines leave free (their imports use one core of two most of the time).
-BESIDE_ENGINES_NICENESS = 10
+# claim, and a step waits for its slowest thread: a test process of the other tiers taking a core from one of them
+# stalls the whole engine, not a core's worth of it. At the lowest priority the other tiers run on what the engines
+# leave free (their imports use one core of two most of the time). Ray starts its worker processes (engine actors,
+# and the vLLM processes they start) 15 steps below their raylet by default (RAY_worker_niceness), which put every
+# engine below the other worker's test processes; the suite's Ray workers keep the priority of the test that
+# started their cluster instead (set in pytest_configure).
+BESIDE_ENGINES_NICENESS = 19
 
 
 @pytest.hookimpl(tryfirst=True)
