@@ -208,12 +208,14 @@ def pytest_configure(config):
 
 # The worker beside the real-engine tests gives way to them. Their engines bind one compute thread to each core they
 # claim, and a step waits for its slowest thread: a test process of the other tiers taking a core from one of them
-# stalls the whole engine, not a core's worth of it. At the lowest priority the other tiers run on what the engines
-# leave free (their imports use one core of two most of the time). Ray starts its worker processes (engine actors,
-# and the vLLM processes they start) 15 steps below their raylet by default (RAY_worker_niceness), which put every
-# engine below the other worker's test processes; the suite's Ray workers keep the priority of the test that
-# started their cluster instead (set in pytest_configure).
-BESIDE_ENGINES_NICENESS = 19
+# stalls the whole engine, not a core's worth of it. At a lower priority the other tiers run mostly on what the
+# engines leave free (their imports use one core of two most of the time), with about a tenth of a busy core left to
+# them: at the lowest priority a server test's Ray, which waits a fixed 30 s for its raylet, timed out while two
+# engines computed. Ray starts its worker processes (engine actors, and the vLLM processes they start) 15 steps
+# below their raylet by default (RAY_worker_niceness), which put every engine below the other worker's test
+# processes; the suite's Ray workers keep the priority of the test that started their cluster instead (set in
+# pytest_configure).
+BESIDE_ENGINES_NICENESS = 10
 
 
 @pytest.hookimpl(tryfirst=True)
