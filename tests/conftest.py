@@ -191,6 +191,9 @@ def make_input(tmp_path):
 # The longest units are handed out first, so that the short unit tests fill the end.
 _TIERS = ("e2e", "server", "integration", "k8s", "unit")
 _ONE_AFTER_ANOTHER = "e2e"
+# Real-engine tests that run beside the others instead: the documented install spends most of its ten minutes in pip
+# (one core) and starts its engines only at the end, so the other worker takes it first.
+_BESIDE = ("tests/e2e/test_documented_install.py",)
 _SHARED_BY_FIXTURE = {"server": "server-shared"}
 
 
@@ -221,7 +224,7 @@ BESIDE_ENGINES_NICENESS = 10
 @pytest.hookimpl(tryfirst=True)
 def pytest_runtest_setup(item):
     # Before the test's fixtures, so the clusters and processes they start inherit the priority.
-    if os.environ.get("PYTEST_XDIST_WORKER") and _tier(item) != _ONE_AFTER_ANOTHER:
+    if os.environ.get("PYTEST_XDIST_WORKER") and _work_unit(item) != _ONE_AFTER_ANOTHER:
         current = os.getpriority(os.PRIO_PROCESS, 0)
         if current < BESIDE_ENGINES_NICENESS:
             os.nice(BESIDE_ENGINES_NICENESS - current)
@@ -233,12 +236,13 @@ def _tier(item: pytest.Item) -> str | None:
 
 
 def _work_unit(item: pytest.Item) -> str:
-    if _tier(item) == _ONE_AFTER_ANOTHER:
+    module = item.nodeid.split("::")[0]
+    if _tier(item) == _ONE_AFTER_ANOTHER and module not in _BESIDE:
         return _ONE_AFTER_ANOTHER
     for fixture, group in _SHARED_BY_FIXTURE.items():
         if fixture in item.fixturenames:
             return group
-    return item.nodeid.split("::")[0]
+    return module
 
 
 def pytest_itemcollected(item):
@@ -250,10 +254,11 @@ def pytest_itemcollected(item):
 def pytest_collection_modifyitems(config, items):
     def rank(pair: tuple[int, pytest.Item]) -> tuple:
         index, item = pair
-        tier = _tier(item)
+        tier, unit = _tier(item), _work_unit(item)
         return (
             _TIERS.index(tier) if tier else len(_TIERS),
-            _work_unit(item) not in _SHARED_BY_FIXTURE.values(),
+            unit != _ONE_AFTER_ANOTHER,  # the first unit handed out: its worker runs nothing else before it
+            unit not in _SHARED_BY_FIXTURE.values(),
             index,
         )
 
