@@ -146,7 +146,10 @@ def prompt_tokens(model_dir: str, request: dict) -> int:
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    return len(tokenizer.apply_chat_template(request["body"]["messages"], tokenize=True))
+    text = tokenizer.apply_chat_template(
+        request["body"]["messages"], tokenize=False, add_generation_prompt=True
+    )
+    return len(tokenizer(text, add_special_tokens=False)["input_ids"])
 
 
 def blocks_for_share(prompts: int, share: float, tokens_per_prompt: int, max_num_seqs: int) -> int:
