@@ -47,9 +47,11 @@ LINES += [
 ]
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def vllm_server(e2e_dir, embedded_model):
-    """vLLM's OpenAI server on a free loopback port, for the session; stopped (and waited for) at its end."""
+    """vLLM's OpenAI server on a free loopback port, for this module; stopped (and waited for) at its end. Not kept
+    for the session: an idle engine holds its KV cache (GiBs), and the box's memory is shared with the engines of
+    the tests after this one (at 95% of it, Ray's memory monitor kills actors: the warm engines among them)."""
     port = free_port()
     log = (e2e_dir / "vllm-server.log").open("w")
     cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", embedded_model.path]
