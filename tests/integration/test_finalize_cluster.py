@@ -35,9 +35,31 @@ def cluster(moto_s3):  # moto first: the raylets (and so the tasks) inherit its 
     with mixed_cluster([NodeSpec.cpu("head"), NodeSpec.cpu("a"), NodeSpec.cpu("b")]) as local:
         ray.init(address=local.address, log_to_driver=False)
         try:
+            every_node_runs_a_task(local)
             yield local
         finally:
             ray.shutdown()
+
+
+def every_node_runs_a_task(local) -> None:
+    """Wait until each node has run a task of its own. A node counts as joined once it registers, but the head
+    schedules by the resources the other raylets have reported to it since: on a busy box (another test process
+    beside this one) the first SPREAD tasks all landed on the head, its peers not yet seen as free."""
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    @ray.remote(num_cpus=1)
+    def where() -> str:
+        return ray.get_runtime_context().get_node_id()
+
+    ran = ray.get(
+        [
+            where.options(scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False)).remote()
+            for node_id in local.node_ids.values()
+        ],
+        timeout=120,
+    )
+    assert sorted(ran) == sorted(local.node_ids.values())
 
 
 def stage(staging: StagingArea, part_rows: int | None = None) -> None:
