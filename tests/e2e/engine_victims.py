@@ -28,13 +28,21 @@ def engine_with_work_in_flight(job_id: str, job: threading.Thread, timeout_s: fl
         time.sleep(0.1)
 
 
-def vllm_process(actor_pid: int, title: str) -> psutil.Process:
+def vllm_process(actor_pid: int, title: str, timeout_s: float = 60) -> psutil.Process:
     """The one process under an engine actor whose title (vLLM's setproctitle: `VLLM::EngineCore`,
-    `VLLM::Worker_TP1`, ...) contains `title`."""
-    found = [
-        child
-        for child in psutil.Process(actor_pid).children(recursive=True)
-        if title in child.name() or title in " ".join(child.cmdline())
-    ]
+    `VLLM::Worker_TP1`, ...) contains `title`. Waited for: a process takes its title a moment after it starts, later
+    still on a busy box, and an engine's ranks may still be coming up when its first rows are leased."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        found = []
+        for child in psutil.Process(actor_pid).children(recursive=True):
+            try:
+                if title in child.name() or title in " ".join(child.cmdline()):
+                    found.append(child)
+            except psutil.NoSuchProcess:
+                continue
+        if len(found) == 1 or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
     assert len(found) == 1, f"expected one {title} process under the actor, found {found}"
     return found[0]

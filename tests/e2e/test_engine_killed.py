@@ -52,7 +52,10 @@ def _start_job(tmp_path, job_id: str, prefix: str, n: int, max_tokens: int) -> t
             "output": str(tmp_path / "out"),
             "job_id": job_id,
             "engine": {"backend": "vllm", "vllm": {"max_model_len": 512, "max_num_seqs": 8}},
-            "resources": {"rows_per_task": 4},
+            # One engine: its death and the restart that re-runs its rows are the subject. The restarted actor is
+            # another engine (its name carries its process), so the rows still run again on an engine that is not
+            # the victim.
+            "resources": {"num_engines": 1, "rows_per_task": 4},
             "output_options": {"rows_per_shard": 16, "staging_rows": 4},
         }
     )

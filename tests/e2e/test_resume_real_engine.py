@@ -61,6 +61,9 @@ def test_driver_killed_then_resumed_on_the_real_engine(e2e_dir, embedded_model):
             {
                 "job_id": "resume-real",
                 "engine": {"backend": "vllm", "vllm": {"max_model_len": 512, "max_num_seqs": 4}},
+                # One engine: the killed driver and the resume are the subject, not the layout (the default puts
+                # two on a box with the memory for them, each start a core's minute of this box).
+                "resources": {"num_engines": 1},
                 "output_options": {"rows_per_shard": 10, "staging_rows": 2},
             }
         )
