@@ -252,13 +252,23 @@ def pytest_itemcollected(item):
 
 
 def pytest_collection_modifyitems(config, items):
+    from tests.e2e.warm_cluster import JOIN_ORDER
+
+    on_local_ray = {item.nodeid.split("::")[0] for item in items if "local_ray" in item.fixturenames}
+
     def rank(pair: tuple[int, pytest.Item]) -> tuple:
         index, item = pair
         tier, unit = _tier(item), _work_unit(item)
+        module = item.nodeid.split("::")[0]
         return (
             _TIERS.index(tier) if tier else len(_TIERS),
             unit != _ONE_AFTER_ANOTHER,  # the first unit handed out: its worker runs nothing else before it
             unit not in _SHARED_BY_FIXTURE.values(),
+            # The real-engine modules on the warm cluster last, in its order (tests/e2e/warm_cluster.py says why).
+            JOIN_ORDER.index(module) if module in JOIN_ORDER else -1,
+            # The modules of one private local Ray next to each other, so that it is handed on instead of started
+            # again (tests/integration/conftest.py: local_ray).
+            module not in on_local_ray,
             index,
         )
 

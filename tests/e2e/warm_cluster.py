@@ -36,6 +36,21 @@ CHAT_CONTEXT = 512
 # A job of one pool: one engine of one core. Jobs of several pools give each pool the same in their config.
 ONE_ENGINE = ("--num-engines", "1", "--cpus-per-engine", "1")
 
+# The modules whose jobs join the warm cluster, in the order they run: after every other real-engine test (idle, the
+# warm engines hold GiBs and a little of a core that the tests starting their own engines need), the chat model's
+# users first, then the job of both models, then the embedding model's. The keeper stops idle engines of a kind the
+# next job does not ask for (runtime/engines/warm_keeper.py), so in any other order a kind is stopped and started
+# again: alphabetically, the embedding engine started twice and the chat engine twice more.
+JOIN_ORDER = (
+    "tests/e2e/test_hostile_real_engine.py",
+    "tests/e2e/test_http_real_server.py",
+    "tests/e2e/test_request_fields_real_engine.py",
+    "tests/e2e/test_s3_real_engine.py",
+    "tests/e2e/test_server_real_engine.py",
+    "tests/e2e/test_mixed_routes_real_engine.py",
+    "tests/e2e/test_routes_real_engine.py",
+)
+
 # The keeper's owner: joins the cluster, starts the keeper, says so, and holds it until its stdin closes.
 _HOLDER = """
 import sys
