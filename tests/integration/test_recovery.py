@@ -194,9 +194,12 @@ def test_run_into_unfinished_output_points_at_resume(tmp_path):
 
 def _staged_ids_s3(moto_s3, bucket: str, prefix: str) -> set[str]:
     ids: set[str] = set()
-    for key in moto_s3.keys(bucket, f"{prefix}/_staging/"):
-        kind, name = key.split("/")[-2:]
-        if kind in ("results", "errors") and not name.startswith("validate-"):
+    staging = f"{prefix}/_staging/"
+    for key in moto_s3.keys(bucket, staging):
+        # The engines' parts only: `results/<part>` and `errors/<part>` right under _staging/, not the Arrow files
+        # of a finalize that began before the kill landed (`finalize/keys/results/...`).
+        kind, _, name = key[len(staging) :].partition("/")
+        if kind in ("results", "errors") and "/" not in name and not name.startswith("validate-"):
             ids.update(_read_staged_part(moto_s3, bucket, key))
     return ids
 
