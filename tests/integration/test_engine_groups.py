@@ -30,10 +30,11 @@ pytestmark = pytest.mark.slow
 GPU_NODES = ("gpu-a", "gpu-b", "gpu-c")
 
 
-@pytest.fixture
+@pytest.fixture(scope="module")
 def gpu_nodes():
     """A head for the driver's tasks and three nodes of one GPU each: an engine of two stages takes two of them,
-    the third is where a lost stage comes back."""
+    the third is where a lost stage comes back. One cluster for the module (four raylets are a start of many
+    seconds on a small box); each test leaves no group behind, which the tests after it would find."""
     import ray
 
     if ray.is_initialized():  # a job earlier in this process left its local Ray running
@@ -92,6 +93,58 @@ def test_a_pp2_engine_puts_its_stages_on_two_nodes(gpu_nodes, tmp_path):
     )
 
 
+def test_tensor_ranks_that_no_node_can_hold_together_are_refused_before_any_work(gpu_nodes, tmp_path):
+    config = _config(tmp_path, "tp-too-wide", 8, {"tensor_parallel_size": 2})
+    with pytest.raises(PreflightError) as refused:
+        run_job(config, show_progress=False)
+    message = str(refused.value)
+    assert message.startswith(
+        "pool default: its engines (TP=2 PP=1) cannot be placed on this cluster: an engine needs CPU 1, GPU 2 on "
+        "one node (2 ranks packed together); nodes: "
+    )
+    for name in GPU_NODES:
+        assert f"{gpu_nodes.node_ids[name][:8]}: CPU 1, GPU 1" in message
+    assert not list((tmp_path / "out").glob("results-*"))
+
+
+def test_a_warm_sharded_engine_keeps_its_group_between_jobs_and_gives_it_back_when_stopped(
+    gpu_nodes, tmp_path
+):
+    """Engines kept by the Batch API server's keeper (runtime/engines/warm_keeper.py): a sharded one reserves its
+    group as the keeper starts it, keeps it while it waits for the next job, and the group goes when the engine
+    is stopped (idle here)."""
+    import ray
+    from ray.util.placement_group import placement_group_table
+
+    from pipeline.runtime.engines.warm_keeper import start_keeper
+
+    keeper = start_keeper("groups-keeper", idle_seconds=15)  # outlasts the gap between the two jobs
+    ray.get(keeper.describe.remote())
+
+    def warm_groups() -> list[dict]:
+        return [g for g in placement_group_table().values() if g["name"].startswith("nightshift-warm-")]
+
+    manifests = []
+    for name in ("first", "second"):
+        (tmp_path / name).mkdir()
+        config = _config(tmp_path / name, name, 24, {"pipeline_parallel_size": 2})
+        config = config.model_copy(
+            update={"engine": config.engine.model_copy(update={"warm_engines": "groups-keeper"})}
+        )
+        manifests.append(run_job(config, show_progress=False).manifest)
+        (group,) = [g for g in warm_groups() if g["state"] == "CREATED"]  # one engine, one group, still there
+        assert len(set(group["bundles_to_node_id"].values())) == 2
+    assert [m["engine"]["reused"] for m in manifests] == [0, 1]
+    assert all(m["counts"]["succeeded"] == 24 for m in manifests)
+
+    deadline = time.monotonic() + 90
+    while any(g["state"] != "REMOVED" for g in warm_groups()):
+        assert time.monotonic() < deadline, warm_groups()
+        time.sleep(0.5)
+    ray.kill(keeper)
+
+
+# Last in the module: it loses a node of the cluster the tests above share.
 def test_the_node_of_a_pipeline_stage_lost_mid_job(gpu_nodes, tmp_path):
     import ray
     from ray.util.placement_group import placement_group_table
@@ -154,54 +207,3 @@ def test_the_node_of_a_pipeline_stage_lost_mid_job(gpu_nodes, tmp_path):
     assert recovery["engine_restarts"] >= 1
     (bundle_nodes,) = result.manifest["placement"]["engine_groups"]["default"]
     assert stage_node not in bundle_nodes and len(set(bundle_nodes)) == 2
-
-
-def test_tensor_ranks_that_no_node_can_hold_together_are_refused_before_any_work(gpu_nodes, tmp_path):
-    config = _config(tmp_path, "tp-too-wide", 8, {"tensor_parallel_size": 2})
-    with pytest.raises(PreflightError) as refused:
-        run_job(config, show_progress=False)
-    message = str(refused.value)
-    assert message.startswith(
-        "pool default: its engines (TP=2 PP=1) cannot be placed on this cluster: an engine needs CPU 1, GPU 2 on "
-        "one node (2 ranks packed together); nodes: "
-    )
-    for name in GPU_NODES:
-        assert f"{gpu_nodes.node_ids[name][:8]}: CPU 1, GPU 1" in message
-    assert not list((tmp_path / "out").glob("results-*"))
-
-
-def test_a_warm_sharded_engine_keeps_its_group_between_jobs_and_gives_it_back_when_stopped(
-    gpu_nodes, tmp_path
-):
-    """Engines kept by the Batch API server's keeper (runtime/engines/warm_keeper.py): a sharded one reserves its
-    group as the keeper starts it, keeps it while it waits for the next job, and the group goes when the engine
-    is stopped (idle here)."""
-    import ray
-    from ray.util.placement_group import placement_group_table
-
-    from pipeline.runtime.engines.warm_keeper import start_keeper
-
-    keeper = start_keeper("groups-keeper", idle_seconds=15)  # outlasts the gap between the two jobs
-    ray.get(keeper.describe.remote())
-
-    def warm_groups() -> list[dict]:
-        return [g for g in placement_group_table().values() if g["name"].startswith("nightshift-warm-")]
-
-    manifests = []
-    for name in ("first", "second"):
-        (tmp_path / name).mkdir()
-        config = _config(tmp_path / name, name, 24, {"pipeline_parallel_size": 2})
-        config = config.model_copy(
-            update={"engine": config.engine.model_copy(update={"warm_engines": "groups-keeper"})}
-        )
-        manifests.append(run_job(config, show_progress=False).manifest)
-        (group,) = [g for g in warm_groups() if g["state"] == "CREATED"]  # one engine, one group, still there
-        assert len(set(group["bundles_to_node_id"].values())) == 2
-    assert [m["engine"]["reused"] for m in manifests] == [0, 1]
-    assert all(m["counts"]["succeeded"] == 24 for m in manifests)
-
-    deadline = time.monotonic() + 90
-    while any(g["state"] != "REMOVED" for g in warm_groups()):
-        assert time.monotonic() < deadline, warm_groups()
-        time.sleep(0.5)
-    ray.kill(keeper)
