@@ -72,6 +72,16 @@ TimezoneOption = Annotated[
     str | None,
     typer.Option(help="--hours: the window's IANA timezone (default: this machine's local time)."),
 ]
+WarmOption = Annotated[
+    bool,
+    typer.Option(
+        "--warm/--no-warm",
+        envvar="NIGHTSHIFT_WARM",
+        help="Without --address: run on `nightshift up`'s Ray and warm engines when it is up and can serve the "
+        "job as a private Ray would (default); --no-warm (or NIGHTSHIFT_WARM=0) starts a private Ray. Each shift "
+        "of --hours starts a private Ray.",
+    ),
+]
 
 
 @app.command()
@@ -90,6 +100,7 @@ def run(
         ),
     ] = None,
     resume: Annotated[bool, typer.Option("--resume", help="Continue the unfinished job in OUTPUT.")] = False,
+    warm: WarmOption = True,
     log_format: Annotated[str, typer.Option(help="Logs: console or json.")] = "console",
     progress: Annotated[bool, typer.Option("--progress/--no-progress", help="Live progress display.")] = True,
     *,
@@ -106,7 +117,7 @@ def run(
         job = merge_overrides(load_job_config(config), flags.overrides(), flags.labels)
     except ConfigError as exc:
         _fail(str(exc))
-    _run(job, progress, resume, token_file, _hours(hours, timezone))
+    _run(job, progress, resume, token_file, _hours(hours, timezone), warm=warm)
 
 
 @app.command("resume")
@@ -133,6 +144,7 @@ def resume_command(
         Path | None,
         typer.Option(help="File holding the Ray token of the job's cluster (as for `run --token-file`)."),
     ] = None,
+    warm: WarmOption = True,
     log_format: Annotated[str, typer.Option(help="Logs: console or json.")] = "console",
     progress: Annotated[bool, typer.Option("--progress/--no-progress", help="Live progress display.")] = True,
     *,
@@ -154,7 +166,7 @@ def resume_command(
         job = merge_overrides(job, {"resources.address": flags["resources.address"]}, flags.labels)
     except (PreflightError, ConfigError) as exc:
         _fail(str(exc))
-    _run(job, progress, resume=True, token_file=token_file, hours=_hours(hours, timezone))
+    _run(job, progress, resume=True, token_file=token_file, hours=_hours(hours, timezone), warm=warm)
 
 
 @app.command("status")
@@ -301,7 +313,7 @@ def _run_in_hours(job: JobConfig, progress: bool, resume: bool, hours, token_fil
     errors and summary; this process waits, stops and resumes them, and exits as the last one did."""
     from pipeline.runtime.shifts import ShiftJob, clock_from_environment, run_in_hours
 
-    flags = [] if progress else ["--no-progress"]
+    flags = ["--no-warm"] + ([] if progress else ["--no-progress"])
     if token_file is not None:
         flags += ["--token-file", str(token_file)]
     try:
@@ -318,6 +330,7 @@ def _run(
     resume: bool = False,
     token_file: Path | None = None,
     hours=None,  # noqa: ANN001 - pipeline.hours.Hours | None
+    warm: bool = True,
 ) -> None:
     import structlog
 
@@ -330,8 +343,10 @@ def _run(
 
     _check_environment(job)
     if hours is not None:
+        # Each shift is a private Ray: when the window closes, the engines must be gone until it opens again.
         _run_in_hours(job, progress, resume, hours, token_file)
         return
+    job = _on_warm_runtime(job, warm)
     try:
         # The cluster's token (or none) is checked here, in milliseconds, and handed to Ray the way Ray reads it.
         with driver_environment(job.resources.address, token_file) as warnings:
@@ -360,6 +375,78 @@ def _run(
             1,
         )
     print_summary(outcome.manifest, outcome.output)
+
+
+def _on_warm_runtime(job: JobConfig, warm: bool) -> JobConfig:
+    """The job on `nightshift up`'s runtime when it is there and can serve it (runtime/warm_runtime.py); else as
+    given. A resumed job that began on the runtime chooses again."""
+    import os
+
+    import structlog
+
+    from pipeline.runtime import warm_runtime
+
+    job = warm_runtime.detach(job)
+    if not warm or job.resources.address is not None or job.engine.warm_engines is not None:
+        return job
+    state = warm_runtime.find_runtime()
+    if state is None:
+        return job
+    why_not = warm_runtime.mismatch(state, os.environ, sys.executable)
+    log = structlog.get_logger("nightshift")
+    if why_not is not None:
+        log.warning(
+            f"not using the warm runtime of `nightshift up`: {why_not}; this run starts its own Ray "
+            "(`nightshift down`, then `nightshift up` from this environment, to share it)"
+        )
+        return job
+    warm_runtime.claim()
+    log.info("on the warm runtime of `nightshift up`", address=state.address)
+    return warm_runtime.attach(job, state)
+
+
+@app.command()
+def up(
+    idle_timeout: Annotated[
+        str,
+        typer.Option(
+            help="Stop the warm engines, then the runtime, after this long without a run: 900, 90s, 30m, 2h."
+        ),
+    ] = "30m",
+) -> None:
+    """Keep a local Ray and warm engines between runs: each `nightshift run` without --address uses them, and a run
+    of the same model and engine args skips the engines' start. `nightshift down` ends it."""
+    from pipeline.runtime import warm_runtime
+
+    try:
+        seconds = warm_runtime.parse_duration(idle_timeout)
+        state, started = warm_runtime.start(seconds)
+    except warm_runtime.WarmRuntimeError as exc:
+        _fail(str(exc))
+    verb = "up" if started else "already up"
+    typer.echo(
+        f"nightshift {verb}: Ray at {state.address} (daemon pid {state.pid}); engines are kept "
+        f"{state.idle_timeout_s:.0f} s after their last run. `nightshift down` stops it."
+    )
+    if not started:
+        kept = warm_runtime.describe(state)
+        engines = kept.get("engines") or []
+        typer.echo(
+            f"warm engines: {len(engines)} kept, {kept.get('started', 0)} started and {kept.get('reused', 0)} "
+            "handed to a later run over the runtime's life"
+        )
+        for engine in engines:
+            held = f"running job {engine['job']}" if engine["job"] else f"idle {engine['idle_s']:.0f} s"
+            typer.echo(f"  {engine['model']} ({engine['backend']}): {held}")
+
+
+@app.command()
+def down() -> None:
+    """End `nightshift up`'s runtime: its warm engines and its Ray."""
+    from pipeline.runtime import warm_runtime
+
+    state = warm_runtime.stop()
+    typer.echo("nightshift is not up" if state is None else f"nightshift down (daemon pid {state.pid} ended)")
 
 
 @app.command()

@@ -200,6 +200,8 @@ _SHARED_BY_FIXTURE = {"server": "server-shared"}
 def pytest_configure(config):
     # Read by every raylet the tests start: BESIDE_ENGINES_NICENESS says why.
     os.environ.setdefault("RAY_worker_niceness", "0")
+    # A `nightshift up` of the developer's own must not take the suite's runs (tests of it ask for it by name).
+    os.environ["NIGHTSHIFT_WARM"] = "0"
     worker = os.environ.get("PYTEST_XDIST_WORKER")
     if worker:
         import tempfile

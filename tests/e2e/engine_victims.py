@@ -45,7 +45,10 @@ def vllm_process(actor_pid: int, title: str, timeout_s: float = 60) -> psutil.Pr
             break
         time.sleep(0.2)
     assert len(found) == 1, f"expected one {title} process under the actor {actor_pid}, found {found}; " + (
-        "its processes: " + "; ".join(f"{p.pid} {p.name()!r} {' '.join(p.cmdline())[:80]!r}" for p in
-                                       [psutil.Process(actor_pid), *psutil.Process(actor_pid).children(recursive=True)])
+        "its processes: "
+        + "; ".join(
+            f"{p.pid} {p.name()!r} {' '.join(p.cmdline())[:80]!r}"
+            for p in [psutil.Process(actor_pid), *psutil.Process(actor_pid).children(recursive=True)]
+        )
     )
     return found[0]

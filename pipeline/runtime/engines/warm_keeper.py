@@ -121,6 +121,7 @@ class EngineKeeper:
         self._reaper: asyncio.Task | None = None
         self.started = 0  # engine actors created, over the keeper's life
         self.reused = 0  # engines handed to a job that another job had used
+        self._active_at = time.monotonic()  # the last call of a job: its engines' idle time counts from it
 
     async def acquire(
         self, job_id: str, wanted: list[tuple[EngineSpec, str, int, dict[str, Any], EngineGroup | None]]
@@ -129,6 +130,7 @@ class EngineKeeper:
         each engine reserves or None) — idle ones of the same kind first, new ones for the rest."""
         import ray
 
+        self._active_at = time.monotonic()
         if self._reaper is None:
             self._reaper = asyncio.get_running_loop().create_task(self._reap_forever())
         kinds = [engine_kind(spec, {**options, "group": group}) for spec, _, _, options, group in wanted]
@@ -168,6 +170,7 @@ class EngineKeeper:
 
     async def release(self, job_id: str) -> None:
         """The job is done with its engines: they wait, warm, for the next job."""
+        self._active_at = time.monotonic()
         mine = [k for k in self._kept if k.job == job_id]
         for k in mine:
             k.job, k.idle_since = None, time.monotonic()
@@ -177,6 +180,7 @@ class EngineKeeper:
 
     async def drop_job(self, job_id: str) -> None:
         """Stop the job's tickets (a stopped or vanished driver), then release its engines."""
+        self._active_at = time.monotonic()
         mine = [k for k in self._kept if k.job == job_id]
         if mine:
             await asyncio.gather(*(k.handle.drop_job.remote(job_id) for k in mine), return_exceptions=True)
@@ -192,11 +196,20 @@ class EngineKeeper:
         now = time.monotonic()
         return {
             "engines": [
-                {"job": k.job, "placed": k.placed, "idle_s": None if k.job else round(now - k.idle_since, 1)}
-                for k in self._kept
+                {
+                    "backend": kind[0],
+                    "model": kind[2] or kind[1],
+                    "job": k.job,
+                    "placed": k.placed,
+                    "idle_s": None if k.job else round(now - k.idle_since, 1),
+                }
+                for k, kind in ((k, json.loads(k.kind)) for k in self._kept)
             ],
             "started": self.started,
             "reused": self.reused,
+            # Seconds since a job last called or held an engine (None while one does): a coordinator that lives
+            # only for its engines (runtime/warm_runtime.py) ends after its idle timeout of it.
+            "idle_s": None if any(k.job for k in self._kept) else round(now - self._active_at, 1),
         }
 
     def _stop(self, kept: list[_Kept]) -> None:
