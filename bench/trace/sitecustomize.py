@@ -12,6 +12,8 @@ as their modules are imported and writes `engine-<pid>.json` into that directory
                                   and how many finished in that first step (fixed cost and rows/s measured by results)
   prefix_queries / prefix_hits    prompt tokens looked up in the prefix cache and found there (new requests, the same
                                   record vLLM's own vllm:prefix_cache_queries/hits counters are made of)
+  busy_starts                     wall clock of the first token of each busy spell: the first, and each after the
+                                  engine had run out of requests (a warm engine serving run after run: one a run)
   omp_bind                        VLLM_CPU_OMP_THREADS_BIND as the engine saw it
   engine_config                   the engine args in force inside the engine core (vLLM's config objects, after
                                   its defaults), and the device-visibility variables it saw: what really reached
@@ -44,6 +46,7 @@ if _DIR:
         "last_token_at": None,
         "tokens": 0,
         "steps_with_tokens": 0,
+        "busy_starts": [],
         "first_result_at": None,
         "last_result_at": None,
         "results": 0,
@@ -54,6 +57,12 @@ if _DIR:
         "engine_config": None,
     }
     _last_write = [0.0]
+    _idle = [True]  # the last step left the engine with no request: the next token starts a busy spell
+
+    def _tokens_at(now: float, idle_after: bool) -> None:
+        if _idle[0]:
+            _state["busy_starts"].append(now)
+        _idle[0] = idle_after
 
     def _results(now: float, finished: int) -> None:
         if not finished:
@@ -129,11 +138,9 @@ if _DIR:
                     _state["last_token_at"] = now
                     _state["tokens"] += tokens
                     _state["steps_with_tokens"] += 1
-                    if (
-                        first
-                        or self.get_num_unfinished_requests() == 0
-                        or time.monotonic() - _last_write[0] > 5
-                    ):
+                    drained = self.get_num_unfinished_requests() == 0
+                    _tokens_at(now, drained)
+                    if first or drained or time.monotonic() - _last_write[0] > 5:
                         _write()
             except Exception:  # noqa: BLE001 - a bench probe must never disturb the engine
                 pass
@@ -174,6 +181,7 @@ if _DIR:
                 _state["last_token_at"] = now
                 _state["tokens"] += result.completion_tokens or 0
                 _results(now, 1)
+                _tokens_at(now, inside[0] == 0)
                 if first or inside[0] == 0 or time.monotonic() - _last_write[0] > 5:
                     _write()
             except Exception:  # noqa: BLE001 - a bench probe must never disturb the engine
