@@ -190,6 +190,18 @@ def head_token(
 # --------------------------------------------------------------------------------------------- addresses
 
 
+def share_local_ray(env: MutableMapping[str, str] | None = None) -> None:
+    """Before a local Ray starts that other processes of this machine join (the Batch API's jobs, `nightshift up`'s
+    runs): it takes the head's token (`head_token`: mode 0600, and the one those drivers find by themselves), not
+    Ray's default ~/.ray/auth_token, which Ray writes readable by all and no nightshift driver reads. A token the
+    environment names already (RAY_AUTH_TOKEN, RAY_AUTH_TOKEN_PATH), or RAY_AUTH_MODE other than token, stays."""
+    env = os.environ if env is None else env
+    if env.get(TOKEN_ENV) or env.get(TOKEN_PATH_ENV) or env.get(AUTH_MODE_ENV, "token") != "token":
+        return
+    source, _ = head_token(env=env)
+    env.update(source.ray_environment())
+
+
 def _host_port(address: str) -> tuple[str, str]:
     target = address.removeprefix("ray://")
     host, _, port = target.rpartition(":")

@@ -324,12 +324,9 @@ def _tail(path: Path, lines: int = 8) -> str:
 
 def serve(idle_timeout_s: float) -> None:
     """The daemon: Ray and the keeper, until SIGTERM or the idle timeout."""
-    from cluster.auth import head_token
+    from cluster.auth import share_local_ray
 
-    # The head's token (mode 0600), not Ray's default ~/.ray/auth_token, which Ray writes readable by all. Set
-    # before Ray is imported: it reads its auth mode once.
-    source, _ = head_token()
-    os.environ.update(source.ray_environment())
+    share_local_ray()  # before Ray is imported (it reads its auth mode once): the runs find the head's token
 
     import ray
 

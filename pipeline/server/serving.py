@@ -4,7 +4,7 @@ server resumes them. Deleting the application waits for the replica's graceful s
 each within its stop grace (runtime/launcher.py; server/app.py: Serve's timeout is longer).
 
 Ray's token authentication as `nightshift run` has it (cluster/auth.py): a private local Ray starts with
-RAY_AUTH_MODE=token; a cluster given by --address is asked first whether it wants a token and takes this one — a
+RAY_AUTH_MODE=token and the head's token, which each batch's job finds as it joins; a cluster given by --address is asked first whether it wants a token and takes this one — a
 missing or refused token stops the server in one line that says what to set, and an open cluster is warned about."""
 
 from __future__ import annotations
@@ -23,11 +23,13 @@ log = structlog.get_logger(__name__)
 def serve_forever(config: ServerConfig, token_file: Path | None = None) -> None:
     """Raises cluster.auth.AuthError (the cluster's token) and ConfigError (keys off while Serve listens beyond
     loopback) before any request is taken."""
-    from cluster.auth import driver_environment
+    from cluster.auth import driver_environment, share_local_ray
 
     with driver_environment(config.address, token_file) as warnings:
         for warning in warnings:
             log.warning(warning)
+        if not config.address:
+            share_local_ray()  # each batch's job joins this Ray as a driver of its own: it must find its token
         _serve(config)
 
 

@@ -5,12 +5,20 @@ routes (`/healthz`, `/readyz`) on the app itself."""
 from __future__ import annotations
 
 import sqlite3
+import stat
 
 import pytest
 from fastapi.testclient import TestClient
 from typer.testing import CliRunner
 
-from cluster.auth import AUTH_MODE_ENV, LOOPBACK_ENV, TOKEN_ENV, TOKEN_PATH_ENV
+from cluster.auth import (
+    AUTH_MODE_ENV,
+    LOOPBACK_ENV,
+    TOKEN_ENV,
+    TOKEN_PATH_ENV,
+    default_token_path,
+    find_token,
+)
 from pipeline.config import ConfigError
 from pipeline.server.exposure import ServeHttp, refuse_open_no_auth
 from pipeline.server.settings import ServerConfig, load_server_config
@@ -98,10 +106,27 @@ def _serve(tmp_path, *args: str):  # noqa: ANN202
     return CliRunner().invoke(app, ["serve", "--no-auth", "--data-dir", str(tmp_path / "data"), *args])
 
 
-def test_serve_starts_its_local_ray_with_token_auth(tmp_path, no_ray_token, ray_starts):
+def test_serve_starts_its_local_ray_with_token_auth_and_the_token_its_jobs_find(
+    tmp_path, no_ray_token, ray_starts
+):
     result = _serve(tmp_path)
     assert isinstance(result.exception, RayStarted), result.output
-    assert ray_starts == [{"address": None, AUTH_MODE_ENV: "token", TOKEN_PATH_ENV: None}]
+    head = default_token_path()
+    assert ray_starts == [{"address": None, AUTH_MODE_ENV: "token", TOKEN_PATH_ENV: str(head)}]
+    assert stat.S_IMODE(head.stat().st_mode) == 0o600
+    # A batch's job, a driver of its own, looks for a token where every nightshift driver does: it finds this one.
+    assert find_token().path == head
+
+
+def test_serve_keeps_the_token_its_environment_names(tmp_path, no_ray_token, ray_starts, monkeypatch):
+    token = tmp_path / "ops-token"
+    token.write_text(TOKEN)
+    token.chmod(0o600)
+    monkeypatch.setenv(TOKEN_PATH_ENV, str(token))
+    result = _serve(tmp_path)
+    assert isinstance(result.exception, RayStarted), result.output
+    assert ray_starts == [{"address": None, AUTH_MODE_ENV: "token", TOKEN_PATH_ENV: str(token)}]
+    assert not default_token_path().exists()
 
 
 def test_serve_on_a_cluster_that_wants_a_token_it_lacks_stops_in_one_line(tmp_path, no_ray_token, ray_starts):
