@@ -60,12 +60,17 @@ class WarmEngine(EngineWorker):
         self._job: str | None = None
         self._ticket: asyncio.Task | None = None
         self._dropping: str | None = None
+        # Per job, the first run still served: a ticket of an earlier run (sent before its coordinator dropped the
+        # job, arriving after the drop) is refused, never served. Runs are numbered by the keeper (`drop_job`).
+        self._first_run: dict[str, int] = {}
 
     def ready(self) -> bool:
         return True
 
-    async def serve_job(self, ticket: str, job_id: str, pool: str, wiring: dict[str, Any]) -> int:
-        """Run one ticket of `job_id` (its pull loop over the job's queue); the chunks it ran."""
+    async def serve_job(self, ticket: str, job_id: str, run: int, pool: str, wiring: dict[str, Any]) -> int:
+        """Run one ticket of `job_id`'s run number `run` (its pull loop over the job's queue); the chunks it ran."""
+        if run < self._first_run.get(job_id, 0):
+            raise TicketDropped(f"job {job_id} was stopped; its engines were taken back")
         if self._job is not None and self._job != job_id:
             raise RuntimeError(f"engine busy with job {self._job}; job {job_id} was handed it")
         self._job = job_id
@@ -82,8 +87,10 @@ class WarmEngine(EngineWorker):
             self.monitor = self.queue = self.sink = None
             self._job = self._ticket = None
 
-    async def drop_job(self, job_id: str) -> None:
-        """End this engine's ticket of `job_id`, if it runs one; returns once nothing of it runs or is staged."""
+    async def drop_job(self, job_id: str, next_run: int) -> None:
+        """End this engine's ticket of `job_id`, if it runs one, and refuse the tickets of its runs before
+        `next_run`; returns once nothing of it runs or is staged."""
+        self._first_run[job_id] = max(next_run, self._first_run.get(job_id, 0))
         ticket = self._ticket
         if self._job != job_id or ticket is None:
             return
@@ -119,15 +126,17 @@ class EngineKeeper:
         self.idle_seconds = idle_seconds
         self._kept: list[_Kept] = []
         self._reaper: asyncio.Task | None = None
+        self._runs: dict[str, int] = {}  # per job, the number of its current run: each drop starts the next
         self.started = 0  # engine actors created, over the keeper's life
         self.reused = 0  # engines handed to a job that another job had used
         self._active_at = time.monotonic()  # the last call of a job: its engines' idle time counts from it
 
     async def acquire(
         self, job_id: str, wanted: list[tuple[EngineSpec, str, int, dict[str, Any], EngineGroup | None]]
-    ) -> list[list[Any]]:
+    ) -> tuple[int, list[list[Any]]]:
         """Engines for each of the job's pools — `wanted`: (spec, pool, count, actor options, the placement group
-        each engine reserves or None) — idle ones of the same kind first, new ones for the rest."""
+        each engine reserves or None) — idle ones of the same kind first, new ones for the rest; and the number of
+        the job's run, which its tickets carry."""
         import ray
 
         self._active_at = time.monotonic()
@@ -159,7 +168,7 @@ class EngineKeeper:
                 self.started += 1
                 asyncio.get_running_loop().create_task(self._placed(kept))
             log.info("engines handed out", job=job_id, pool=pool, warm=reused, started=count - reused)
-        return [[k.handle for k in taken] for taken in handed]
+        return self._runs.get(job_id, 0), [[k.handle for k in taken] for taken in handed]
 
     async def _placed(self, kept: _Kept) -> None:
         try:
@@ -179,11 +188,15 @@ class EngineKeeper:
             self._stop(mine)
 
     async def drop_job(self, job_id: str) -> None:
-        """Stop the job's tickets (a stopped or vanished driver), then release its engines."""
+        """Stop the job's tickets (a stopped or vanished driver), then release its engines. A later run of the job
+        gets the next run number: a ticket of this one that reaches an engine only now is refused there."""
         self._active_at = time.monotonic()
+        self._runs[job_id] = next_run = self._runs.get(job_id, 0) + 1
         mine = [k for k in self._kept if k.job == job_id]
         if mine:
-            await asyncio.gather(*(k.handle.drop_job.remote(job_id) for k in mine), return_exceptions=True)
+            await asyncio.gather(
+                *(k.handle.drop_job.remote(job_id, next_run) for k in mine), return_exceptions=True
+            )
         await self.release(job_id)
 
     def stop_idle(self) -> int:
@@ -265,6 +278,7 @@ class WarmTickets:
         ray.get(keeper.drop_job.remote(job_id))
         self._pools: list[tuple[Any, dict[str, Any]]] = []
         self._tickets: list[tuple[Any, str, str, dict[str, Any]]] = []
+        self._run = 0  # this run's number, from the keeper (acquire)
         self._stopping = False
 
     def add_pool(self, plan: Any, wiring: dict[str, Any]) -> None:
@@ -283,7 +297,7 @@ class WarmTickets:
             wanted.append(
                 (plan.spec, plan.pool.name, plan.max_engines, actor_resources(plan.pool, group), group)
             )
-        handles = ray.get(self.keeper.acquire.remote(self.job_id, wanted))
+        self._run, handles = ray.get(self.keeper.acquire.remote(self.job_id, wanted))
         for (plan, wiring), pool_handles in zip(self._pools, handles, strict=True):
             for i, handle in enumerate(pool_handles):
                 self._tickets.append((handle, f"{plan.pool.name}/{i}", plan.pool.name, wiring))
@@ -294,7 +308,7 @@ class WarmTickets:
 
         def send(ticket: tuple[Any, str, str, dict[str, Any]]) -> Any:
             handle, name, pool, wiring = ticket
-            return handle.serve_job.remote(name, self.job_id, pool, wiring)
+            return handle.serve_job.remote(name, self.job_id, self._run, pool, wiring)
 
         out = {send(t): t for t in self._tickets}
         sends = {t[1]: 1 for t in self._tickets}
