@@ -67,15 +67,13 @@ JOB_VARIABLES: frozenset[str] = frozenset(
     }
 )
 
-# Families passed by prefix.
-JOB_PREFIXES: tuple[str, ...] = (
-    "LC_",  # the locale's parts
-    "PYTHON",  # PYTHONPATH, PYTHONHOME, PYTHONHASHSEED, ...: how this Python finds and runs nightshift
-    "RAY_",  # joining the cluster: RAY_ADDRESS, RAY_AUTH_MODE, RAY_AUTH_TOKEN(_PATH), Ray's own settings
+# What an engine reads from its environment: vLLM, the devices it may use, its numeric libraries, the model hub.
+# A job with its own local Ray passes them to its engines; `nightshift up`'s runs compare them with its daemon's
+# (runtime/warm_runtime.py).
+ENGINE_PREFIXES: tuple[str, ...] = (
     "HF_",  # the model hub: HF_HOME, HF_TOKEN (gated models), HF_HUB_OFFLINE, HF_ENDPOINT
     "TRANSFORMERS_",
     "TOKENIZERS_",
-    # The engines of a job with its own local Ray: vLLM, the devices it may use, its numeric libraries.
     "VLLM_",
     "CUDA_",
     "NVIDIA_",
@@ -90,6 +88,14 @@ JOB_PREFIXES: tuple[str, ...] = (
     "OMP_",
     "KMP_",
     "MKL_",
+)
+
+# Families passed by prefix.
+JOB_PREFIXES: tuple[str, ...] = (
+    "LC_",  # the locale's parts
+    "PYTHON",  # PYTHONPATH, PYTHONHOME, PYTHONHASHSEED, ...: how this Python finds and runs nightshift
+    "RAY_",  # joining the cluster: RAY_ADDRESS, RAY_AUTH_MODE, RAY_AUTH_TOKEN(_PATH), Ray's own settings
+    *ENGINE_PREFIXES,
 )
 
 # S3 credentials and settings (keys, session token, profile, region, endpoint, role for web identity): only for a

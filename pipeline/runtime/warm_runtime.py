@@ -38,6 +38,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from pipeline import __version__
 from pipeline.config import JobConfig
+from pipeline.runtime.job_env import ENGINE_PREFIXES
 
 KEEPER = "nightshift-up"  # the keeper's actor name (namespace: warm_keeper.NAMESPACE)
 DEFAULT_IDLE_TIMEOUT_S = 30 * 60.0
@@ -45,27 +46,9 @@ START_TIMEOUT_S = 180.0  # a cold Ray start on a loaded 2-core box takes 10-30 s
 STOP_TIMEOUT_S = 60.0
 POLL_S = 2.0
 
-# What an engine reads from its environment: a warm engine was started with the daemon's, so a run whose values
-# differ would be served by engines other than the ones it asked for. Compared by hash; values never stored.
-ENGINE_ENV_PREFIXES: tuple[str, ...] = (
-    "VLLM_",
-    "CUDA_",
-    "NVIDIA_",
-    "HIP_",
-    "ROCR_",
-    "ROCM_",
-    "HSA_",
-    "NCCL_",
-    "RCCL_",
-    "TORCH",
-    "TRITON_",
-    "OMP_",
-    "KMP_",
-    "MKL_",
-    "HF_",
-    "TRANSFORMERS_",
-    "TOKENIZERS_",
-)
+# What an engine reads from its environment (job_env.ENGINE_PREFIXES, and these): a warm engine was started with
+# the daemon's, so a run whose values differ would be served by engines other than the ones it asked for. Compared
+# by hash; values never stored.
 ENGINE_ENV_NAMES = frozenset(
     {"LD_PRELOAD", "LD_LIBRARY_PATH", "NIGHTSHIFT_CPU_LOCK_DIR", "HUGGING_FACE_HUB_TOKEN"}
 )
@@ -159,7 +142,7 @@ def engine_environment(environ: Mapping[str, str]) -> dict[str, str]:
     return {
         name: hashlib.sha256(value.encode()).hexdigest()
         for name, value in sorted(environ.items())
-        if name in ENGINE_ENV_NAMES or name.startswith(ENGINE_ENV_PREFIXES)
+        if name in ENGINE_ENV_NAMES or name.startswith(ENGINE_PREFIXES)
     }
 
 
