@@ -1,6 +1,6 @@
 """`nightshift up`, two `nightshift run`s and `nightshift down` on the real vLLM engine: the second run answers every
 line on the first run's engine, warm, and `down` leaves no engine behind. (The mechanism with the fake engine, and
-the runs that must not use the runtime: tests/integration/test_warm_runtime.py; its speed: bench/startup.py.)
+the runs that must not use the runtime: tests/integration/test_up_run_down.py; its speed: bench/startup.py.)
 
 Its own runtime and engine (not the session's warm cluster): the engine's start and reuse across processes are the
 subject.

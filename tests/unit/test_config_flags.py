@@ -45,7 +45,7 @@ def _run_job(monkeypatch, args: list[str]) -> JobConfig:
     import pipeline.cli
 
     seen = []
-    monkeypatch.setattr(pipeline.cli, "_run", lambda job, *rest: seen.append(job))
+    monkeypatch.setattr(pipeline.cli, "_run", lambda job, *rest, **options: seen.append(job))
     result = CliRunner().invoke(app, ["run", *args])
     assert result.exit_code == 0, result.output
     return seen[0]
