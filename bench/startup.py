@@ -195,7 +195,12 @@ def main(argv: list[str] | None = None) -> None:
     args = eb.EngineArgs()
     work = (ns.out_dir / "work" / "startup").resolve()
     work.mkdir(parents=True, exist_ok=True)
-    lines = eb.read_jsonl(REPO / "examples" / "chat.jsonl")
+    # The example's chat lines only: its other lines are there to show error records, and run-batch stops on them.
+    lines = [
+        line
+        for line in eb.read_jsonl(REPO / "examples" / "chat.jsonl")
+        if line.get("url") == "/v1/chat/completions" and "model" in line.get("body", {})
+    ]
     rows = []
     for i in range(ns.rows):
         line = json.loads(json.dumps(lines[i % len(lines)]))
