@@ -101,15 +101,13 @@ def read_state(path: Path | None = None) -> WarmRuntime | None:
 
 
 def write_state(state: WarmRuntime, path: Path | None = None) -> None:
-    """Written whole under a private name, then renamed into place: a reader never sees half a file."""
+    """Written whole, then renamed into place (a reader never sees half a file); mode 0600 in a 0700 directory."""
+    from pipeline.local_files import atomic_write_bytes  # its scratch file is mkstemp's: 0600 from the start
+
     path = path or state_path()
     path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
     os.chmod(path.parent, 0o700)
-    scratch = path.with_name(f".{path.name}.{os.getpid()}")
-    fd = os.open(scratch, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as handle:
-        handle.write(state.model_dump_json(indent=2))
-    os.replace(scratch, path)
+    atomic_write_bytes(path, state.model_dump_json(indent=2).encode())
 
 
 def pid_alive(pid: int) -> bool:
