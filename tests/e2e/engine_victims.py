@@ -29,26 +29,47 @@ def engine_with_work_in_flight(job_id: str, job: threading.Thread, timeout_s: fl
 
 
 def vllm_process(actor_pid: int, title: str, timeout_s: float = 60) -> psutil.Process:
-    """The one process under an engine actor whose title (vLLM's setproctitle: `VLLM::EngineCore`,
-    `VLLM::Worker_TP1`, ...) contains `title`. Waited for: a process takes its title a moment after it starts, later
-    still on a busy box, and an engine's ranks may still be coming up when its first rows are leased."""
+    """The process under an engine actor whose title (vLLM's setproctitle: `VLLM::EngineCore`, `VLLM::Worker_TP1`,
+    ...) contains `title`. Waited for: a process takes its title a moment after it starts, later still on a busy box,
+    and an engine's ranks may still be coming up when its first rows are leased.
+
+    A child that the titled process forks (a compile or tokenizer worker) carries the parent's title until it execs,
+    so matches below another match are its children, not candidates: the topmost match is the one."""
     deadline = time.monotonic() + timeout_s
+    seen: list[str] = []
     while True:
-        found = []
-        for child in psutil.Process(actor_pid).children(recursive=True):
+        try:
+            processes = psutil.Process(actor_pid).children(recursive=True)
+        except psutil.NoSuchProcess:
+            raise AssertionError(
+                f"the engine actor {actor_pid} exited before one {title} process was found under it; seen: {seen}"
+            ) from None
+        matches = {}
+        for child in processes:
             try:
                 if title in child.name() or title in " ".join(child.cmdline()):
-                    found.append(child)
+                    matches[child.pid] = child
             except psutil.NoSuchProcess:
                 continue
-        if len(found) == 1 or time.monotonic() > deadline:
+        topmost = []
+        for child in matches.values():
+            try:
+                if child.ppid() not in matches:
+                    topmost.append(child)
+            except psutil.NoSuchProcess:
+                continue
+        seen = [_describe(p) for p in processes]
+        if len(topmost) == 1 or time.monotonic() > deadline:
             break
         time.sleep(0.2)
-    assert len(found) == 1, f"expected one {title} process under the actor {actor_pid}, found {found}; " + (
-        "its processes: "
-        + "; ".join(
-            f"{p.pid} {p.name()!r} {' '.join(p.cmdline())[:80]!r}"
-            for p in [psutil.Process(actor_pid), *psutil.Process(actor_pid).children(recursive=True)]
-        )
+    assert len(topmost) == 1, (
+        f"expected one topmost {title} process under the actor {actor_pid}, found {topmost}; its processes: {seen}"
     )
-    return found[0]
+    return topmost[0]
+
+
+def _describe(process: psutil.Process) -> str:
+    try:
+        return f"{process.pid}<{process.ppid()} {process.name()!r} {' '.join(process.cmdline())[:80]!r}"
+    except psutil.NoSuchProcess:
+        return f"{process.pid} (gone)"
