@@ -477,6 +477,20 @@ class FitConfig(_Strict):
         "requests whose prompt cannot fit even at the model's limit become context_length_exceeded error records. "
         "--no-fit turns it off.",
     )
+    early: Annotated[
+        bool,
+        Flag(
+            "--early-fit/--no-early-fit",
+            "Fitting a large input: engines start on args fitted to a sample spread over it and take requests while the rest is read; requests longer than the sample's fit wait for engines fitted to the whole input. Default: on.",
+        ),
+    ] = Field(
+        default=True,
+        description="With fitting on, an input larger than the sample (2,048 lines from 64 places in it) is not "
+        "waited for: the engines start on args fitted to the sample's longest need x 1.25 and take requests "
+        "while ingest reads the rest; a request that needs more is held back and runs, once the whole input is "
+        "measured, on engines started again with the args fitted to all of it (manifest: engine.fitted.early). "
+        "--no-early-fit fits the whole input before any engine gets a request.",
+    )
     default_max_tokens: Annotated[
         int,
         Flag(

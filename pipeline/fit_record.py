@@ -24,6 +24,7 @@ __all__ = [
     "FitDecision",
     "FitOff",
     "FitRecord",
+    "EarlyFit",
     "FitSkipped",
     "Lengths",
     "MaxModelLenFit",
@@ -248,6 +249,29 @@ class FitSkipped(_Record):
     skipped: str = Field(description="Why it could not run.")
 
 
+class EarlyFit(_Record):
+    """Streaming with fitting on: the engines started on args fitted to a sample of the input, before it was read
+    whole; requests longer than the sample's fit were held back and ran on engines fitted to the whole input."""
+
+    sampled_lines: int = Field(description="Lines the sample read, spread over the input.")
+    sample_longest_need: int = Field(
+        description="The longest need (prompt + output budget) in the sample, in tokens."
+    )
+    headroom: float = Field(description="The factor on the sample's longest need the early context allows.")
+    max_model_len: int | None = Field(
+        description="The context the streamed engines ran with (None: given, or the model's limit: nothing held)."
+    )
+    max_num_seqs: dict[str, int | None] = Field(
+        default_factory=dict, description="Per pool: the max_num_seqs the streamed engines ran with."
+    )
+    rows_held: int = Field(
+        default=0,
+        description="Requests that needed more than the early context: held back while ingest ran, then run on "
+        "engines started again with the args fitted to the whole input.",
+    )
+    why: str = Field(description="What was decided early, and what became of the longer requests, in words.")
+
+
 class FitDecision(_Record):
     """What was fitted, from what, and why: the job's max_model_len, and each pool's max_num_seqs."""
 
@@ -272,6 +296,12 @@ class FitDecision(_Record):
     )
     notes: list[str] = Field(default_factory=list, description="What a user may want to know.")
     warnings: list[str] = Field(default_factory=list, description="What a user should change.")
+    early: EarlyFit | None = Field(
+        default=None,
+        # Left out when there was none: the record stays key for key what versions before the early fit wrote.
+        exclude_if=lambda value: value is None,
+        description="Engines took requests while ingest read the input, on args fitted to a sample of it first.",
+    )
 
     def fitted_max_model_len(self) -> int | None:
         """The max_model_len fitting chose, None when it was given or is the model's limit."""

@@ -36,7 +36,7 @@ from pipeline import __version__
 from pipeline.adapters import AdapterError, ServedNames, job_served_names
 from pipeline.config import JobConfig, StorageConfig, effective_pools, merge_overrides
 from pipeline.engines.base import EngineSpec, backend, engine_class
-from pipeline.fit_record import decision_of
+from pipeline.fit_record import FitDecision, decision_of
 from pipeline.io.locations import RetryStats
 from pipeline.io.readers import InputSource
 from pipeline.io.staging import JobStateError, StagingArea
@@ -58,11 +58,27 @@ from pipeline.observe.recorder import JobRecorder
 from pipeline.observe.report import request_usage, write_report
 from pipeline.prices import check_pools, parse_hosted_price
 from pipeline.runtime.commit.finalize import FORMAT_VERSION, commit, write_outputs
-from pipeline.runtime.engines.launch import EngineLaunch, EngineRun, feed_spec, models_summary, pool_spec
+from pipeline.runtime.engines.launch import (
+    EngineLaunch,
+    EngineRun,
+    feed_spec,
+    merged_runs,
+    models_summary,
+    pool_spec,
+)
 from pipeline.runtime.engines.monitor import preemption_remedy, summarize_engines
-from pipeline.runtime.ingest.fit import apply_fit, fit_job, nothing_to_fit
+from pipeline.runtime.ingest.fit import (
+    apply_fit,
+    decide,
+    decide_early,
+    fit_job,
+    hold_above,
+    nothing_to_fit,
+    settle_early_fit,
+)
 from pipeline.runtime.ingest.measure import measuring
-from pipeline.runtime.ingest.tasks import ingest, settle_losers
+from pipeline.runtime.ingest.sample import Sample
+from pipeline.runtime.ingest.tasks import held_requests, ingest, sample_input, settle_losers
 from pipeline.runtime.preflight import (
     PreflightError,
     check_input_source,
@@ -194,7 +210,7 @@ def run_job(config: JobConfig, show_progress: bool = True, resume: bool = False)
         engines = _start_engines(job)
         try:
             _ingest(job, engines)
-            fitted = _fit(job)
+            fitted = _fit(job, engines)
             counters = _validated_counters(job.state)
             run, work = _run_engines(job, engines, fitted, counters, show_progress)
         except BaseException:
@@ -326,6 +342,14 @@ class _Engines:
     launch: EngineLaunch | None = None
     streaming: bool = False
     handed_over_at: float | None = None  # when ingest handed them their first requests (streaming)
+    # Early fit: the args the engines started on, fitted to a sample of the input, and the sample.
+    early: FitDecision | None = None
+    sample: Sample | None = None
+
+    @property
+    def hold_above(self) -> int | None:
+        """Requests needing more tokens than the early fit's context wait for the whole input's fit."""
+        return hold_above(self.early) if self.early is not None else None
 
     def hand_over(self, parts: list[str]) -> None:
         """Streaming: more of the work list is staged."""
@@ -341,8 +365,9 @@ class _Engines:
 
 def _start_engines(job: _Job) -> _Engines:
     """On a fresh job the engines start right away: their processes and imports overlap ingest and fitting, and
-    they wait for the fitted args. When nothing is fitted to the input, they take requests while ingest still reads
-    the rest (streaming). A job ingested before starts them only if work is left (`_run_engines`)."""
+    they wait for the fitted args. When nothing is fitted to the input, or the input is larger than a sample of it
+    (early fit, `_fit_early`), they take requests while ingest still reads the rest (streaming). A job ingested
+    before starts them only if work is left (`_run_engines`)."""
     engines = _Engines()
     if job.state.ingested:
         return engines
@@ -356,7 +381,33 @@ def _start_engines(job: _Job) -> _Engines:
         settled = apply_fit(config, None)
         engines.launch.stream(settled, engine_spec(settled, job.model))
         engines.streaming = True
+    elif not job.resume and engines.launch.can_stream:
+        _fit_early(job, engines)
     return engines
+
+
+def _fit_early(job: _Job, engines: _Engines) -> None:
+    """Early fit: a sample spread over the input is measured (runtime/ingest/sample.py) and the engines stream on
+    args fitted to it, so they take requests from the first seconds however large the input. Not when the sample
+    read the whole input: the exact fit is then as quick."""
+    config = job.config
+    measure = measuring(config, job.model)
+    if not config.engine.fit.early or measure is None or engines.launch is None:
+        return
+    sample = sample_input(
+        job.source, job.served.validation_map(), job.staging, measure, job.job_id, reserve_cpus=False
+    )
+    if sample.whole:
+        return
+    early = decide_early(config, job.model, job.staging, job.job_id, sample)
+    if early is None:
+        log.info("engine args not fitted early: the sample measured no request", sampled_lines=sample.lines)
+        return
+    log.info("sampled the input", lines=sample.lines, seconds=round(sample.seconds, 2))
+    settled = apply_fit(config, early)
+    why = f"args fitted to a sample of {sample.lines:,} lines; longer requests wait for the whole input's fit"
+    engines.launch.stream(settled, engine_spec(settled, job.model), early, why)
+    engines.streaming, engines.early, engines.sample = True, early, sample
 
 
 def _ingest(job: _Job, engines: _Engines) -> None:
@@ -385,6 +436,7 @@ def _ingest(job: _Job, engines: _Engines) -> None:
         reserve_cpus=engines.launch is None,
         on_requests=engines.hand_over if engines.streaming else None,
         adapters=frozenset(served.adapters),
+        hold_above=engines.hold_above,
     )
     state.input = JobInput(
         location=job.source.describe(),
@@ -411,11 +463,17 @@ def _ingest(job: _Job, engines: _Engines) -> None:
     recorder.stage_ended("ingest")
 
 
-def _fit(job: _Job) -> JobConfig:
+def _fit(job: _Job, engines: _Engines) -> JobConfig:
     """The config the engines run: engine args fitted to the measured aggregate (runtime/ingest/fit.py), decided
-    once and kept in the state."""
+    once and kept in the state. After an early fit, what the engines ran and what the held requests run on."""
     job.recorder.stage_started("fit")
-    fitted = fit_job(job.config, job.model, job.staging, job.state)
+    state = job.state
+    if engines.early is not None and engines.sample is not None and state.fit is None:
+        full = decide(job.config, job.model, job.staging, job.job_id, state.lengths)
+        held = job.staging.num_rows(held_requests(job.staging))
+        state.fit = settle_early_fit(engines.early, full, engines.sample, held)
+        job.staging.write_job(state)
+    fitted = fit_job(job.config, job.model, job.staging, state)
     job.recorder.stage_ended("fit")
     return fitted
 
@@ -445,6 +503,17 @@ def _run_engines(
         counters.done -= dropped
         state.ingest.rows_dropped_after_running = dropped
         work, pending = PendingWork([], 0), 0
+        held = held_requests(staging)
+        if held:  # early fit: the requests longer than its context run now, on engines fitted to all of them
+            streamed, rows = run, staging.num_rows(held)
+            log.info(
+                "requests longer than the early fit run on engines fitted to the whole input",
+                rows=rows,
+                max_model_len=config.engine.vllm.max_model_len,
+            )
+            engines.launch = EngineLaunch(config, spec, staging, job.job_id, job.pool_models, rows)
+            engines.launch.feed(config, spec, held, state.input.prefix_keyed)
+            run = merged_runs(streamed, engines.launch.wait(counters, show_progress, recorder))
     else:
         settle_losers(staging, job.source)  # a resumed job whose streamed run was cut short
         work = pending_work(staging, state.input.valid)

@@ -1,7 +1,9 @@
 """Engines take requests while ingest still reads the input, when nothing is fitted to it (--no-fit, or every
-fitted arg given): the work list is handed over piece by piece. Duplicates are found only once every piece is read,
+fitted arg given) or when the args are fitted early to a sample of it: the work list is handed over piece by piece. Duplicates are found only once every piece is read,
 so a request that loses its custom_id to an earlier line may already have run: its row must leave no trace but its
-duplicate_custom_id error record, and the winner's answer must be the one in the output."""
+duplicate_custom_id error record, and the winner's answer must be the one in the output. A request longer than the
+early fit's context is held back and runs on engines fitted to the whole input (the fake engine, like vLLM, refuses
+a request longer than its max_model_len)."""
 
 from __future__ import annotations
 
@@ -25,15 +27,20 @@ from tests.conftest import (
 pytestmark = pytest.mark.usefixtures("local_ray")
 
 FILES, ROWS = 6, 400
+LONG = (2, 250)  # a line far longer than the rest, in the middle of its file: past what a sample reads
 
 
-def _job(input_dir: Path, output: Path, fit: bool) -> JobConfig:
+def _job(input_dir: Path, output: Path, fit: bool, early: bool = False) -> JobConfig:
     return JobConfig.model_validate(
         {
             "input": str(input_dir),
             "output": str(output),
             "model": None,
-            "engine": {"backend": "fake", "fake": {"output_tokens": 4}, "fit": {"enabled": fit}},
+            "engine": {
+                "backend": "fake",
+                "fake": {"output_tokens": 4},
+                "fit": {"enabled": fit, "early": early},
+            },
             "resources": {"num_engines": 2, "cpus_per_engine": 0.5, "rows_per_task": 32},
             "output_options": {"rows_per_shard": 500},
         }
@@ -56,7 +63,10 @@ def input_dir(tmp_path_factory) -> tuple[Path, int, int]:
             elif f > 0 and i % 131 == 7:  # an id first seen in an earlier file
                 custom_id = f"f0-{i:04d}"
                 losers += 1
-            lines.append(chat_line(custom_id, f"file {f} line {i}"))
+            text = f"file {f} line {i}"
+            if (f, i) == LONG:
+                text += " and on" * 150
+            lines.append(chat_line(custom_id, text))
         if f == 0:
             lines[10] = json.dumps(
                 {"custom_id": "bad-first", "method": "POST", "url": "/v1/chat/completions"}
@@ -75,7 +85,8 @@ def runs(input_dir, tmp_path_factory):
     out = tmp_path_factory.mktemp("out")
     streamed = run_job(_job(root, out / "streamed", fit=False), show_progress=False)
     whole = run_job(_job(root, out / "whole", fit=True), show_progress=False)
-    return streamed, whole
+    early = run_job(_job(root, out / "early", fit=True, early=True), show_progress=False)
+    return streamed, whole, early
 
 
 def _answers(output: Path) -> dict[str, str]:
@@ -89,14 +100,33 @@ def _errors(output: Path) -> set[tuple[str, int, str]]:
 
 
 def test_the_engines_had_work_before_ingest_ended(runs):
-    streamed, whole = runs
-    ingest = streamed.manifest["ingest"]
-    assert ingest["streamed"] is True and whole.manifest["ingest"]["streamed"] is False
-    assert ingest["first_work_handed_over_at"] < ingest["finished_at"]
+    streamed, whole, early = runs
+    assert whole.manifest["ingest"]["streamed"] is False
+    for run in (streamed, early):
+        ingest = run.manifest["ingest"]
+        assert ingest["streamed"] is True
+        assert ingest["first_work_handed_over_at"] < ingest["finished_at"]
 
 
-def test_losing_requests_that_ran_leave_only_their_error_record(runs, input_dir):
-    streamed, whole = runs
+def test_an_early_fit_holds_back_the_request_it_cannot_serve_and_runs_it_refitted(runs):
+    _, whole, early = runs
+    fitted = early.manifest["engine"]["fitted"]
+    info = fitted["early"]
+    assert info["rows_held"] == 1 and info["sampled_lines"] < FILES * ROWS
+    # The streamed engines' context was too short for the long line; the job's fit is the whole input's.
+    assert info["max_model_len"] < fitted["max_model_len"]["value"]
+    assert fitted["max_model_len"] == whole.manifest["engine"]["fitted"]["max_model_len"]
+    long_id = f"f{LONG[0]}-{LONG[1]:04d}"
+    assert long_id in _answers(Path(early.output))
+    # Two launches, one after the other: the streamed engines, then the one the held request ran on.
+    assert early.manifest["engine"]["engines"] == 3
+    per_engine = early.manifest["engine"]["per_engine"].values()
+    assert sorted(e["rows"] for e in per_engine)[0] == 1
+
+
+@pytest.mark.parametrize("which", [0, 2], ids=["no-fit", "early-fit"])
+def test_losing_requests_that_ran_leave_only_their_error_record(runs, input_dir, which):
+    streamed = runs[which]
     _, lines, losers = input_dir
     assert streamed.manifest["ingest"]["rows_dropped_after_running"] == losers
     results = read_jsonl(sorted(Path(streamed.output).glob("results-*.jsonl")))
@@ -112,19 +142,24 @@ def test_losing_requests_that_ran_leave_only_their_error_record(runs, input_dir)
 def test_the_output_is_what_reading_everything_first_gives(runs):
     """Each id's answer is its first line's (the fake engine's text is drawn from the prompt), and the error
     records are the same lines with the same codes."""
-    streamed, whole = runs
-    assert _answers(Path(streamed.output)) == _answers(Path(whole.output))
-    assert _errors(Path(streamed.output)) == _errors(Path(whole.output))
+    streamed, whole, early = runs
+    for run in (streamed, early):
+        assert _answers(Path(run.output)) == _answers(Path(whole.output))
+        assert _errors(Path(run.output)) == _errors(Path(whole.output))
 
 
 @pytest.mark.slow
-def test_a_streamed_job_killed_half_way_resumes_exactly_once(tmp_path):
+@pytest.mark.parametrize("fit", [False, True], ids=["no-fit", "early-fit"])
+def test_a_streamed_job_killed_half_way_resumes_exactly_once(tmp_path, fit):
     """README "Failure model", row "the driver is killed", for a streamed job whose duplicates ran before they
-    were known: `resume` settles them before it lists what is left, and the output equals an uninterrupted run's."""
+    were known: `resume` settles them before it lists what is left, and the output equals an uninterrupted run's.
+    Fitted early, the job also holds back a request longer than its sample's fit: the resumed job runs it too."""
     n = 2400
     lines = [chat_line(f"id-{(i * 7919) % n:05d}", f"question {i}") for i in range(n)]
     for i in range(100, n, 200):  # a later line takes an earlier line's id
         lines[i] = chat_line(f"id-{((i - 50) * 7919) % n:05d}", f"again {i}")
+    # Its first 64 KiB range holds ~360 lines, of which a sample reads the first ~290: line 330 is not sampled.
+    lines[330] = chat_line(f"id-{(330 * 7919) % n:05d}", "question 330" + " and on" * 150)
     path = write_lines(tmp_path / "in.jsonl", lines)
     config = tmp_path / "job.yaml"
     config.write_text(
@@ -134,7 +169,7 @@ def test_a_streamed_job_killed_half_way_resumes_exactly_once(tmp_path):
                 "engine": {
                     "backend": "fake",
                     "fake": {"output_tokens": 4, "decode_seconds_per_token": 0.05, "max_concurrency": 64},
-                    "fit": {"enabled": False},
+                    "fit": {"enabled": fit},
                 },
                 "resources": {"cpus_per_engine": 0.5, "rows_per_task": 16},
                 "output_options": {"rows_per_shard": 700, "staging_rows": 100},
@@ -165,5 +200,8 @@ def test_a_streamed_job_killed_half_way_resumes_exactly_once(tmp_path):
 
     clean = tmp_path / "clean"
     nightshift_ok("run", str(path), str(clean), "-c", str(config), "--no-progress")
-    assert json.loads((clean / "manifest.json").read_text())["ingest"]["streamed"] is True
+    manifest = json.loads((clean / "manifest.json").read_text())
+    assert manifest["ingest"]["streamed"] is True
+    if fit:
+        assert manifest["engine"]["fitted"]["early"]["rows_held"] == 1
     assert_same_shards(clean, output)

@@ -327,11 +327,18 @@ class EngineLaunch:
         """Whether requests can reach the engines while ingest still stages them: one work list (one model)."""
         return len(self.models) == 1
 
-    def stream(self, config: JobConfig, spec: EngineSpec) -> None:
-        """Streaming: the engines start on `spec` (nothing is fitted to the input) and take requests as ingest
-        hands them over (`add_work`), until `close_input`."""
+    def stream(
+        self,
+        config: JobConfig,
+        spec: EngineSpec,
+        fit: FitRecord | None = None,
+        why: str = "nothing is fitted to the input",
+    ) -> None:
+        """Streaming: the engines start on `spec` (nothing fitted to the input, or `fit`: fitted early to a sample
+        of it) and take requests as ingest hands them over (`add_work`), until `close_input`."""
         import ray
 
+        self._fit = fit
         plans = self._plans(config, spec)
         engines = sum(plan.max_engines for plan in plans.values())
         # Whether rows share prompts is known only once they are read: routing is on wherever it could pay.
@@ -350,7 +357,7 @@ class EngineLaunch:
             )
         )
         self._fed = True
-        log.info("engines take requests while ingest reads the rest (nothing is fitted to the input)")
+        log.info(f"engines take requests while ingest reads the rest ({why})")
 
     def add_work(self, parts: list[str]) -> None:
         """More of the work list is staged (streaming)."""
@@ -518,6 +525,39 @@ class EngineLaunch:
                 chunks=run.duplicates_dropped,
             )
         return run
+
+
+def merged_runs(first: EngineRun, then: EngineRun) -> EngineRun:
+    """One account of two engine launches of a job, one after the other (an early fit's streamed engines, then the
+    engines its held requests ran on): rows, tokens and losses add up; each engine is listed once."""
+    pools = {name: dict(stats) for name, stats in then.pools.items()}
+    for name, stats in first.pools.items():
+        if name not in pools:
+            pools[name] = dict(stats)
+            continue
+        for key in ("rows", "failed", "prompt_tokens", "completion_tokens", "engines"):
+            if key in stats:
+                pools[name][key] = (pools[name].get(key) or 0) + stats[key]
+    lost = {**first.recovery["engines_lost"], **then.recovery["engines_lost"]}
+    return EngineRun(
+        snapshot={**first.snapshot, **then.snapshot},
+        pools=pools,
+        retried_requests=first.retried_requests + then.retried_requests,
+        duplicates_dropped=first.duplicates_dropped + then.duplicates_dropped,
+        preemption_warned=first.preemption_warned or then.preemption_warned,
+        routing=first.routing,
+        leases={
+            key: first.leases.get(key, 0) + then.leases.get(key, 0) for key in {*first.leases, *then.leases}
+        },
+        recovery={
+            "engine_restarts": first.recovery["engine_restarts"] + then.recovery["engine_restarts"],
+            "engines_lost": lost,
+        },
+        groups={
+            pool: first.groups.get(pool, []) + then.groups.get(pool, [])
+            for pool in {*first.groups, *then.groups}
+        },
+    )
 
 
 def _lookahead(plans: Iterable[FeedPlan]) -> int:

@@ -26,12 +26,15 @@ servers') has none: it is not fitted, and its requests are not measured.
 
 from __future__ import annotations
 
+import math
+
 import structlog
 
 from pipeline.config import DEFAULT_MAX_NUM_SEQS, JobConfig, PoolConfig, effective_pools
 from pipeline.engines.base import backend
 from pipeline.engines.fitting import FitTarget, KvCapacity
 from pipeline.fit_record import (
+    EarlyFit,
     FitDecision,
     FitOff,
     FitRecord,
@@ -45,6 +48,7 @@ from pipeline.io.staging import StagingArea
 from pipeline.models import ResolvedModel
 from pipeline.planner import MAX_NUM_SEQS_CAP, round_up
 from pipeline.runtime.ingest.measure import fit_target, measure
+from pipeline.runtime.ingest.sample import Sample
 from pipeline.state import JobState
 
 log = structlog.get_logger(__name__)
@@ -124,6 +128,72 @@ def unfitted_max_num_seqs(config: JobConfig) -> int | None:
     return DEFAULT_MAX_NUM_SEQS
 
 
+# --- the early fit ------------------------------------------------------------------------------------------------
+
+# The early context allows this much more than the sample's longest need: a request longer than the sample's longest
+# is held back, and holding any costs an engine restart at the end; on a CPU's known KV cache it costs concurrency.
+EARLY_HEADROOM = 1.25
+
+
+def decide_early(
+    config: JobConfig, model: ResolvedModel, staging: StagingArea, job_id: str | None, sample: Sample
+) -> FitDecision | None:
+    """The args the engines start on before the input is read whole: fitted to the sample's lengths, its longest need
+    times EARLY_HEADROOM. None when the sample measured nothing (the exact fit is then waited for)."""
+    if not sample.lengths.sequences:
+        return None
+    lengths = sample.lengths.model_copy()
+    lengths.longest_need = math.ceil(lengths.longest_need * EARLY_HEADROOM)
+    decision = decision_of(decide(config, model, staging, job_id, lengths, stage="early, from a sample"))
+    if decision is None or decision.max_model_len.source != "fitted":
+        return decision
+    context = decision.max_model_len
+    why = (
+        f"fitted early: the longest need of {sample.lines:,} sampled lines ({sample.lengths.longest_need} tokens, "
+        f"{sample.lengths.longest_id!r}) x {EARLY_HEADROOM}, rounded up to a {context.block_size}-token KV block"
+    )
+    return decision.model_copy(update={"max_model_len": context.model_copy(update={"why": why})})
+
+
+def hold_above(early: FitDecision) -> int | None:
+    """Requests needing more tokens than this wait for the whole input's fit; None: the early context is given or
+    the model's limit, so every request that can run at all fits it."""
+    return early.fitted_max_model_len()
+
+
+def settle_early_fit(early: FitDecision, full: FitRecord, sample: Sample, rows_held: int) -> FitRecord:
+    """The job's fit record once the whole input is measured (`full`). Without held requests, every request ran on
+    the early args: they are the job's (a resumed job runs the same values), with what the whole input measured.
+    With held requests, the whole input's fit is the job's: its held rows ran on it, as a resumed job's would."""
+    decision = decision_of(full)
+    if decision is None:
+        return full
+    context = early.fitted_max_model_len()
+    info = EarlyFit(
+        sampled_lines=sample.lines,
+        sample_longest_need=sample.lengths.longest_need,
+        headroom=EARLY_HEADROOM,
+        max_model_len=context,
+        max_num_seqs={name: fit.value for name, fit in early.max_num_seqs.items()},
+        rows_held=rows_held,
+        why=(
+            f"engines started on args fitted to {sample.lines:,} lines sampled across the input (longest need "
+            f"{sample.lengths.longest_need} tokens x {EARLY_HEADROOM})"
+            + (
+                f"; {rows_held:,} request(s) needed more than its context of {context} tokens: held back, then run "
+                f"on engines fitted to the whole input (max_model_len {decision.max_model_len.value})"
+                if rows_held
+                else f"; every request fit it (the whole input's longest need: {decision.max_model_len.needed})"
+            )
+        ),
+    )
+    if rows_held:
+        return decision.model_copy(update={"early": info})
+    return decision.model_copy(
+        update={"max_model_len": early.max_model_len, "max_num_seqs": early.max_num_seqs, "early": info}
+    )
+
+
 # --- deciding ----------------------------------------------------------------------------------------------------
 
 
@@ -133,6 +203,7 @@ def decide(
     staging: StagingArea,
     job_id: str | None,
     lengths: Lengths | None = None,
+    stage: str = "to the data",
 ) -> FitRecord:
     """The fit record of the job: nothing (off, or not possible), or what was fitted from `lengths` (measured here
     when ingest did not)."""
@@ -177,7 +248,7 @@ def decide(
         warnings=warnings,
     )
     log.info(
-        "engine args fitted to the data",
+        f"engine args fitted {stage}",
         max_model_len=max_model_len.value,
         source=max_model_len.source,
         max_num_seqs={name: s.value for name, s in max_num_seqs.items()} or None,

@@ -67,12 +67,20 @@ from pipeline.runtime.ingest.dedup import (
     request_losers,
 )
 from pipeline.runtime.ingest.measure import MeasureSpec, context_problem
+from pipeline.runtime.ingest.sample import (
+    SAMPLE_PIECES,
+    SAMPLE_RANGE_BYTES,
+    Sample,
+    measure_sample,
+    sample_pieces,
+)
 from pipeline.stages.intake import InputCounts, as_source, bad_row_check
 from pipeline.stages.prefix_key import routing_key
 from pipeline.stages.validate import InvalidLine, LineValidator, ValidRequest
 
 UNTOKENIZABLE = (True, 0, 0, 0, 0, False, False)  # an id row's measurement of a request the template rejected
 MIN_RANGE_BYTES = 8 << 20  # byte ranges below this cost more in task overhead than they gain in balance
+HELD = "held"  # marks the request parts of requests the early fit cannot serve
 MEASURE_BATCH = 1024  # requests counted per call: a tokenizer works in bulk
 BUCKET_BYTES = 1 << 30  # input bytes per id bucket: a few million ids, what one dedup task holds at once
 MAX_BUCKETS = 64
@@ -89,6 +97,7 @@ class IngestReport(InputCounts):
     seconds: dict[str, float] = field(default_factory=dict)
     task_cpu_s: float = 0.0  # CPU seconds the read tasks spent, wherever they ran
     tokenizer_loads: int = 0
+    held: int = 0  # requests longer than the early fit serves: staged apart (HELD), run once the whole input is fitted
 
     def nodes(self) -> list[str]:
         return sorted({node for step in self.placement.values() for node in step})
@@ -126,6 +135,9 @@ class IngestJob:
     buckets: int
     part_rows: int
     adapters: frozenset[str] = frozenset()  # LoRA adapter names: their rows are routed by adapter
+    # Early fit (streaming with fitting on): a request whose need (prompt + output budget) passes this many tokens
+    # is staged in a part of its own (`is_held`), not handed to the engines while ingest runs.
+    hold_above: int | None = None
 
 
 # --- step 1: scan -----------------------------------------------------------------------------------------------
@@ -153,6 +165,7 @@ class PieceStats:
     keyed: int = 0
     invalid_by_code: Counter = field(default_factory=Counter)
     parts: list[str] = field(default_factory=list)  # the request and error parts it staged
+    held: int = 0  # requests staged in held parts (past the early fit's context)
     size_bytes: int = 0  # http: the bytes downloaded
     fingerprint: str = ""  # http: the input's fingerprint (known once downloaded)
     seconds: float = 0.0
@@ -170,20 +183,28 @@ class _PieceOutput:
         self.stats = stats
         self.ids = IdRows(piece.index, job.buckets)
         self.requests: list[tuple[str, str, str, int, str, str | None, str | None, int | None]] = []
+        self.held: list[tuple[str, str, str, int, str, str | None, str | None, int | None]] = []
         self.errors: list[StagedRow] = []
-        self._seq = {"part": 0, INGEST_PREFIX: 0}
+        self._seq = {"part": 0, HELD: 0, INGEST_PREFIX: 0}
 
     def _name(self, prefix: str) -> str:
         self._seq[prefix] += 1
+        if prefix == HELD:
+            return f"part-{self.piece.index:06d}-{HELD}{self._seq[prefix]:04d}.parquet"
         return f"{prefix}-{self.piece.index:06d}-{self._seq[prefix]:04d}.parquet"
 
-    def request(self, request: ValidRequest, body: str, key: str | None) -> None:
+    def request(self, request: ValidRequest, body: str, key: str | None, held: bool = False) -> None:
         model = request.body.get("model")  # the served model it runs on (a pool serving that model takes it)
         budget = requested_max_tokens(request.body)
-        self.requests.append(
-            (request.custom_id, request.url, body, request.line, request.source, key, model, budget)
-        )
+        row = (request.custom_id, request.url, body, request.line, request.source, key, model, budget)
         self.stats.valid += 1
+        if held:
+            self.held.append(row)
+            self.stats.held += 1
+            if len(self.held) >= self.job.part_rows:
+                self._flush(self.held, HELD)
+            return
+        self.requests.append(row)
         if len(self.requests) >= self.job.part_rows:
             self.flush_requests()
 
@@ -194,15 +215,18 @@ class _PieceOutput:
             self.flush_errors()
 
     def flush_requests(self) -> None:
+        self._flush(self.requests, "part")
+
+    def _flush(self, rows: list, prefix: str) -> None:
         import pyarrow as pa
 
-        if self.requests:
-            name = self._name("part")
-            columns = zip(*self.requests, strict=True)
+        if rows:
+            name = self._name(prefix)
+            columns = zip(*rows, strict=True)
             table = pa.table(dict(zip(REQUEST_SCHEMA.names, columns, strict=True)), schema=REQUEST_SCHEMA)
             self.job.staging.write_requests(table, name=name)
             self.stats.parts.append(f"{self.job.staging.requests_dir}/{name}")
-            self.requests = []
+            rows.clear()
 
     def flush_errors(self) -> None:
         if self.errors:
@@ -213,6 +237,7 @@ class _PieceOutput:
 
     def close(self) -> None:
         self.flush_requests()
+        self._flush(self.held, HELD)
         self.flush_errors()
         self.ids.write(self.job.staging)
 
@@ -225,6 +250,7 @@ class _Measure:
         self.target = spec.target()
         self.out = out
         self.job_id = job_id
+        self.hold_above = out.job.hold_above
         self.pending: list[tuple[ValidRequest, str, str | None]] = []
         self.seconds = 0.0
 
@@ -259,7 +285,8 @@ class _Measure:
             capped = bool(prompts) and longest + output > limit
             measured = (False, len(prompts), sum(prompts), longest, output, assumed, capped)
             out.ids.add(custom_id, file, request.line, None, key is not None, measured)
-            out.request(request, body, key)
+            held = self.hold_above is not None and bool(prompts) and longest + output > self.hold_above
+            out.request(request, body, key, held)
         self.pending = []
         self.seconds += time.monotonic() - started
 
@@ -339,6 +366,16 @@ def _piece_of(path: str) -> int:
     return int(path.rsplit("/", 1)[-1].split("-")[1])
 
 
+def held_requests(staging: StagingArea) -> list[str]:
+    """The request parts of requests held back by an early fit (none otherwise)."""
+    return [part for part in staging.request_files() if is_held(part)]
+
+
+def is_held(path: str) -> bool:
+    """Whether a request part holds requests past the early fit's context (`part-<p>-held<seq>[d].parquet`)."""
+    return f"-{HELD}" in path.rsplit("/", 1)[-1]
+
+
 def settle_losers(staging: StagingArea, source: InputSource, parallel: bool | None = None) -> int:
     """After a streamed ingest (see runtime/ingest/dedup.py), once no engine reads the work list: requests that lost their
     custom_id leave the work list, and the rows engines made of them leave staging. Idempotent; a no-op when there
@@ -396,6 +433,30 @@ def _count(placement: dict[str, dict[str, int]], step: str, nodes: Counter[str])
         placement[step] = dict(nodes)
 
 
+# --- the early fit's sample ---------------------------------------------------------------------------------------
+
+
+def sample_input(
+    location: InputSource,
+    served: str | Mapping[str, str | None],
+    staging: StagingArea,
+    measure: MeasureSpec,
+    job_id: str | None = None,
+    parallel: bool | None = None,
+    reserve_cpus: bool = True,
+) -> Sample:
+    """A measured sample spread over the input (runtime/ingest/sample.py), as one task: what the early fit decides
+    from before ingest reads the whole input."""
+    source = location
+    size = source.size_bytes or 0
+    range_bytes = max(SAMPLE_RANGE_BYTES, size // SAMPLE_PIECES)
+    pieces, _ = source.plan_reads(range_bytes, piece_rows=1)
+    job = IngestJob(source, staging, served, job_id, source.limits, measure, 1, 0)
+    run = _executor(parallel, source, staging, reserve_cpus)
+    (sample,) = run.map(measure_sample, job, [sample_pieces(pieces)])
+    return sample
+
+
 # --- the whole pass -------------------------------------------------------------------------------------------------
 
 
@@ -414,6 +475,7 @@ def ingest(
     reserve_cpus: bool = True,
     on_requests: Callable[[list[str]], None] | None = None,
     adapters: frozenset[str] = frozenset(),
+    hold_above: int | None = None,
 ) -> IngestReport:
     """Validate (and, with `measure`, measure) the whole input into staging, as parallel tasks on Ray when it is
     initialized (`parallel` None), else in this process. Staging must hold no earlier ingest (discard_ingest).
@@ -421,7 +483,9 @@ def ingest(
     run at once either way).
     `on_requests`: streaming — called with each piece's request parts as soon as they are staged (engines take them
     while the rest is read); requests that turn out to have lost their custom_id stay in the work list until
-    `settle_losers`. `adapters`: the LoRA adapter names among the served ones (their rows are routed by adapter)."""
+    `settle_losers`. `adapters`: the LoRA adapter names among the served ones (their rows are routed by adapter).
+    `hold_above` (early fit): requests needing more tokens than that are staged in held parts (`is_held`), never
+    handed over; they run once the whole input is fitted."""
     source = as_source(location, storage)
     source.limits = limits or InputLimits()
     run = _executor(parallel, source, staging, reserve_cpus)
@@ -440,7 +504,9 @@ def ingest(
         # enough to fill them (each piece writes one file per bucket it has ids in).
         by_size = math.ceil((source.size_bytes or 0) / BUCKET_BYTES)
         buckets = max(1, min(MAX_BUCKETS, max(by_size, min(len(pieces), run.parallelism))))
-    job = IngestJob(source, staging, served, job_id, source.limits, measure, buckets, part_rows, adapters)
+    job = IngestJob(
+        source, staging, served, job_id, source.limits, measure, buckets, part_rows, adapters, hold_above
+    )
     batches = _scan_batches(scans)
     scan_nodes: Counter[str] = Counter()
     scanned = run.map(scan_ranges, job, batches, tasks_by_node=scan_nodes)
@@ -454,7 +520,7 @@ def ingest(
 
     def hand_over(stats: PieceStats) -> None:
         if on_requests is not None:
-            mine = [part for part in stats.parts if part.startswith(requests_dir)]
+            mine = [part for part in stats.parts if part.startswith(requests_dir) and not is_held(part)]
             if mine:
                 on_requests(mine)
 
@@ -469,7 +535,10 @@ def ingest(
     parts = {stats.piece: stats.parts for stats in read}
     fixes = sorted({piece for outcome in found for piece in outcome.pieces})
     if on_requests is not None:  # handed over already: their losers are settled once the engines are done
-        parts = {piece: [p for p in mine if not p.startswith(requests_dir)] for piece, mine in parts.items()}
+        parts = {
+            piece: [p for p in mine if not p.startswith(requests_dir) or is_held(p)]
+            for piece, mine in parts.items()
+        }
     run.map(fix_piece, job, [(piece, parts[piece]) for piece in fixes], tasks_by_node=dedup_nodes)
     if on_requests is None:
         # A job resumed after a streamed run was cut short may hold rows its engines made of losing requests.
@@ -487,6 +556,7 @@ def ingest(
         report.keyed += stats.keyed
         report.invalid_by_code.update(stats.invalid_by_code)
         report.tokenizer_loads += stats.tokenizer_loads
+        report.held += stats.held
         report.task_cpu_s += stats.cpu_seconds
     lengths = Lengths()
     for outcome in found:
