@@ -491,6 +491,13 @@ class FitConfig(_Strict):
         "measured, on engines started again with the args fitted to all of it (manifest: engine.fitted.early). "
         "--no-early-fit fits the whole input before any engine gets a request.",
     )
+    early_min_bytes: int = Field(
+        default=32 << 20,
+        ge=0,
+        description="The early fit applies to inputs of at least this many bytes (or of unknown size). A smaller "
+        "input is read and fitted whole in seconds, and a request held back would cost its engines a second "
+        "start: it is fitted exactly first.",
+    )
     default_max_tokens: Annotated[
         int,
         Flag(

@@ -181,11 +181,20 @@ def _is_hidden(name: str) -> bool:
     return name.startswith((".", "_"))
 
 
-def file_ranges(size: int, range_bytes: int = RANGE_BYTES) -> list[tuple[int, int]]:
-    """The byte ranges a file of `size` bytes is read and hashed in: [start, end), in order; one for a small file."""
-    if size <= range_bytes:
+def file_ranges(size: int, range_bytes: int = RANGE_BYTES, lead: Sequence[int] = ()) -> list[tuple[int, int]]:
+    """The byte ranges a file of `size` bytes is read and hashed in: [start, end), in order; one for a small file.
+    `lead`: the sizes of the first ranges, before the `range_bytes` ones (a streamed job's first pieces are small,
+    so the engines get requests within a second of reading)."""
+    if size <= range_bytes and not lead:
         return [(0, size)]
-    return [(start, min(start + range_bytes, size)) for start in range(0, size, range_bytes)]
+    ranges: list[tuple[int, int]] = []
+    start = 0
+    for length in (*lead, *[range_bytes] * -(-size // range_bytes)):
+        if start >= size:
+            break
+        ranges.append((start, min(start + length, size)))
+        start = ranges[-1][1]
+    return ranges
 
 
 def combine_ranges(digests: list[tuple[int, int, str]]) -> str:
@@ -643,14 +652,15 @@ class InputSource:
         return "parquet" if head == PARQUET_MAGIC else "jsonl"
 
     def plan_reads(
-        self, range_bytes: int = RANGE_BYTES, piece_rows: int = PIECE_ROWS
+        self, range_bytes: int = RANGE_BYTES, piece_rows: int = PIECE_ROWS, lead: Sequence[int] = ()
     ) -> tuple[list[InputPiece], list[ByteRange]]:
         """The pieces to read, in input order, and the byte ranges to scan first: every HASH_RANGE_BYTES range of a
         local file (its fingerprint), and the ranges of an S3 JSONL file split into `range_bytes` ranges (their
         newline counts number its lines; a local file's are counted in its hash ranges, cut where a range starts).
         Parquet files are cut into runs of whole row groups of about `piece_rows` rows (their byte sizes say little
         about the work: a column of repeated bodies costs a few bytes a row).
-        A range piece's `before` is filled in from the scans (`with_line_counts`); the others' is known."""
+        A range piece's `before` is filled in from the scans (`with_line_counts`); the others' is known. `lead`: the
+        sizes of the first JSONL file's first ranges (`file_ranges`)."""
         pieces: list[InputPiece] = []
         scans: list[ByteRange] = []
         if self.kind == "http":
@@ -658,7 +668,7 @@ class InputSource:
         for index, file in enumerate(self.files):
             size = file.size or 0
             fmt = self.file_format(index)
-            ranges = file_ranges(size, range_bytes)
+            ranges = file_ranges(size, range_bytes, lead if index == 0 else ())
             split = fmt == "jsonl" and len(ranges) > 1 and not _is_gzip(file.ref)
             starts = [start for start, _ in ranges[1:]] if split else []
             if self.kind == "local":

@@ -388,11 +388,18 @@ def _start_engines(job: _Job) -> _Engines:
 
 def _fit_early(job: _Job, engines: _Engines) -> None:
     """Early fit: a sample spread over the input is measured (runtime/ingest/sample.py) and the engines stream on
-    args fitted to it, so they take requests from the first seconds however large the input. Not when the sample
-    read the whole input: the exact fit is then as quick."""
+    args fitted to it, so they take requests from the first seconds however large the input. Not for an input
+    under `engine.fit.early_min_bytes`, or one the sample read whole: the exact fit is then as quick."""
     config = job.config
     measure = measuring(config, job.model)
     if not config.engine.fit.early or measure is None or engines.launch is None:
+        return
+    size = job.source.size_bytes
+    if size is not None and size < config.engine.fit.early_min_bytes:
+        return
+    if config.engine.warm_engines:
+        # Warm engines are handed out by their fitted plan; a held request's second plan is not asked of a keeper.
+        log.info("engine args fitted to the whole input first: the job runs on warm engines")
         return
     sample = sample_input(
         job.source, job.served.validation_map(), job.staging, measure, job.job_id, reserve_cpus=False

@@ -39,7 +39,8 @@ def _job(input_dir: Path, output: Path, fit: bool, early: bool = False) -> JobCo
             "engine": {
                 "backend": "fake",
                 "fake": {"output_tokens": 4},
-                "fit": {"enabled": fit, "early": early},
+                # Early: an input this small is fitted exactly unless told otherwise.
+                "fit": {"enabled": fit, "early": early, "early_min_bytes": 0},
             },
             "resources": {"num_engines": 2, "cpus_per_engine": 0.5, "rows_per_task": 32},
             "output_options": {"rows_per_shard": 500},
@@ -169,7 +170,7 @@ def test_a_streamed_job_killed_half_way_resumes_exactly_once(tmp_path, fit):
                 "engine": {
                     "backend": "fake",
                     "fake": {"output_tokens": 4, "decode_seconds_per_token": 0.05, "max_concurrency": 64},
-                    "fit": {"enabled": fit},
+                    "fit": {"enabled": fit, "early_min_bytes": 0},
                 },
                 "resources": {"cpus_per_engine": 0.5, "rows_per_task": 16},
                 "output_options": {"rows_per_shard": 700, "staging_rows": 100},

@@ -186,3 +186,33 @@ def test_a_sample_that_measured_nothing_decides_nothing_early(tmp_path: Path, wo
     sample = sample_input(input_source(path), MODEL, staging, words, JOB, parallel=False)
     assert not sample.whole and sample.lengths.requests == 0
     assert decide_early(config, model, staging, JOB, sample) is None
+
+
+def test_a_streamed_ingest_reads_small_ranges_first_and_stages_the_same_work(tmp_path: Path, words):
+    path = tmp_path / "in.jsonl"
+    path.write_text("\n".join(chat(f"r-{i:05d}", 3 + i % 7) for i in range(30_000)) + "\n")  # ~3 MiB
+    handed: list[list[str]] = []
+    streamed = staging_at(tmp_path / "streamed")
+    ingest(
+        path,
+        MODEL,
+        streamed,
+        job_id=JOB,
+        measure=words,
+        parallel=False,
+        range_bytes=8 << 20,
+        on_requests=handed.append,
+    )
+    whole = staging_at(tmp_path / "whole")
+    ingest(path, MODEL, whole, job_id=JOB, measure=words, parallel=False, range_bytes=8 << 20)
+
+    def rows(parts: list[str]) -> list[tuple]:
+        return sorted(
+            (r["custom_id"], r["line"], r["body"]) for p in parts for r in pq.read_table(p).to_pylist()
+        )
+
+    # Read as one range, the file would be handed over whole, at the end; the ramp's first range is 1 MiB.
+    assert len(handed) >= 2
+    first = pq.read_table(handed[0][0], columns=["line"]).column(0).to_pylist()
+    assert first[0] == 1 and len(first) < 30_000 // 2
+    assert rows(streamed.request_files()) == rows(whole.request_files())

@@ -79,6 +79,9 @@ from pipeline.stages.prefix_key import routing_key
 from pipeline.stages.validate import InvalidLine, LineValidator, ValidRequest
 
 UNTOKENIZABLE = (True, 0, 0, 0, 0, False, False)  # an id row's measurement of a request the template rejected
+RAMP_BYTES = (
+    1 << 20
+)  # a streamed job's first byte ranges: read in a fraction of a second, then each size doubles
 MIN_RANGE_BYTES = 8 << 20  # byte ranges below this cost more in task overhead than they gain in balance
 HELD = "held"  # marks the request parts of requests the early fit cannot serve
 MEASURE_BATCH = 1024  # requests counted per call: a tokenizer works in bulk
@@ -414,6 +417,18 @@ def on_drivers_disk(source: InputSource, staging: StagingArea) -> bool:
     return source.kind == "local" or isinstance(staging.files, LocalFiles)
 
 
+def ramp(range_bytes: int, workers: int) -> list[int]:
+    """The sizes of a streamed job's first byte ranges: RAMP_BYTES for each worker, doubling up to `range_bytes`, so
+    the first requests reach the engines a fraction of a second after reading starts, and later ranges are large
+    enough that their tasks cost little."""
+    sizes: list[int] = []
+    size = RAMP_BYTES
+    while size < range_bytes:
+        sizes += [size] * workers
+        size *= 2
+    return sizes
+
+
 def _scan_batches(scans: list[ByteRange]) -> list[list[ByteRange]]:
     """Scans grouped into tasks of at most HASH_RANGE_BYTES (many small files share a task)."""
     batches: list[list[ByteRange]] = []
@@ -498,7 +513,8 @@ def ingest(
         range_bytes=range_bytes,
     )
     started = time.monotonic()
-    pieces, scans = source.plan_reads(range_bytes)
+    lead = ramp(range_bytes, run.parallelism) if on_requests is not None else ()
+    pieces, scans = source.plan_reads(range_bytes, lead=lead)
     if buckets is None:
         # Enough buckets to keep each one's ids small, and to give every worker a bucket when there are pieces
         # enough to fill them (each piece writes one file per bucket it has ids in).
