@@ -77,7 +77,8 @@ class IngestRecord(_Kept):
     )
     streamed: bool = Field(
         default=False,
-        description="Engines took requests while ingest still read the input (nothing was fitted to it).",
+        description="Engines took requests while ingest still read the input (nothing was fitted to it, or the "
+        "args were fitted early to a sample of it: engine.fitted.early).",
     )
     finished_at: float | None = Field(default=None, description="When ingest ended (epoch seconds).")
     first_work_handed_over_at: float | None = Field(

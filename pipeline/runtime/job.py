@@ -2,11 +2,13 @@
 
     preflight ─▶ ingest ─▶ fit ─▶ (resume filter) ─▶ engines ─▶ stage ─▶ commit
                  └── engine actors start, load and wait for the fitted args ──┘
+                     (or, fitted early to a sample, take requests while ingest reads: streaming)
 
     runtime/preflight.py           input and output reachable and usable, before any work
     runtime/session.py             the Ray session (a private instance, or a cluster's address)
     runtime/ingest/tasks.py        read + validate + measure as tasks on the cluster: the work list, first errors
     runtime/ingest/measure.py      requests measured as fitting counts them (in the ingest tasks)
+    runtime/ingest/sample.py       a sample spread over the input, measured first: what the early fit decides from
     runtime/ingest/fit.py          engine args fitted to the measured requests (on the driver)
     runtime/engines/launch.py      pools of engine actors (engine_actor.py) leasing chunks from the work queue
     runtime/stage/sink.py          engines stage their own results; only acknowledgements reach the queue
