@@ -11,37 +11,18 @@ tests/e2e/tiny_llama.py (the embedded tokenizer, random weights): a second engin
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 
 from pipeline.config import JobConfig
-from pipeline.models import prepare_embedded_model
 from pipeline.runtime.ingest import sample
 from pipeline.runtime.job import run_job
 from tests.conftest import read_jsonl, write_lines
-from tests.e2e.tiny_llama import make_tiny_llama
 
 pytestmark = pytest.mark.slow
 
 QUESTIONS = ["What is 2+2?", "Name a color.", "Who wrote Hamlet?", "What do bees make?", "Say hello.", "Why?"]
 LONG_AT = 20  # past the sample's 8 lines
-
-
-@pytest.fixture(scope="module")
-def tiny_llama(tmp_path_factory) -> Path:
-    return make_tiny_llama(tmp_path_factory.mktemp("models") / "tiny-llama", prepare_embedded_model())
-
-
-@pytest.fixture(scope="module")
-def private_ray():
-    import ray
-
-    if ray.is_initialized():  # a job earlier in this process left its local Ray running
-        ray.shutdown()
-    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
-    yield
-    ray.shutdown()
 
 
 def chat(custom_id: str, model: str, question: str, max_tokens: int = 8) -> str:

@@ -27,17 +27,6 @@ pytestmark = pytest.mark.slow
 QUESTIONS = ["What is 2+2?", "Name a color.", "Who wrote Hamlet?", "What do bees make?", "Say hello."]
 
 
-@pytest.fixture(scope="module")
-def private_ray():
-    import ray
-
-    if ray.is_initialized():  # a job earlier in this process left its local Ray running
-        ray.shutdown()
-    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
-    yield
-    ray.shutdown()
-
-
 def _start_job(tmp_path, job_id: str, prefix: str, n: int, max_tokens: int) -> tuple[threading.Thread, dict]:
     """A job of `n` short chats running on a thread (its outcome lands in the dict): small chunks and staged parts,
     so a kill finds rows both in flight and already staged."""

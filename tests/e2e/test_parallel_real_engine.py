@@ -24,11 +24,9 @@ from pathlib import Path
 import pytest
 
 from pipeline.config import JobConfig
-from pipeline.models import prepare_embedded_model
 from pipeline.runtime.job import run_job
 from tests.conftest import read_jsonl, write_lines
 from tests.e2e.engine_victims import engine_with_work_in_flight, vllm_process
-from tests.e2e.tiny_llama import make_tiny_llama
 from tests.failure_figures import record
 
 pytestmark = pytest.mark.slow
@@ -36,21 +34,9 @@ pytestmark = pytest.mark.slow
 QUESTIONS = ["What is 2+2?", "Name a color.", "Who wrote Hamlet?", "What do bees make?", "Say hello.", "Why?"]
 
 
-@pytest.fixture(scope="module")
-def tiny_llama(tmp_path_factory) -> Path:
-    return make_tiny_llama(tmp_path_factory.mktemp("models") / "tiny-llama", prepare_embedded_model())
-
-
-@pytest.fixture(scope="module")
-def private_ray():
-    """Four logical CPUs on the two cores: a TP=2 engine's group holds two, a TP=1 engine beside it one more."""
-    import ray
-
-    if ray.is_initialized():  # a job earlier in this process left its local Ray running
-        ray.shutdown()
-    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
-    yield
-    ray.shutdown()
+# The module's private Ray (tests/e2e/conftest.py): four logical CPUs on the two cores, since a TP=2 engine's group
+# holds two and a TP=1 engine beside it one more.
+PRIVATE_RAY_CPUS = 4
 
 
 def chat(custom_id: str, model: str, question: str, max_tokens: int = 12) -> str:

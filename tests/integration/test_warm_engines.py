@@ -4,6 +4,7 @@ stop."""
 
 from __future__ import annotations
 
+import datetime as dt
 import json
 import time
 from pathlib import Path
@@ -68,12 +69,8 @@ def test_the_second_job_takes_the_first_jobs_engines_warm(tmp_path, keeper):
     name, handle = keeper
     first = _job(tmp_path, "first", 300, name)
     second = _job(tmp_path, "second", 300, name)
-    t0 = time.monotonic()
     run_job(first, show_progress=False)
-    cold = time.monotonic() - t0
-    t0 = time.monotonic()
     run_job(second, show_progress=False)
-    warm = time.monotonic() - t0
 
     assert _manifest(first)["engine"]["reused"] == 0
     assert _manifest(second)["engine"]["reused"] == 2
@@ -85,8 +82,12 @@ def test_the_second_job_takes_the_first_jobs_engines_warm(tmp_path, keeper):
         m = _manifest(config)
         assert m["counts"]["succeeded"] == rows and m["counts"]["failed"] == 0
         assert len(set(_done_ids(config))) == rows
-    # The second job did not wait for an engine to start.
-    assert warm < cold - START_SECONDS / 2, (cold, warm)
+    # The second job did not wait for an engine to start: its engines were ready before it began. (Not timed: a
+    # wall-time comparison of the two jobs fails on a loaded box, and speed belongs in bench/.)
+    ready = dt.datetime.fromisoformat(_manifest(second)["engine"]["first_ready_at"])
+    began = dt.datetime.fromisoformat(_manifest(second)["created_at"])
+    first_began = dt.datetime.fromisoformat(_manifest(first)["created_at"])
+    assert first_began < ready < began
 
 
 def test_an_engine_that_cannot_serve_the_next_plan_is_rebuilt_in_its_actor(tmp_path, keeper):
