@@ -81,6 +81,11 @@ class IngestRecord(_Kept):
         "args were fitted early to a sample of it: engine.fitted.early).",
     )
     finished_at: float | None = Field(default=None, description="When ingest ended (epoch seconds).")
+    tokenizer_loads: int = Field(
+        default=0,
+        description="Tokenizers ingest's tasks loaded to measure the requests: one per process that had not "
+        "loaded the model's before (0 when measuring is off, or on a warm runtime's task hosts that had).",
+    )
     first_work_handed_over_at: float | None = Field(
         default=None,
         description="Streaming: when the first requests were handed to the engines (epoch seconds).",

@@ -29,6 +29,15 @@ from pipeline.runtime.locality import must_pin_to_driver
 IN_PROCESS = "local"  # the placement of a task that ran in this process
 MAX_RETRIES = 3  # Ray runs a task again after its worker or node died: every task's writes are idempotent
 
+# The warm runtime's task hosts (runtime/task_hosts.py) this driver sends its tasks to, when its job runs on one.
+_task_hosts: list[Any] = []
+
+
+def use_task_hosts(hosts: Sequence[Any]) -> None:
+    """From now on, this driver's executors on Ray run their tasks on `hosts` (actors that stay warm between
+    jobs) instead of as Ray tasks; an empty list goes back to Ray tasks."""
+    _task_hosts[:] = list(hosts)
+
 
 @dataclass(frozen=True)
 class TaskPlacement:
@@ -113,7 +122,9 @@ class TaskExecutor:
         import ray
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-        self.parallelism = max(1, int(placement.cpus))
+        self._hosts = list(_task_hosts)
+        self._host_load = [0] * len(self._hosts)  # calls in flight on each host
+        self.parallelism = len(self._hosts) or max(1, int(placement.cpus))
         self.in_flight = 2 * self.parallelism
         strategy: Any = "SPREAD"
         self.where = "spread over the cluster"
@@ -125,6 +136,8 @@ class TaskExecutor:
             max_retries=MAX_RETRIES,
             scheduling_strategy=strategy,
         )
+        if self._hosts:
+            self.where = f"on the warm runtime's {len(self._hosts)} task hosts"
 
     @property
     def on_ray(self) -> bool:
@@ -167,11 +180,14 @@ class TaskExecutor:
         shared = self._shipped[1]
         results: list[Any] = [None] * len(items)
         index_of: dict[Any, int] = {}
+        host_of: dict[Any, int] = {}
         pending: list[Any] = []
         failures: dict[int, BaseException] = {}
 
         def settle(done: list[Any]) -> None:
             for ref in done:
+                if ref in host_of:
+                    self._host_load[host_of.pop(ref)] -= 1
                 try:
                     node, value, retries = ray.get(ref)
                 except ray.exceptions.RayError as exc:
@@ -193,7 +209,13 @@ class TaskExecutor:
             if len(pending) >= self.in_flight:
                 done, pending = ray.wait(pending, num_returns=1)
                 settle(done)
-            ref = self._remote.remote(fn, shared, item)
+            if self._hosts:  # the least busy host: its calls queue there, one at a time
+                host = min(range(len(self._hosts)), key=self._host_load.__getitem__)
+                ref = self._hosts[host].run.remote(fn, shared, item)
+                self._host_load[host] += 1
+                host_of[ref] = host
+            else:
+                ref = self._remote.remote(fn, shared, item)
             index_of[ref] = index
             pending.append(ref)
         while pending:

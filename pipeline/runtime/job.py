@@ -69,6 +69,8 @@ from pipeline.runtime.engines.launch import (
     pool_spec,
 )
 from pipeline.runtime.engines.monitor import preemption_remedy, summarize_engines
+from pipeline.runtime.engines.warm_keeper import NAMESPACE
+from pipeline.runtime.executor import use_task_hosts
 from pipeline.runtime.ingest.fit import (
     apply_fit,
     decide,
@@ -89,6 +91,7 @@ from pipeline.runtime.preflight import (
 )
 from pipeline.runtime.session import start_ray
 from pipeline.runtime.stage.pending import PendingWork, pending_work
+from pipeline.runtime.task_hosts import find_task_hosts
 from pipeline.state import IngestRecord, JobInput, JobState
 from pipeline.topology import Topology, check_pool_resources
 
@@ -209,6 +212,7 @@ def run_job(config: JobConfig, show_progress: bool = True, resume: bool = False)
         job.recorder.run_started()
         # Ingest runs as tasks on the cluster, so Ray starts first.
         start_ray(config.resources.address)
+        _use_warm_task_hosts(config)
         engines = _start_engines(job)
         try:
             _ingest(job, engines)
@@ -222,7 +226,17 @@ def run_job(config: JobConfig, show_progress: bool = True, resume: bool = False)
         commit(job.output, job.staging, manifest)
         return JobOutcome(job.output.where, manifest.model_dump(mode="json"), counters, run.pools)
     finally:
+        use_task_hosts([])
         job.recorder.close()
+
+
+def _use_warm_task_hosts(config: JobConfig) -> None:
+    """On warm engines whose runtime keeps task hosts (`nightshift up`), this job's tasks run there: no fresh worker
+    imports the tokenizer's libraries and loads the tokenizer again (runtime/task_hosts.py)."""
+    hosts = find_task_hosts(config.engine.warm_engines, NAMESPACE) if config.engine.warm_engines else []
+    use_task_hosts(hosts)
+    if hosts:
+        log.info("tasks run on the warm runtime's task hosts", hosts=len(hosts))
 
 
 # --- the steps of run_job --------------------------------------------------------------------------------------
@@ -465,6 +479,7 @@ def _ingest(job: _Job, engines: _Engines) -> None:
         range_bytes=report.range_bytes,
         streamed=engines.streaming,
         finished_at=time.time(),
+        tokenizer_loads=report.tokenizer_loads,
         first_work_handed_over_at=engines.handed_over_at,
     )
     state.ingested = True

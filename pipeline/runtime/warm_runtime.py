@@ -4,6 +4,7 @@ that outlive one `nightshift run`, so the next run of the same model does not pa
     nightshift up ─▶ a daemon process (`python -m pipeline.runtime.warm_runtime`, its own session)
                        ├─ a local Ray instance (token-authenticated, the head's token: cluster/auth.py)
                        ├─ the EngineKeeper named KEEPER (runtime/engines/warm_keeper.py), owned by the daemon
+                       ├─ task hosts (runtime/task_hosts.py): the runs' ingest and finalize tasks, imports done
                        └─ $NIGHTSHIFT_HOME/up/state.json: where it is (mode 0600 in a 0700 directory)
     nightshift run ─▶ finds the state, joins that Ray, takes its engines from the keeper (engine.warm_engines)
 
@@ -45,6 +46,7 @@ DEFAULT_IDLE_TIMEOUT_S = 30 * 60.0
 START_TIMEOUT_S = 180.0  # a cold Ray start on a loaded 2-core box takes 10-30 s
 STOP_TIMEOUT_S = 60.0
 POLL_S = 2.0
+MAX_TASK_HOSTS = 8  # a job on the runtime runs at most this many ingest and finalize tasks at once
 
 # What an engine reads from its environment (job_env.ENGINE_PREFIXES, and these): a warm engine was started with
 # the daemon's, so a run whose values differ would be served by engines other than the ones it asked for. Compared
@@ -260,6 +262,12 @@ def describe(state: WarmRuntime) -> dict:
             ray.shutdown()
 
 
+def task_host_count(cpus: float) -> int:
+    """Task hosts for a machine of `cpus` CPUs: one per CPU, as Ray would start task workers, up to MAX_TASK_HOSTS
+    (each holds the tokenizer's libraries in memory while the runtime is up)."""
+    return max(1, min(MAX_TASK_HOSTS, int(cpus)))
+
+
 def claim_path() -> Path:
     return runtime_dir() / "last_run"
 
@@ -311,8 +319,9 @@ def serve(idle_timeout_s: float) -> None:
 
     import ray
 
-    from pipeline.runtime.engines.warm_keeper import start_keeper
+    from pipeline.runtime.engines.warm_keeper import NAMESPACE, start_keeper
     from pipeline.runtime.session import start_ray
+    from pipeline.runtime.task_hosts import start_task_hosts
 
     stopping = []
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
@@ -320,6 +329,8 @@ def serve(idle_timeout_s: float) -> None:
     start_ray(None)
     keeper = start_keeper(KEEPER, idle_timeout_s)
     ray.get(keeper.describe.remote())
+    # Held for the daemon's life: an actor whose handles all go out of scope is ended by Ray, named or not.
+    hosts = start_task_hosts(KEEPER, task_host_count(ray.cluster_resources().get("CPU", 1)), NAMESPACE)
     state = WarmRuntime(
         address=ray.get_runtime_context().gcs_address,
         pid=os.getpid(),
@@ -343,6 +354,7 @@ def serve(idle_timeout_s: float) -> None:
     finally:
         if read_state() == state:
             state_path().unlink(missing_ok=True)
+        del hosts
         ray.shutdown()
         print(json.dumps({"event": "down", "reason": reason}), flush=True)
 

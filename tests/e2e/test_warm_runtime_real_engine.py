@@ -70,6 +70,10 @@ def test_the_second_run_answers_on_the_first_runs_engine(tmp_path, home):
     assert down.returncode == 0 and f"daemon pid {state.pid} ended" in down.stdout
 
     assert first["engine"]["reused"] == 0 and second["engine"]["reused"] == 1
+    # The runtime's task hosts measured the first run's rows with the model's tokenizer and kept it loaded: the
+    # second run's ingest loaded none (a fresh Ray worker per run would have loaded it again).
+    assert first["ingest"]["tokenizer_loads"] >= 1
+    assert second["ingest"]["tokenizer_loads"] == 0
     assert second["counts"]["succeeded"] == len(QUESTIONS) and second["counts"]["failed"] == 0
     assert sorted(answers) == sorted(f"second-{i}" for i in range(len(QUESTIONS)))
     for record in answers.values():

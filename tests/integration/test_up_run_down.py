@@ -85,10 +85,15 @@ def test_up_run_run_down(tmp_path, home, embedded_model):
         first, log = run(tmp_path, "first", home, embedded_model.path)
         assert "on the warm runtime" in log
         assert first["engine"]["reused"] == 0  # the runtime's first engine: started by this run
+        assert "tasks run on the warm runtime's task hosts" in log
+        assert "ran=\"on the warm runtime's" in log  # finalize's tasks too
 
         second, log = run(tmp_path, "second", home, embedded_model.path)
         assert "on the warm runtime" in log
         assert second["engine"]["reused"] == 1  # the first run's engine, warm
+        # Its tasks ran in the same hosts' processes (the real engine's tokenizer stays loaded there:
+        # tests/e2e/test_warm_runtime_real_engine.py).
+        assert "tasks run on the warm runtime's task hosts" in log
 
         # The runtime keeps the engine for the next run: nothing of either job holds it.
         status = nightshift("up", env=home).stdout
