@@ -40,7 +40,7 @@ def shared_prefix_lines() -> list[str]:
     return lines
 
 
-def run(tmp_path, name: str, lines: list[str], prefix_aware: bool):
+def run(tmp_path, name: str, lines: list[str], prefix_aware: bool, engines: int = 2):
     path = write_lines(tmp_path / f"{name}.jsonl", lines)
     config = JobConfig.model_validate(
         {
@@ -55,7 +55,7 @@ def run(tmp_path, name: str, lines: list[str], prefix_aware: bool):
                     "call_log": str(tmp_path / f"{name}-calls-{{pid}}.log"),
                 },
             },
-            "resources": {"num_engines": 2, "cpus_per_engine": 0, "rows_per_task": 8},
+            "resources": {"num_engines": engines, "cpus_per_engine": 0, "rows_per_task": 8},
             "routing": {"prefix_aware": prefix_aware},
         }
     )
@@ -93,6 +93,28 @@ def test_rows_of_one_prompt_run_on_one_engine(local_ray, tmp_path):
     # Each engine owns whole prompts: every prompt has one engine that ran most of its rows (a steal takes whole
     # chunks of the prompt with the most rows waiting, so an owner may lose up to a few chunks near the end).
     assert all(max(c.values()) > ROWS_PER_PROMPT // 2 for c in spread.values()), spread
+
+
+def prompt_switches(ids: list[str]) -> int:
+    """How often the prompt changes from one row an engine ran to the next."""
+    prompts = [int(custom_id.split("-")[1]) % PROMPTS for custom_id in ids]
+    return sum(a != b for a, b in zip(prompts, prompts[1:], strict=False))
+
+
+@pytest.mark.parametrize("prefix_aware", [True, False], ids=["routed", "unrouted"])
+def test_one_engine_runs_a_prompts_rows_together(local_ray, tmp_path, prefix_aware):
+    """One engine: with routing on, the queue hands it one prompt's rows after another (while that prompt is in its
+    prefix cache), not in the input's interleaved order."""
+    manifest, engines = run(tmp_path, "one", shared_prefix_lines(), prefix_aware=prefix_aware, engines=1)
+    ((_, ids),) = engines.items()
+    assert len(ids) == PROMPTS * ROWS_PER_PROMPT
+    switches = prompt_switches(ids)
+    if prefix_aware:
+        assert manifest["routing"]["used"] and manifest["routing"]["keys"] == PROMPTS
+        assert switches < 2 * PROMPTS, switches  # each prompt's rows in a few runs (the tail may split one)
+    else:
+        assert not manifest["routing"]["used"]
+        assert switches > len(ids) // 2, switches  # the input's order: the prompt changes at almost every row
 
 
 def test_without_routing_prompts_spread_over_engines(local_ray, tmp_path):

@@ -340,9 +340,9 @@ class EngineLaunch:
 
         self._fit = fit
         plans = self._plans(config, spec)
-        engines = sum(plan.max_engines for plan in plans.values())
-        # Whether rows share prompts is known only once they are read: routing is on wherever it could pay.
-        self.route = config.routing.prefix_aware and engines > 1
+        # Whether rows share prompts is known only once they are read: routing is on wherever it could pay. One
+        # engine gains too: the queue hands it a prompt's rows together, while the prompt is in its cache.
+        self.route = config.routing.prefix_aware
         window = _lookahead(plans.values())
         (queue,) = self.queues.values()
         ray.get(
@@ -389,7 +389,7 @@ class EngineLaunch:
         calls = []
         for model, queue in self.queues.items():
             mine = [plan for name, plan in plans.items() if self.model_of[name] == model]
-            routed = config.routing.prefix_aware and keyed_rows > 0 and sum(p.max_engines for p in mine) > 1
+            routed = config.routing.prefix_aware and keyed_rows > 0
             self.route |= routed
             window = _lookahead(mine)
             paths = work[model]
@@ -511,7 +511,7 @@ class EngineLaunch:
         # engine.
         run.routing = {
             "enabled": self.config.routing.prefix_aware,
-            "used": self.route,
+            "used": self.route and self.keyed_rows > 0,
             "keyed_rows_in_input": self.keyed_rows,
             "rows_by_engine": dict(sorted(queued["served_by"].items())) if self.route else {},
             **queued["routing"],
