@@ -125,7 +125,9 @@ class TaskExecutor:
         self._hosts = list(_task_hosts)
         self._host_load = [0] * len(self._hosts)  # calls in flight on each host
         self.parallelism = len(self._hosts) or max(1, int(placement.cpus))
-        self.in_flight = 2 * self.parallelism
+        # On hosts, one call each: a call queued behind a task that kills its host would be retried with it, and
+        # could fail in its place.
+        self.in_flight = self.parallelism if self._hosts else 2 * self.parallelism
         strategy: Any = "SPREAD"
         self.where = "spread over the cluster"
         if placement.node is not None:
@@ -209,7 +211,7 @@ class TaskExecutor:
             if len(pending) >= self.in_flight:
                 done, pending = ray.wait(pending, num_returns=1)
                 settle(done)
-            if self._hosts:  # the least busy host: its calls queue there, one at a time
+            if self._hosts:  # an idle host (in_flight is one call per host)
                 host = min(range(len(self._hosts)), key=self._host_load.__getitem__)
                 ref = self._hosts[host].run.remote(fn, shared, item)
                 self._host_load[host] += 1

@@ -509,11 +509,12 @@ class EngineLaunch:
         # Routing facts: rows each engine ran; "rows_routed" ran on their key's owner, "rows_stolen" on another
         # engine (so that none idled), "rows_unkeyed" had no shared prompt; "keys": prompts that got an owning
         # engine.
+        used = self.route and self.keyed_rows > 0
         run.routing = {
             "enabled": self.config.routing.prefix_aware,
-            "used": self.route and self.keyed_rows > 0,
+            "used": used,
             "keyed_rows_in_input": self.keyed_rows,
-            "rows_by_engine": dict(sorted(queued["served_by"].items())) if self.route else {},
+            "rows_by_engine": dict(sorted(queued["served_by"].items())) if used else {},
             **queued["routing"],
         }
         for actor in (monitor, *queues, self.writer):
