@@ -39,8 +39,11 @@ class TaskHost:
         except ImportError:
             pass
 
-    def ready(self) -> bool:
-        return True
+    def ready(self) -> int:
+        """This host's process id, once its imports are done."""
+        import os
+
+        return os.getpid()
 
     def run(self, fn: Any, context: Any, item: Any) -> tuple[str, Any, dict[str, int]]:
         from pipeline.runtime.executor import _task
@@ -69,6 +72,21 @@ def start_task_hosts(owner: str, count: int, namespace: str) -> list[Any]:
     ]
     ray.get([host.ready.remote() for host in hosts])
     return hosts
+
+
+def stop_task_hosts(hosts: list[Any], timeout_s: float = 10.0) -> list[int]:
+    """End the hosts; the process ids they had, for the caller to wait on while Ray still runs (Ray's node processes
+    reap them then: a host still exiting when Ray itself shuts down outlives its parent and, in a container whose
+    first process reaps nothing, stays a zombie)."""
+    import ray
+
+    try:
+        pids = ray.get([host.ready.remote() for host in hosts], timeout=timeout_s)
+    except Exception:  # noqa: BLE001 - a host that cannot answer is ended all the same
+        pids = []
+    for host in hosts:
+        ray.kill(host, no_restart=True)
+    return pids
 
 
 def find_task_hosts(owner: str, namespace: str) -> list[Any]:

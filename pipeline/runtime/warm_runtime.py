@@ -321,7 +321,7 @@ def serve(idle_timeout_s: float) -> None:
 
     from pipeline.runtime.engines.warm_keeper import NAMESPACE, start_keeper
     from pipeline.runtime.session import start_ray
-    from pipeline.runtime.task_hosts import start_task_hosts
+    from pipeline.runtime.task_hosts import start_task_hosts, stop_task_hosts
 
     stopping = []
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
@@ -354,7 +354,10 @@ def serve(idle_timeout_s: float) -> None:
     finally:
         if read_state() == state:
             state_path().unlink(missing_ok=True)
-        del hosts
+        pids = stop_task_hosts(hosts)
+        deadline = time.monotonic() + STOP_TIMEOUT_S / 6
+        while any(pid_alive(pid) for pid in pids) and time.monotonic() < deadline:
+            time.sleep(0.1)
         ray.shutdown()
         print(json.dumps({"event": "down", "reason": reason}), flush=True)
 
