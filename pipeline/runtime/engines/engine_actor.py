@@ -552,7 +552,12 @@ class EngineWorker:
         for task in running:
             task.cancel()
         await asyncio.gather(*running, return_exceptions=True)
-        await asyncio.gather(*self._staging, return_exceptions=True)
+        await self._staged()
+
+    async def _staged(self) -> None:
+        """Until every chunk being staged is written. Shielded: a gather that is cancelled cancels what it waits
+        for, and a cancelled staging task ends at once while its thread (which nothing stops) goes on writing."""
+        await asyncio.gather(*(asyncio.shield(f) for f in list(self._staging)), return_exceptions=True)
 
     async def _pull(
         self,

@@ -94,9 +94,13 @@ class WarmEngine(EngineWorker):
         ticket = self._ticket
         if self._job != job_id or ticket is None:
             return
-        self._dropping = job_id
-        ticket.cancel()
+        if self._dropping != job_id:
+            # Cancelled once: a second cancel (the coordinator and the job's own driver both drop it) would land in
+            # the ticket's settling and end it before its chunks being staged are written.
+            self._dropping = job_id
+            ticket.cancel()
         await asyncio.gather(ticket, return_exceptions=True)
+        await self._staged()  # nothing of the job is written after the drop returns
         self._dropping = None
 
 
