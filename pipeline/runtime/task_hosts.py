@@ -74,19 +74,26 @@ def start_task_hosts(owner: str, count: int, namespace: str) -> list[Any]:
     return hosts
 
 
-def stop_task_hosts(hosts: list[Any], timeout_s: float = 10.0) -> list[int]:
-    """End the hosts; the process ids they had, for the caller to wait on while Ray still runs (Ray's node processes
-    reap them then: a host still exiting when Ray itself shuts down outlives its parent and, in a container whose
-    first process reaps nothing, stays a zombie)."""
+def stop_task_hosts(hosts: list[Any], timeout_s: float = 10.0) -> None:
+    """End the hosts and wait (up to `timeout_s`) until their processes are gone. Call it while Ray still runs:
+    Ray's node processes reap them then, where a host still exiting when Ray itself shuts down outlives its parent
+    and, in a container whose first process reaps nothing, stays a zombie."""
+    import psutil
     import ray
 
     try:
         pids = ray.get([host.ready.remote() for host in hosts], timeout=timeout_s)
     except Exception:  # noqa: BLE001 - a host that cannot answer is ended all the same
         pids = []
+    processes = []
+    for pid in pids:
+        try:
+            processes.append(psutil.Process(pid))
+        except psutil.NoSuchProcess:
+            pass
     for host in hosts:
         ray.kill(host, no_restart=True)
-    return pids
+    psutil.wait_procs(processes, timeout=timeout_s)
 
 
 def find_task_hosts(owner: str, namespace: str) -> list[Any]:

@@ -354,10 +354,7 @@ def serve(idle_timeout_s: float) -> None:
     finally:
         if read_state() == state:
             state_path().unlink(missing_ok=True)
-        pids = stop_task_hosts(hosts)
-        deadline = time.monotonic() + STOP_TIMEOUT_S / 6
-        while any(pid_alive(pid) for pid in pids) and time.monotonic() < deadline:
-            time.sleep(0.1)
+        stop_task_hosts(hosts)
         ray.shutdown()
         print(json.dumps({"event": "down", "reason": reason}), flush=True)
 
