@@ -543,5 +543,38 @@ def _mount_plan_command() -> None:
 _mount_plan_command()
 
 
-def main() -> None:  # pragma: no cover - console entry point
-    app()
+def main() -> None:
+    """The console entry point (`nightshift`, `python -m pipeline`): the command, then an exit that waits for nothing
+    left to do.
+
+    Ray, when the command started or joined it, is ended here (runtime/session.py: `end_ray`, a second sooner than
+    Ray's own exit hook), and then the process exits without the interpreter tearing its modules down one by one:
+    with Ray Data, pyarrow and matplotlib loaded that takes a second after a job that is already committed. Output
+    and logs are flushed first. Tests drive `app` itself, which exits as any typer app does."""
+    try:
+        app(prog_name="nightshift")
+        code: int | str | None = 0
+    except SystemExit as exc:
+        code = exc.code
+    _exit_now(code)
+
+
+def _exit_now(code: int | str | None) -> None:  # pragma: no cover - ends the process
+    import logging
+    import os
+
+    from pipeline.runtime.session import end_ray
+
+    try:
+        end_ray()
+    finally:
+        if isinstance(code, str):  # SystemExit("message"): printed, status 1, as Python does
+            print(code, file=sys.stderr)
+            code = 1
+        logging.shutdown()
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except (OSError, ValueError):  # a closed pipe (`nightshift ... | head`) has nothing more to take
+                pass
+        os._exit(code or 0)

@@ -40,6 +40,9 @@ class JobRecorder:
         self._last_save = float("-inf")
         # Totals of earlier runs of a resumed job: this run's queues count from zero, the timeline across runs.
         self._offset = {"prompt_tokens": 0, "completion_tokens": 0}
+        # The report's charts will be drawn (observe/report.py): their library is imported once results come in,
+        # while the engines run, not after the last one; not before, when engines starting need every core.
+        self.charts_wanted = False
 
     @classmethod
     def for_staging(cls, staging: Any, info: dict[str, str]) -> JobRecorder:
@@ -107,6 +110,11 @@ class JobRecorder:
             except Exception as exc:  # noqa: BLE001 - a slow or restarting monitor: the last count stands
                 log.debug("retries unavailable", error=str(exc))
                 retried_requests = (self.timeline.last or {}).get("retried_requests", 0)
+        if self.charts_wanted and counters.done > 0:
+            self.charts_wanted = False
+            from pipeline.observe.report import preload_charts
+
+            preload_charts()
         eta = counters.eta_seconds()
         self.timeline.total_rows = counters.total
         self.timeline.add(

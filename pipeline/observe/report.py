@@ -14,6 +14,7 @@ import datetime as dt
 import html
 import io
 import json
+import threading
 from typing import Any
 
 import structlog
@@ -54,6 +55,22 @@ def write_report(
 
 
 # -- charts --------------------------------------------------------------------------------------------------------
+
+
+def preload_charts() -> None:
+    """Import matplotlib ahead of the report, on a thread of its own while the engines run: half a second that
+    would otherwise fall between the last result and the job's exit."""
+
+    def load() -> None:
+        try:
+            import matplotlib
+
+            matplotlib.use("Agg")
+            import matplotlib.pyplot  # noqa: F401
+        except Exception:  # noqa: BLE001 - the report imports again and says what failed
+            pass
+
+    threading.Thread(target=load, name="report-preload", daemon=True).start()
 
 
 def _figure(height: float = 2.8):

@@ -338,6 +338,7 @@ def _start_recorder(
     recorder = JobRecorder.for_staging(
         staging, {"job_id": job_id, "model": model.name, "backend": backend_name}
     )
+    recorder.charts_wanted = config.observe.report
     if config.observe.metrics_port is not None:
         try:
             port = recorder.serve_metrics(config.observe.metrics_port)

@@ -374,3 +374,29 @@ def test_the_summary_names_the_fitted_args_from_the_manifests_fit_record():
     assert fitted_line({**fitted, "max_num_seqs": {"a": pools["a"]}}).endswith("max_num_seqs 22 (fitted)")
     assert fitted_line({"enabled": False, "reason": "off"}) == "" and fitted_line(None) == ""
     assert fitted_line({"enabled": True, "skipped": "no tokenizer"}) == ""
+
+
+def test_the_recorder_loads_the_chart_library_once_results_come_in(monkeypatch):
+    """The report's chart library is imported on a thread while the engines run (its half second off the job's
+    tail), once the first rows are done: not while engines start and need every core, and not for a job without
+    a report."""
+    from pipeline.observe import report
+    from pipeline.observe.progress import JobCounters
+    from pipeline.observe.recorder import JobRecorder
+
+    calls: list[str] = []
+    monkeypatch.setattr(report, "preload_charts", lambda: calls.append("preload"))
+    counters = JobCounters(total=10)
+    quiet = JobRecorder()
+    quiet.sample(counters, {}, {}, force=True)
+    recorder = JobRecorder()
+    recorder.charts_wanted = True
+    recorder.sample(counters, {}, {}, force=True)
+    assert calls == []  # nothing done yet: the engines are still starting
+    counters.add(3, 0, 30, 30)
+    quiet.sample(counters, {}, {}, force=True)
+    assert calls == []  # no report wanted
+    recorder.sample(counters, {}, {}, force=True)
+    counters.add(3, 0, 30, 30)
+    recorder.sample(counters, {}, {}, force=True)
+    assert calls == ["preload"]  # once
