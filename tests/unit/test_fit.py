@@ -326,7 +326,7 @@ class CharTokenizer:
             text += json.dumps(tools)
         return text + ("<assistant>" if add_generation_prompt else "")
 
-    def __call__(self, texts, add_special_tokens=False, verbose=True):
+    def __call__(self, texts, add_special_tokens=False, **kwargs):
         return {"input_ids": [[0] * (len(t) + (1 if add_special_tokens else 0)) for t in texts]}
 
 
@@ -357,6 +357,66 @@ def test_a_template_error_is_the_requests_alone():
         [("/v1/chat/completions", {"messages": "not a list"}), ("/v1/completions", {"prompt": "ab"})]
     )
     assert isinstance(results[0], Exception) and results[1] == [3]
+
+
+def test_a_batch_counts_as_each_request_rendered_and_tokenized_alone(embedded_model):
+    """count_batch renders chats of the same options in one call of the template and asks a fast tokenizer's Rust
+    backend for lengths only: every count must still be what the model's tokenizer gives each request alone, its
+    own template call and its own tokenization, whatever the options, tools, content parts or errors in the batch."""
+    from transformers import AutoTokenizer
+
+    counter = PromptCounter.for_model(str(embedded_model.path))
+    tok = AutoTokenizer.from_pretrained(str(embedded_model.path))
+    user = {"role": "user", "content": "What is the capital of France? Answer in one word."}
+    system = {"role": "system", "content": "You are terse."}
+    parts = {
+        "role": "user",
+        "content": [{"type": "text", "text": "first part"}, {"type": "text", "text": "second"}],
+    }
+    tools = [{"type": "function", "function": {"name": "lookup", "parameters": {"type": "object"}}}]
+    chats = [
+        {"messages": [system, user]},
+        {"messages": [user], "add_generation_prompt": False},
+        {"messages": [user, {"role": "assistant", "content": "Par"}], "continue_final_message": True,
+         "add_generation_prompt": False},
+        {"messages": [parts]},
+        {"messages": [user], "tools": tools},
+        {"messages": [user], "chat_template_kwargs": {"enable_thinking": False}},
+        {"messages": [system, user]},
+        {"messages": "not a list"},
+        {"messages": [{"role": "user", "content": "ü ß 漢字 🙂 \u0000"}]},
+    ]  # fmt: skip
+    requests = [("/v1/chat/completions", body) for body in chats]
+    requests += [
+        ("/v1/completions", {"prompt": "Once upon a time"}),
+        ("/v1/completions", {"prompt": ["a", "b c"]}),
+    ]
+
+    def alone(url, body):
+        if url == "/v1/completions":
+            prompts = body["prompt"] if isinstance(body["prompt"], list) else [body["prompt"]]
+            return [len(tok(p, add_special_tokens=True)["input_ids"]) for p in prompts]
+        messages = [
+            {**m, "content": "\n".join(p["text"] for p in m["content"])}
+            if isinstance(m["content"], list)
+            else m
+            for m in body["messages"]
+        ]
+        options = {
+            **body.get("chat_template_kwargs", {}),
+            "add_generation_prompt": body.get("add_generation_prompt", True),
+            "continue_final_message": body.get("continue_final_message", False),
+        }
+        text = tok.apply_chat_template(messages, tools=body.get("tools"), tokenize=False, **options)
+        return [len(tok(text, add_special_tokens=False)["input_ids"])]
+
+    counted = counter.count_batch(requests)
+    for (url, body), result in zip(requests, counted, strict=True):
+        if body.get("messages") == "not a list":
+            assert isinstance(result, Exception)
+            continue
+        assert result == alone(url, body), body
+    assert counted[0] == counted[6]
 
 
 def test_embedded_model_capacity_leaves_out_the_null_block(embedded_model):
