@@ -19,7 +19,10 @@ What a request tokenizes comes from its route's registry entry (`Endpoint.prompt
 from __future__ import annotations
 
 import codecs
+import importlib
 import importlib.util
+import json
+import os
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -61,6 +64,69 @@ def _vllm_template_dir() -> Path | None:
     return None
 
 
+# AutoTokenizer's choice of class, remembered per model directory (in NIGHTSHIFT_HOME): importing AutoTokenizer
+# imports torch and most of transformers, 4 s of a core on a small box, where the class it chose imports in under one.
+# Every ingest worker loads a tokenizer, at the start of a job, while the engines import vLLM on the same cores.
+TOKENIZER_CLASSES = "tokenizer-classes.json"
+_WEIGHTS = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".msgpack", ".h5", ".onnx")
+
+
+def load_tokenizer(model_dir: str) -> Any:
+    """The model's tokenizer, as `AutoTokenizer.from_pretrained(model_dir)` loads it: the class AutoTokenizer chose
+    for this directory the last time (while none of its files but the weights changed) loads it directly; else
+    AutoTokenizer chooses, and its choice is remembered. Classes of remote code are never remembered."""
+    directory = Path(model_dir)
+    stamp = _directory_stamp(directory)
+    remembered = _remembered_classes().get(str(directory.resolve())) if stamp else None
+    if remembered and remembered.get("stamp") == stamp:
+        module, _, name = str(remembered.get("class", "")).partition(":")
+        try:
+            return getattr(importlib.import_module(module), name).from_pretrained(model_dir)
+        except Exception:  # noqa: BLE001 - a class that moved or broke: AutoTokenizer chooses again
+            pass
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    chosen = type(tokenizer)
+    if stamp and chosen.__module__.startswith("transformers."):
+        _remember_class(str(directory.resolve()), stamp, f"{chosen.__module__}:{chosen.__qualname__}")
+    return tokenizer
+
+
+def _directory_stamp(directory: Path) -> list[list[Any]] | None:
+    """Name, size and mtime of each file of a model directory but its weights; None when it is not a directory."""
+    try:
+        entries = sorted(os.scandir(directory), key=lambda e: e.name)
+    except OSError:
+        return None
+    stamp = []
+    for entry in entries:
+        if entry.is_file() and not entry.name.endswith(_WEIGHTS):
+            info = entry.stat()
+            stamp.append([entry.name, info.st_size, info.st_mtime_ns])
+    return stamp
+
+
+def _remembered_classes() -> dict[str, Any]:
+    from pipeline.local_files import nightshift_home
+
+    try:
+        return json.loads((nightshift_home() / TOKENIZER_CLASSES).read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def _remember_class(directory: str, stamp: list[list[Any]], name: str) -> None:
+    from pipeline.local_files import atomic_write_json, nightshift_home
+
+    try:
+        known = _remembered_classes()
+        known[directory] = {"stamp": stamp, "class": name}
+        atomic_write_json(nightshift_home() / TOKENIZER_CLASSES, known)
+    except OSError:  # a home that cannot be written: AutoTokenizer chooses every time
+        pass
+
+
 class PromptCounter:
     """Counts prompt tokens per sequence a request starts; a batch at a time, so the tokenizer works in bulk."""
 
@@ -78,15 +144,11 @@ class PromptCounter:
     ) -> PromptCounter | None:
         """The counter of a model directory; None when transformers is not installed. `chat_template`: the job's
         --chat-template as given; `task`: the model's (see pipeline.models.model_task)."""
-        try:
-            from transformers import AutoTokenizer
-        except ImportError:
+        if importlib.util.find_spec("transformers") is None:
             return None
         template = load_chat_template(chat_template)
         what = "tokenizer + " + ("the job's chat template" if template else "chat template")
-        return cls(
-            AutoTokenizer.from_pretrained(model_dir), f"{model_dir} ({what})", template, task == "classify"
-        )
+        return cls(load_tokenizer(model_dir), f"{model_dir} ({what})", template, task == "classify")
 
     def count(self, url: str, body: dict[str, Any]) -> list[int]:
         """Prompt tokens of each sequence the request starts; raises when the template rejects the request."""

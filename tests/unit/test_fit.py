@@ -4,6 +4,7 @@ in fit_record.py) and the prompt counter it uses (tokens.py): pure, no Ray."""
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pyarrow.parquet as pq
@@ -544,3 +545,54 @@ def test_each_sample_of_n_is_a_sequence_of_its_own(tmp_path):
     assert (lengths.requests, lengths.sequences) == (2, 4)
     assert lengths.prompt_sum == 16 and lengths.need_sum == 16 + 4 * 10
     assert lengths.longest_need == 14  # one sequence's context is its prompt + its output, whatever n is
+
+
+_LOAD = """
+import json, sys
+from pipeline.tokens import PromptCounter
+counter = PromptCounter.for_model(sys.argv[1])
+tok = counter.tokenizer
+chat = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Name three rivers ü 漢字"}]
+print(json.dumps({
+    "class": f"{type(tok).__module__}.{type(tok).__qualname__}",
+    "auto": "transformers.models.auto.tokenization_auto" in sys.modules,
+    "torch": "torch" in sys.modules,
+    "chat": tok.apply_chat_template(chat, tokenize=False),
+    "ids": tok("Once upon a time, in 2024: naïve café")["input_ids"],
+}))
+"""
+
+
+def test_a_tokenizer_loads_without_autotokenizer_once_its_class_is_known(embedded_model, tmp_path):
+    """AutoTokenizer's choice of class is remembered per model directory (pipeline/tokens.py: load_tokenizer): the
+    next process loads that class directly, without AutoTokenizer's imports (torch among them), and tokenizes and
+    renders exactly as AutoTokenizer's tokenizer; a directory whose files changed is chosen for again."""
+    import shutil
+    import subprocess
+    import sys
+
+    env = {**os.environ, "NIGHTSHIFT_HOME": str(tmp_path / "home")}
+
+    def load(model_dir) -> dict:
+        done = subprocess.run(
+            [sys.executable, "-c", _LOAD, str(model_dir)],
+            capture_output=True,
+            text=True,
+            env=env,
+            timeout=300,
+        )
+        assert done.returncode == 0, done.stderr[-2000:]
+        return json.loads(done.stdout.strip().splitlines()[-1])
+
+    first, second = load(embedded_model.path), load(embedded_model.path)
+    assert first["auto"] and not second["auto"] and not second["torch"]
+    assert {k: v for k, v in first.items() if k not in ("auto", "torch")} == {
+        k: v for k, v in second.items() if k not in ("auto", "torch")
+    }
+    # A copy whose tokenizer config is rewritten is not the directory that was remembered.
+    copy = tmp_path / "model"
+    shutil.copytree(embedded_model.path, copy, ignore=shutil.ignore_patterns("*.safetensors"))
+    assert load(copy)["auto"]
+    config = copy / "tokenizer_config.json"
+    config.write_text(config.read_text() + "\n")
+    assert load(copy)["auto"]
