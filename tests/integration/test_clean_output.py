@@ -10,16 +10,20 @@ import sys
 from tests.conftest import chat_line, foreign_lines, write_lines
 
 
-def test_a_clean_run_prints_nothing_foreign(tmp_path, embedded_model):
-    path = write_lines(tmp_path / "in.jsonl", [chat_line(f"c-{i:02d}", f"question {i}") for i in range(20)])
-    done = subprocess.run(
+def _fake_run(tmp_path, rows: int, env: dict[str, str]) -> subprocess.CompletedProcess:
+    """`nightshift run` of `rows` chats on the fake engine, as a user starts it (Python's default warning filters)."""
+    path = write_lines(tmp_path / "in.jsonl", [chat_line(f"c-{i:02d}", f"question {i}") for i in range(rows)])
+    return subprocess.run(
         [sys.executable, "-m", "pipeline", "run", str(path), str(tmp_path / "out"), "--engine", "fake"],
         capture_output=True,
         text=True,
         timeout=600,
-        # Python's default warning filters, as a user has them.
-        env={k: v for k, v in os.environ.items() if k != "PYTHONWARNINGS"},
+        env={k: v for k, v in env.items() if k != "PYTHONWARNINGS"},
     )
+
+
+def test_a_clean_run_prints_nothing_foreign(tmp_path, embedded_model):
+    done = _fake_run(tmp_path, 20, dict(os.environ))
     assert done.returncode == 0, done.stderr[-3000:]
     assert "20 total, 20 ok" in done.stdout
     assert foreign_lines(done.stdout, done.stderr) == [], done.stderr
@@ -50,16 +54,9 @@ def test_a_run_leaves_no_process_of_its_ray_behind(tmp_path, embedded_model):
 
     marker = f"NIGHTSHIFT_TEST_RUN_MARK={os.getpid()}-{tmp_path.name}"
     key, value = marker.split("=", 1)
-    path = write_lines(tmp_path / "in.jsonl", [chat_line(f"c-{i:02d}", f"question {i}") for i in range(12)])
-    done = subprocess.run(
-        [sys.executable, "-m", "pipeline", "run", str(path), str(tmp_path / "out"), "--engine", "fake"],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        env={
-            **{k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "PYTHONWARNINGS")},
-            key: value,
-        },
+    # A private Ray of its own (no RAY_ADDRESS): the processes it starts are the run's.
+    done = _fake_run(
+        tmp_path, 12, {**{k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}, key: value}
     )
     assert done.returncode == 0, done.stderr[-3000:]
     assert "12 total, 12 ok" in done.stdout  # the summary was flushed before the quick exit
