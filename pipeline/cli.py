@@ -559,22 +559,27 @@ def main() -> None:
     _exit_now(code)
 
 
-def _exit_now(code: int | str | None) -> None:  # pragma: no cover - ends the process
+def _exit_now(code: object) -> None:  # pragma: no cover - ends the process
     import logging
     import os
 
     from pipeline.runtime.session import end_ray
 
+    if code is not None and not isinstance(
+        code, int
+    ):  # SystemExit("message"): printed, status 1, as Python does
+        print(code, file=sys.stderr)
+        code = 1
     try:
         end_ray()
-    finally:
-        if isinstance(code, str):  # SystemExit("message"): printed, status 1, as Python does
-            print(code, file=sys.stderr)
-            code = 1
-        logging.shutdown()
-        for stream in (sys.stdout, sys.stderr):
-            try:
+    except BaseException as exc:  # noqa: BLE001 - the command's own status must not hide that Ray did not end
+        print(f"error: Ray did not shut down cleanly: {type(exc).__name__}: {exc}", file=sys.stderr)
+        code = code or 1
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr, sys.__stdout__, sys.__stderr__):
+        try:
+            if stream is not None:
                 stream.flush()
-            except (OSError, ValueError):  # a closed pipe (`nightshift ... | head`) has nothing more to take
-                pass
-        os._exit(code or 0)
+        except (OSError, ValueError):  # a closed pipe (`nightshift ... | head`) has nothing more to take
+            pass
+    os._exit(code or 0)

@@ -78,12 +78,13 @@ def load_tokenizer(model_dir: str) -> Any:
     directory = Path(model_dir)
     stamp = _directory_stamp(directory)
     remembered = _remembered_classes().get(str(directory.resolve())) if stamp else None
-    if remembered and remembered.get("stamp") == stamp:
+    if isinstance(remembered, dict) and remembered.get("stamp") == stamp:
         module, _, name = str(remembered.get("class", "")).partition(":")
-        try:
-            return getattr(importlib.import_module(module), name).from_pretrained(model_dir)
-        except Exception:  # noqa: BLE001 - a class that moved or broke: AutoTokenizer chooses again
-            pass
+        if module.startswith("transformers."):
+            try:
+                return getattr(importlib.import_module(module), name).from_pretrained(model_dir)
+            except Exception:  # noqa: BLE001 - a class that moved or broke: AutoTokenizer chooses again
+                pass
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
@@ -94,12 +95,21 @@ def load_tokenizer(model_dir: str) -> Any:
 
 
 def _directory_stamp(directory: Path) -> list[list[Any]] | None:
-    """Name, size and mtime of each file of a model directory but its weights; None when it is not a directory."""
+    """Name, size and mtime of each file of a model directory but its weights, after what else AutoTokenizer's
+    choice depends on (the transformers version; whether mistral-common is installed); None when it is not a
+    directory."""
+    from importlib import metadata
+
     try:
         entries = sorted(os.scandir(directory), key=lambda e: e.name)
-    except OSError:
+        chooser = [
+            "transformers",
+            metadata.version("transformers"),
+            importlib.util.find_spec("mistral_common") is not None,
+        ]
+    except (OSError, metadata.PackageNotFoundError):
         return None
-    stamp = []
+    stamp: list[list[Any]] = [chooser]
     for entry in entries:
         if entry.is_file() and not entry.name.endswith(_WEIGHTS):
             info = entry.stat()
@@ -111,9 +121,10 @@ def _remembered_classes() -> dict[str, Any]:
     from pipeline.local_files import nightshift_home
 
     try:
-        return json.loads((nightshift_home() / TOKENIZER_CLASSES).read_text())
+        known = json.loads((nightshift_home() / TOKENIZER_CLASSES).read_text())
     except (OSError, ValueError):
         return {}
+    return known if isinstance(known, dict) else {}
 
 
 def _remember_class(directory: str, stamp: list[list[Any]], name: str) -> None:
@@ -148,7 +159,13 @@ class PromptCounter:
             return None
         template = load_chat_template(chat_template)
         what = "tokenizer + " + ("the job's chat template" if template else "chat template")
-        return cls(load_tokenizer(model_dir), f"{model_dir} ({what})", template, task == "classify")
+        try:
+            tokenizer = load_tokenizer(model_dir)
+        except (
+            ImportError
+        ):  # transformers there but not importable (a dependency clash): no counter, as without it
+            return None
+        return cls(tokenizer, f"{model_dir} ({what})", template, task == "classify")
 
     def count(self, url: str, body: dict[str, Any]) -> list[int]:
         """Prompt tokens of each sequence the request starts; raises when the template rejects the request."""
@@ -222,15 +239,20 @@ class PromptCounter:
             if isinstance(request_prompts, Exception) or len(request_prompts) != 1:
                 continue
             chat = request_prompts[0]
-            if not isinstance(chat, Chat) or chat.tools or not all(map(_is_scalar, chat.options.values())):
+            # `tools: []` renders otherwise than no tools (a template tests `tools is not none`), and `tools` among
+            # the options clashes with the argument: both are rendered alone, as any option that is not a scalar.
+            if not isinstance(chat, Chat) or chat.tools is not None or "tools" in chat.options:
                 continue
-            key = tuple(sorted(chat.options.items()))
+            if not all(map(_is_scalar, chat.options.values())):
+                continue
+            # Typed: 0, False and 0.0 are equal keys, but a template tells them apart (`is false`).
+            key = tuple(sorted((k, type(v).__name__, v) for k, v in chat.options.items()))
             groups.setdefault(key, {})[r] = [_flatten_content(m) for m in chat.messages]
         rendered: dict[int, str] = {}
         for key, chats in groups.items():
             if len(chats) < 2:
                 continue
-            kwargs = dict(key)
+            kwargs = {k: v for k, _, v in key}
             if "chat_template" not in kwargs and self.chat_template:
                 kwargs["chat_template"] = self.chat_template  # the request's own template wins, as in vLLM
             try:
@@ -269,13 +291,13 @@ class PromptCounter:
                 for encoding in backend.encode_batch(batch, add_special_tokens=add_special_tokens)
             ]
         # verbose=False: no "sequence length is longer than the specified maximum" warning from transformers;
-        # a prompt too long for the model is ours to report (context_length_exceeded), and it is.
-        only_ids = {"verbose": False, "return_attention_mask": False, "return_token_type_ids": False}
+        # a prompt too long for the model is ours to report (context_length_exceeded), and it is. Nothing else is
+        # passed: some tokenizers (mistral-common's) refuse any argument they do not know.
         if pairs:
             firsts, seconds = [first for first, _ in batch], [second for _, second in batch]
-            encoded = self.tokenizer(firsts, seconds, add_special_tokens=True, **only_ids)["input_ids"]
+            encoded = self.tokenizer(firsts, seconds, add_special_tokens=True, verbose=False)["input_ids"]
         else:
-            encoded = self.tokenizer(batch, add_special_tokens=add_special_tokens, **only_ids)["input_ids"]
+            encoded = self.tokenizer(batch, add_special_tokens=add_special_tokens, verbose=False)["input_ids"]
         return [len(ids) for ids in encoded]
 
     def _render_chat(self, chat: Chat) -> str:

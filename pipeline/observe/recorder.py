@@ -43,6 +43,7 @@ class JobRecorder:
         # The report's charts will be drawn (observe/report.py): their library is imported once results come in,
         # while the engines run, not after the last one; not before, when engines starting need every core.
         self.charts_wanted = False
+        self._done_at_first_sample: int | None = None
 
     @classmethod
     def for_staging(cls, staging: Any, info: dict[str, str]) -> JobRecorder:
@@ -110,7 +111,9 @@ class JobRecorder:
             except Exception as exc:  # noqa: BLE001 - a slow or restarting monitor: the last count stands
                 log.debug("retries unavailable", error=str(exc))
                 retried_requests = (self.timeline.last or {}).get("retried_requests", 0)
-        if self.charts_wanted and counters.done > 0:
+        if self._done_at_first_sample is None:
+            self._done_at_first_sample = counters.done  # a resumed job's earlier rows, or lines found invalid
+        if self.charts_wanted and counters.done > self._done_at_first_sample:
             self.charts_wanted = False
             from pipeline.observe.report import preload_charts
 

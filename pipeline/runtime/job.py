@@ -211,7 +211,7 @@ def run_job(config: JobConfig, show_progress: bool = True, resume: bool = False)
         job.staging.create()
         job.recorder.run_started()
         # Ingest runs as tasks on the cluster, so Ray starts first.
-        start_ray(config.resources.address)
+        start_ray(config.resources.address, keep_idle_workers=True)
         _use_warm_task_hosts(config)
         engines = _start_engines(job)
         try:

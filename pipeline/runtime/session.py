@@ -3,14 +3,17 @@ needs for a batch job. Runs on the driver."""
 
 from __future__ import annotations
 
-# How long a private instance keeps a task worker that has nothing to do. Ray's default (1 s) ends ingest's workers as
-# soon as ingest is done, and finalize then waits for fresh ones to start and import again: 1.1–1.9 s of a short job's
-# tail on a 2-core box, against 0.55 s on the workers ingest left. Five minutes keeps them for the jobs whose tail
-# that is (a long job's workers go, and their memory with them, five minutes after ingest).
+# How long a job's private instance keeps a task worker that has nothing to do. Ray's default (1 s) ends ingest's
+# workers as soon as ingest is done, and finalize then waits for fresh ones to start and import again: 1.1–1.9 s of a
+# short job's tail on a 2-core box, against 0.55 s on the workers ingest left. Five minutes keeps them for the jobs
+# whose tail that is (a long job's workers go, and their memory with them, five minutes after ingest).
 IDLE_TASK_WORKERS_KEPT_MS = 300_000
 
 
-def start_ray(address: str | None) -> None:
+def start_ray(address: str | None, keep_idle_workers: bool = False) -> None:
+    """Join the cluster at `address`, or start a private instance (None or "local"). `keep_idle_workers`: a private
+    instance that serves one job keeps idle task workers for finalize (IDLE_TASK_WORKERS_KEPT_MS); one that outlives
+    jobs (the Batch API server, `nightshift up`) keeps Ray's default, so workers of past jobs do not hold memory."""
     import contextlib
     import logging
     import os
@@ -29,15 +32,15 @@ def start_ray(address: str | None) -> None:
         os.environ.setdefault("RAY_BACKEND_LOG_LEVEL", "fatal")
         with quiet_native_stderr() if ours else contextlib.nullcontext():
             # "local" starts a private instance: never attach by accident to a cluster someone else started here.
-            private = address in (None, "local")
+            kept = keep_idle_workers and address in (None, "local")
             ray.init(
                 address=address or "local",
                 include_dashboard=False,
                 log_to_driver=False,
                 logging_level=logging.ERROR,
-                # A cluster's settings are its own; a private instance's are this job's.
+                # A cluster's settings are its own; a private instance's for one job are that job's.
                 _system_config={"idle_worker_killing_time_threshold_ms": IDLE_TASK_WORKERS_KEPT_MS}
-                if private
+                if kept
                 else None,
             )
     logging.getLogger("ray.data").setLevel(logging.ERROR)
@@ -60,6 +63,8 @@ def end_ray() -> None:
     has already stopped, and is killed after the full second (1.0 of the 1.4 s shutdown takes on a 2-core box).
     A single-node private instance has nothing to autoscale, so its monitor is killed outright first; the rest
     stop as before. A driver connected to a cluster started no process: it only disconnects."""
+    import contextlib
+    import subprocess
     import sys
 
     ray = sys.modules.get("ray")
@@ -71,5 +76,7 @@ def end_ray() -> None:
     for info in (getattr(node, "all_processes", None) or {}).get(ray_constants.PROCESS_TYPE_MONITOR, []):
         if info.process.poll() is None:
             info.process.kill()
-            info.process.wait()
+            # One stuck in the kernel is left to shutdown, which reaps what it can.
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                info.process.wait(timeout=2)
     ray.shutdown()

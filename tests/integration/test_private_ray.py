@@ -13,7 +13,7 @@ import json
 from ray._private import worker
 from pipeline.runtime.session import IDLE_TASK_WORKERS_KEPT_MS, end_ray, start_ray
 
-start_ray(None)
+start_ray(None, keep_idle_workers=True)
 node = worker._global_node
 config = dict(node._config)
 started = {kind: [info.process.pid for info in infos] for kind, infos in node.all_processes.items()}

@@ -327,7 +327,9 @@ class CharTokenizer:
             text += json.dumps(tools)
         return text + ("<assistant>" if add_generation_prompt else "")
 
-    def __call__(self, texts, add_special_tokens=False, **kwargs):
+    def __call__(
+        self, texts, add_special_tokens=False, verbose=True
+    ):  # as strict as mistral-common's: no **kwargs
         return {"input_ids": [[0] * (len(t) + (1 if add_special_tokens else 0)) for t in texts]}
 
 
@@ -561,6 +563,34 @@ print(json.dumps({
     "ids": tok("Once upon a time, in 2024: naïve café")["input_ids"],
 }))
 """
+
+
+def test_chats_rendered_together_render_as_each_alone_whatever_their_options(embedded_model):
+    """Chats are rendered in one template call only with the very same options: `tools: []` is not "no tools" (a
+    template tests `tools is not none`), and an option False is not 0 (`is false`), though the two are equal keys."""
+    template = (
+        "{% if tools is not none %}[tools]{% endif %}"
+        "{% if flag is false %}[false]{% elif flag == 0 %}[zero, a longer marker]{% endif %}"
+        "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    )
+    counter = PromptCounter.for_model(str(embedded_model.path), chat_template=template)
+    user = {"role": "user", "content": "hello there"}
+    bodies = [
+        {"messages": [user]},
+        {"messages": [user], "tools": []},
+        {"messages": [user], "chat_template_kwargs": {"flag": False}},
+        {"messages": [user], "chat_template_kwargs": {"flag": 0}},
+        {"messages": [user]},
+        {"messages": [user], "tools": []},
+        {"messages": [user], "chat_template_kwargs": {"flag": 0}},
+        {"messages": [user], "chat_template_kwargs": {"flag": False}},
+        {"messages": [user], "chat_template_kwargs": {"tools": None}},
+    ]
+    requests = [("/v1/chat/completions", body) for body in bodies]
+    together = counter.count_batch(requests)
+    alone = [counter.count_batch([request])[0] for request in requests]
+    assert [str(c) for c in together] == [str(c) for c in alone]
+    assert together[0] != together[1] and together[2] != together[3]
 
 
 def test_a_tokenizer_loads_without_autotokenizer_once_its_class_is_known(embedded_model, tmp_path):

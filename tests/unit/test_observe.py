@@ -400,3 +400,11 @@ def test_the_recorder_loads_the_chart_library_once_results_come_in(monkeypatch):
     counters.add(3, 0, 30, 30)
     recorder.sample(counters, {}, {}, force=True)
     assert calls == ["preload"]  # once
+    resumed = JobRecorder()  # a resumed job's counters start with its earlier rows done
+    resumed.charts_wanted = True
+    earlier = JobCounters(total=10, done=6)
+    resumed.sample(earlier, {}, {}, force=True)
+    assert calls == ["preload"]
+    earlier.add(1, 0, 10, 10)
+    resumed.sample(earlier, {}, {}, force=True)
+    assert calls == ["preload", "preload"]
