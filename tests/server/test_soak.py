@@ -195,16 +195,23 @@ def session_pids(sid: int) -> list[int]:
     return found
 
 
-def crash(server: Server) -> None:
-    """SIGKILL the server and its API replica together — the replica holds the state and runs the sweeper; its
-    pid is in the data dir's lock — so neither runs one more line; then wait for the rest of the server's processes
-    (its Ray, the batches' jobs and engines) to follow them, as a crash of the machine would have them."""
+def crash_targets(server: Server) -> tuple[int, int]:
+    """The server's session leader and its API replica — the replica holds the state and runs the sweeper; its pid
+    is in the data dir's lock. Found before the moment to crash comes, so the kill follows that moment at once."""
     assert server.proc is not None
     sid = server.proc.pid
     replica = int((server.root / "data" / "server.lock").read_text().split()[0])
     assert os.getsid(replica) == sid and b"ServeReplica" in Path(f"/proc/{replica}/cmdline").read_bytes()
-    os.kill(sid, signal.SIGKILL)
+    return sid, replica
+
+
+def crash(server: Server, targets: tuple[int, int]) -> None:
+    """SIGKILL the server's API replica and the server together, the replica (the sweeper) first, so neither runs
+    one more line; then wait for the rest of the server's processes (its Ray, the batches' jobs and engines) to
+    follow them, as a crash of the machine would have them."""
+    sid, replica = targets
     os.kill(replica, signal.SIGKILL)
+    os.kill(sid, signal.SIGKILL)
     server.kill()  # reaps it and waits for its port to close
     until(lambda: not session_pids(sid), timeout=120, what="the killed server's processes to end")
 
@@ -396,6 +403,7 @@ def test_two_tenants_quotas_retention_and_a_kill_mid_sweep(soak):
                 burst[file_id] = a
 
         t_burst = time.monotonic()
+        targets = crash_targets(soak)
         with database(soak) as db, ThreadPoolExecutor(5) as pool:
             burst_futures = [pool.submit(upload_burst, n) for n in range(4)]
             burst_futures.append(pool.submit(slow_upload, soak, killed))
@@ -412,7 +420,7 @@ def test_two_tenants_quotas_retention_and_a_kill_mid_sweep(soak):
             pollers.phase = "down"
             t_kill = time.monotonic()
             stats["burst_rate"] = len(uploads) / (t_kill - t_burst)
-            crash(soak)
+            crash(soak, targets)
             stats["crash"] = time.monotonic() - t_kill
             killed.set()
             for future in burst_futures:
