@@ -128,12 +128,16 @@ def _remembered_classes() -> dict[str, Any]:
 
 
 def _remember_class(directory: str, stamp: list[list[Any]], name: str) -> None:
-    from pipeline.local_files import atomic_write_json, nightshift_home
+    from pipeline.local_files import atomic_write_json, exclusive_lock, nightshift_home
 
+    path = nightshift_home() / TOKENIZER_CLASSES
     try:
-        known = _remembered_classes()
-        known[directory] = {"stamp": stamp, "class": name}
-        atomic_write_json(nightshift_home() / TOKENIZER_CLASSES, known)
+        # Every ingest worker of a job's first run chooses at once: read, add and write under one lock, so no
+        # worker's write drops another's entry.
+        with exclusive_lock(path.with_suffix(".lock")):
+            known = _remembered_classes()
+            known[directory] = {"stamp": stamp, "class": name}
+            atomic_write_json(path, known)
     except OSError:  # a home that cannot be written: AutoTokenizer chooses every time
         pass
 

@@ -626,3 +626,36 @@ def test_a_tokenizer_loads_without_autotokenizer_once_its_class_is_known(embedde
     config = copy / "tokenizer_config.json"
     config.write_text(config.read_text() + "\n")
     assert load(copy)["auto"]
+
+
+def test_tokenizer_classes_chosen_at_once_are_all_remembered(tmp_path, monkeypatch):
+    """Every ingest worker of a first run chooses a class at about the same moment: each adds its directory to the
+    remembered classes under a lock, so none of them writes over another's entry (a read made slow here, so that
+    writers without the lock would all read the empty file)."""
+    import threading
+    import time
+
+    from pipeline import tokens
+
+    monkeypatch.setenv("NIGHTSHIFT_HOME", str(tmp_path))
+    read = tokens._remembered_classes
+
+    def slow_read():
+        known = read()
+        time.sleep(0.05)
+        return known
+
+    monkeypatch.setattr(tokens, "_remembered_classes", slow_read)
+    writers = [
+        threading.Thread(
+            target=tokens._remember_class, args=(f"/models/m{i}", [["stamp", i]], f"transformers.x:T{i}")
+        )
+        for i in range(6)
+    ]
+    for writer in writers:
+        writer.start()
+    for writer in writers:
+        writer.join()
+    known = json.loads((tmp_path / tokens.TOKENIZER_CLASSES).read_text())
+    assert sorted(known) == [f"/models/m{i}" for i in range(6)]
+    assert known["/models/m3"] == {"stamp": [["stamp", 3]], "class": "transformers.x:T3"}
