@@ -1,3 +1,7 @@
-from pipeline.cli import main
+from pipeline.runtime.launcher import follow_launcher
+
+follow_launcher()  # a job started by the launcher sets up its signals first (runtime/launcher.py)
+
+from pipeline.cli import main  # noqa: E402 - after the signals
 
 main()

@@ -23,6 +23,10 @@ import pytest
 FAKE_CHILD = """#!{python}
 import json, os, signal, sys, time
 
+# What `python -m pipeline` does first.
+from pipeline.runtime.launcher import follow_launcher
+follow_launcher()
+
 given = dict(os.environ)  # what the launcher gave it, before the defaults below
 for name, value in {defaults!r}.items():
     os.environ.setdefault(name, value)

@@ -16,7 +16,11 @@ What the launcher owns, so both callers do it the same way:
 - the child's environment: only what a job needs of the launcher's (runtime/job_env.py), never all of it — the
   server's API keys and credentials stay with the server;
 - the child's process: it stays in the launcher's process group (a Ctrl-C on the terminal reaches both), gets a
-  default SIGINT disposition whatever it inherited, and on Linux dies with the thread that started it;
+  default SIGINT disposition whatever it inherited, and on Linux dies with the thread that started it. The child
+  is started without fork(): the launcher runs Ray, whose gRPC core restarts its poller threads in a forked child,
+  and closing the child's descriptors before exec can then abort it ("epoll_wait error: Bad file descriptor",
+  exit -6, a batch failed before its job began). So no code runs between fork and exec; the job process sets up
+  its signals itself, first thing (`follow_launcher`, from `python -m pipeline`);
 - stopping it: SIGINT, then STOP_GRACE_SECONDS to end, then SIGKILL.
 """
 
@@ -30,7 +34,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Collection, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -46,6 +50,10 @@ log = structlog.get_logger(__name__)
 # of every launched job; the server replica's Serve shutdown timeout (server/app.py) is longer than it, so a
 # replica stop never cuts a job's grace short.
 STOP_GRACE_SECONDS = 60.0
+
+# "PID:TID" of the launcher's process and of the thread that started the child, in the child's environment: tells
+# `python -m pipeline` that it is a launched job (`follow_launcher`), and whose end it must not outlive.
+LAUNCHER_ENV = "NIGHTSHIFT_LAUNCHER"
 
 # Where the child finds the http engine's token when the job does not name a variable (JobConfig's default name).
 DEFAULT_API_KEY_ENV = "NIGHTSHIFT_API_KEY"
@@ -179,37 +187,47 @@ def start_job(
     child's environment; `withhold`: variables of the launcher's it must never get (e.g. the server's API keys).
     `log_file`: the child's stdout and stderr, appended; default: the launcher's own."""
     command = job_command(job, resume, job_file, flags)
-    child_env = job_environment(job, env, withhold)
-    prepare = _child_preparation()
-    with open(log_file, "ab") if log_file is not None else contextlib.nullcontext() as out:
-        popen = subprocess.Popen(
-            command,
-            env=child_env,
-            stdin=subprocess.DEVNULL,
-            stdout=out,
-            stderr=out,
-            preexec_fn=prepare,  # noqa: PLW1509 - calls into libc only, see _child_preparation
-        )
+    starter = f"{os.getpid()}:{threading.get_native_id()}"
+    child_env = {**job_environment(job, env, withhold), LAUNCHER_ENV: starter}
+    with (
+        open(log_file, "ab") if log_file is not None else contextlib.nullcontext() as out,
+        _sigint_unblocked(),
+    ):
+        # No preexec_fn: with one, Python must fork() (and run every library's fork handlers in the child); without
+        # one it starts the child with vfork/posix_spawn, which runs none.
+        popen = subprocess.Popen(command, env=child_env, stdin=subprocess.DEVNULL, stdout=out, stderr=out)
     return JobProcess(popen, grace)
 
 
-def _child_preparation():  # noqa: ANN202 - Callable[[], None], run in the forked child before exec
-    """What the child needs between fork and exec. libc is looked up here, in the parent: the forked child only
-    calls into it (no dlopen, no locks taken after fork)."""
-    libc = ctypes.CDLL(None, use_errno=True)
-    linux = sys.platform.startswith("linux")
+@contextlib.contextmanager
+def _sigint_unblocked() -> Iterator[None]:
+    """SIGINT unblocked in the calling thread for the block: Ray's threads block it, a child starts with its
+    starting thread's signal mask, and a job that never sees SIGINT cannot abort cleanly."""
+    previous = signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
 
-    def prepare() -> None:
-        if linux:
-            # PR_SET_PDEATHSIG: the kernel sends SIGTERM to the job when the thread that started it exits — the
-            # shift's main thread, or the batch's watcher thread, which lives exactly as long as the job is wanted.
-            # A killed launcher leaves no orphan driving its job.
-            libc.prctl(1, signal.SIGTERM)
-        # Ray's worker threads block SIGINT, and a process may ignore it (a shell's background job does), and
-        # both survive exec: undo them, so the job's Python turns our SIGINT into KeyboardInterrupt and aborts
-        # cleanly. (libc's signal(), because Python's refuses to run outside the main thread, which a forked
-        # watcher thread is not.)
-        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
-        libc.signal(signal.SIGINT, 0)  # SIG_DFL
 
-    return prepare
+def follow_launcher() -> None:
+    """In a job process that `start_job` started (`python -m pipeline` calls this before anything else); nothing
+    in any other process. What a launched job needs of its signals, set here because nothing runs in the child
+    between fork and exec:
+    - SIGINT turns into KeyboardInterrupt whatever the job inherited (a shell's background job starts with it
+      ignored, and exec keeps that), so the job aborts cleanly when its launcher stops it;
+    - on Linux, PR_SET_PDEATHSIG: the kernel sends SIGTERM to the job when the thread that started it exits — the
+      shift's main thread, or the batch's watcher thread, which lives exactly as long as the job is wanted. A
+      killed launcher leaves no orphan driving its job. A thread that ended before this line (the job was
+      reparented then, and no signal comes) is looked for once the signal is set, and the job ends as the signal
+      would have ended it."""
+    starter = os.environ.pop(LAUNCHER_ENV, None)
+    if starter is None:
+        return
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+    if sys.platform.startswith("linux"):
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+        pid, _, tid = starter.partition(":")
+        if str(os.getppid()) != pid or not os.path.exists(f"/proc/{pid}/task/{tid}"):
+            os.kill(os.getpid(), signal.SIGTERM)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import signal
 import stat
+import sys
 import time
 from pathlib import Path
 
@@ -151,6 +152,85 @@ def test_sigint_reaches_the_child_even_where_the_launcher_ignores_it(tmp_path, f
     seen = _record(tmp_path)
     assert seen["sigint"] != str(signal.SIG_IGN)
     assert child.stop() == 130
+
+
+def test_sigint_reaches_the_child_even_from_a_thread_that_blocks_it(tmp_path, fake_python):
+    """Ray's threads block SIGINT, and a child starts with its starting thread's signal mask."""
+    import threading
+
+    seen = {}
+
+    def watcher() -> None:  # as the server's: starts the job, and lives as long as it is wanted
+        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+        child = _start(tmp_path, "abort-on-sigint")
+        seen["mask"] = signal.pthread_sigmask(signal.SIG_BLOCK, set())
+        _record(tmp_path)
+        seen["code"] = child.stop()
+
+    thread = threading.Thread(target=watcher)
+    thread.start()
+    thread.join()
+    assert signal.SIGINT in seen["mask"]  # the thread's own mask is as it was
+    assert seen["code"] == 130
+
+
+# Set by the test below while it starts a child; read by a fork handler that stays registered for the process.
+_FORK_MARK: list[Path] = []
+
+
+def _mark_fork_in_child() -> None:
+    for path in _FORK_MARK:
+        path.write_text("a fork handler ran in the child")
+
+
+def test_a_child_starts_without_fork_handlers(tmp_path, fake_python):
+    """A launcher runs Ray, whose gRPC core restarts its threads in a forked child: the child must start without
+    fork() (a preexec_fn forces it, and runs every fork handler in the child before exec)."""
+    os.register_at_fork(after_in_child=_mark_fork_in_child)
+    mark = tmp_path / "forked"
+    _FORK_MARK.append(mark)
+    try:
+        child = _start(tmp_path, "exit:0")
+    finally:
+        _FORK_MARK.clear()
+    assert child.wait() == 0
+    assert not mark.exists()
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
+def test_a_child_dies_with_the_thread_that_started_it(tmp_path, fake_python):
+    """The batch's watcher thread lives exactly as long as its job is wanted (and a killed launcher takes all its
+    threads): the job gets SIGTERM once that thread is gone."""
+    import threading
+
+    for wait_for_the_child in (True, False):  # the thread ends after the child's start, or during it
+        record = tmp_path / "record.jsonl"
+        record.unlink(missing_ok=True)
+        started: dict = {}
+
+        def watcher(started=started, wait_for_the_child=wait_for_the_child) -> None:
+            started["child"] = _start(tmp_path, "ignore-sigint")
+            if wait_for_the_child:
+                _record(tmp_path)  # the child is past follow_launcher
+
+        thread = threading.Thread(target=watcher)
+        thread.start()
+        thread.join()
+        assert started["child"].wait(20) == -signal.SIGTERM, wait_for_the_child
+
+
+def test_a_job_started_by_hand_keeps_its_signals(tmp_path, monkeypatch):
+    """`follow_launcher` does nothing in a process the launcher did not start: a user's own `python -m pipeline`
+    keeps whatever SIGINT disposition its shell gave it."""
+    from pipeline.runtime import launcher
+
+    monkeypatch.delenv(launcher.LAUNCHER_ENV, raising=False)
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        launcher.follow_launcher()
+        assert signal.getsignal(signal.SIGINT) == signal.SIG_IGN
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 # What the launcher's own environment holds besides what a job needs: a server's API keys and credentials.
