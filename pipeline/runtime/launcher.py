@@ -191,7 +191,7 @@ def start_job(
     child_env = {**job_environment(job, env, withhold), LAUNCHER_ENV: starter}
     with (
         open(log_file, "ab") if log_file is not None else contextlib.nullcontext() as out,
-        _sigint_unblocked(),
+        _sigint_blocked(),
     ):
         # No preexec_fn: with one, Python must fork() (and run every library's fork handlers in the child); without
         # one it starts the child with vfork/posix_spawn, which runs none.
@@ -200,10 +200,11 @@ def start_job(
 
 
 @contextlib.contextmanager
-def _sigint_unblocked() -> Iterator[None]:
-    """SIGINT unblocked in the calling thread for the block: Ray's threads block it, a child starts with its
-    starting thread's signal mask, and a job that never sees SIGINT cannot abort cleanly."""
-    previous = signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+def _sigint_blocked() -> Iterator[None]:
+    """SIGINT blocked in the calling thread for the block, so the child starts with it blocked (a child takes its
+    starting thread's mask): a SIGINT sent before the job's `follow_launcher` waits for it, even where the job
+    inherited SIGINT ignored (a blocked signal is kept pending, never dropped as ignored)."""
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
     try:
         yield
     finally:
@@ -215,7 +216,8 @@ def follow_launcher() -> None:
     in any other process. What a launched job needs of its signals, set here because nothing runs in the child
     between fork and exec:
     - SIGINT turns into KeyboardInterrupt whatever the job inherited (a shell's background job starts with it
-      ignored, and exec keeps that), so the job aborts cleanly when its launcher stops it;
+      ignored, and exec keeps that), so the job aborts cleanly when its launcher stops it; the job starts with it
+      blocked (`start_job`), and one sent before this line is delivered here, once the handler is set;
     - on Linux, PR_SET_PDEATHSIG: the kernel sends SIGTERM to the job when the thread that started it exits — the
       shift's main thread, or the batch's watcher thread, which lives exactly as long as the job is wanted. A
       killed launcher leaves no orphan driving its job. A thread that ended before this line (the job was

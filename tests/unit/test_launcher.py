@@ -154,6 +154,20 @@ def test_sigint_reaches_the_child_even_where_the_launcher_ignores_it(tmp_path, f
     assert child.stop() == 130
 
 
+def test_a_sigint_sent_as_the_child_starts_is_not_lost(tmp_path, fake_python):
+    """Where the launcher ignores SIGINT the child starts with it ignored too, until its first line sets it up: a
+    stop sent before then waits (blocked, not dropped) and ends the child then, not the grace's SIGKILL."""
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        child = _start(tmp_path, "abort-on-sigint", grace=20.0)
+        t0 = time.monotonic()
+        code = child.stop()  # at once: the child is still starting
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    assert code in (130, -signal.SIGINT), code
+    assert time.monotonic() - t0 < 20
+
+
 def test_sigint_reaches_the_child_even_from_a_thread_that_blocks_it(tmp_path, fake_python):
     """Ray's threads block SIGINT, and a child starts with its starting thread's signal mask."""
     import threading
