@@ -497,7 +497,9 @@ def parse_args(argv: list[str] | None = None, names: list[str] | None = None) ->
             "the prefix-heavy job: workload p2, {prompts} prompts of ~1,500 tokens x {rows_per_prompt} rows x "
             "{max_tokens} tokens, each engine's KV cache holding {kv_share:.0%} of the prompts (a flag given with "
             "it wins where it differs from its default)"
-        ).format(**P2),
+        )
+        .format(**P2)
+        .replace("%", "%%"),  # argparse %-formats help text: the share's literal % must reach it escaped
     )
     p.add_argument(
         "--workloads", default="shared,plain", help="comma-separated subset of " + ",".join(WORKLOADS)
