@@ -15,8 +15,11 @@
     linecheck.py an input's lines checked by the server: JSONL at upload, the job's validator before a batch runs
                  (limits.line_errors fail_batch)
     retention.py the sweeper: expired files deleted, the bytes of deleted files and finished batches freed
-    routes.py    the FastAPI app: the endpoints, OpenAI's errors and status codes
-    health.py    /healthz (liveness) and /readyz (the database takes a write, Ray answers), without a key
+    service.py   `BatchService`: the store, runner, sweeper and keys one server's requests act on
+    routes.py    the FastAPI app, assembled: the service in app.state, the routers, the error handlers
+    api/         one router per resource (files, batches, metrics, health), the dependencies they are given
+                 (the service, the caller's owner) and OpenAI's errors and status codes
+    health.py    the checks of /healthz (liveness) and /readyz (the database takes a write, Ray answers)
     exposure.py  where Serve really listens: no keys (auth.disabled) only while that is loopback
     app.py       the Ray Serve deployment wrapping that app, and the application import path for KubeRay
 

@@ -1,4 +1,5 @@
-"""`GET /healthz` and `GET /readyz`: the API's own liveness and readiness, for probes and load balancers.
+"""What `GET /healthz` and `GET /readyz` (api/health.py) answer: the API's own liveness and readiness, for probes and
+load balancers.
 
 Neither takes a key (probes carry none) and neither tells anything about tenants, files or paths.
 
@@ -14,10 +15,6 @@ from __future__ import annotations
 
 import sqlite3
 from pathlib import Path
-from typing import Any
-
-from fastapi import APIRouter
-from fastapi.responses import JSONResponse
 
 # A probe's answer must come well within a Kubernetes probe's default timeout (1 s would be tight on a busy disk;
 # give probes timeoutSeconds >= 5, as k8s/rayservice.yaml does).
@@ -64,21 +61,3 @@ def ray_problem() -> str | None:
     except Exception as exc:  # noqa: BLE001 - whatever it is, the cluster did not answer
         return f"the Ray cluster does not answer ({type(exc).__name__})"
     return None
-
-
-def health_routes(database: Path) -> APIRouter:
-    router = APIRouter()
-
-    @router.get("/healthz", include_in_schema=False)
-    def healthz() -> dict[str, Any]:
-        return {"status": "ok"}
-
-    @router.get("/readyz", include_in_schema=False)
-    def readyz() -> JSONResponse:
-        problems = {"database": database_problem(database), "ray": ray_problem()}
-        checks = {name: problem or "ok" for name, problem in problems.items()}
-        if any(problems.values()):
-            return JSONResponse({"status": "unavailable", "checks": checks}, status_code=503)
-        return JSONResponse({"status": "ok", "checks": checks})
-
-    return router
