@@ -37,10 +37,10 @@ from typing import Any
 
 import structlog
 
+from pipeline.clock import SystemClock, clock_from_environment
 from pipeline.config import JobConfig
 from pipeline.io.staging import StagingArea
 from pipeline.runtime.launcher import JobProcess, start_job
-from pipeline.runtime.shifts import SystemClock, clock_from_environment
 from pipeline.server import outputs, scheduling
 from pipeline.server.accounting import account
 from pipeline.server.datadir import fsync_tree, make_private

@@ -1,5 +1,5 @@
 """The night window's arithmetic (pipeline/hours.py) on fixed instants, and the orchestration that runs a job inside
-it (pipeline/runtime/shifts.py) with a fake clock and a fake job."""
+it (pipeline/runtime/shifts.py) with a fake clock (or the test clock of pipeline/clock.py) and a fake job."""
 
 from __future__ import annotations
 
@@ -7,8 +7,9 @@ import datetime as dt
 
 import pytest
 
+from pipeline.clock import SkippingClock, WindowClosed
 from pipeline.hours import Hours, HoursError
-from pipeline.runtime.shifts import SkippingClock, WindowClosed, run_in_hours
+from pipeline.runtime.shifts import run_in_hours
 
 UTC = dt.timezone.utc
 
@@ -140,7 +141,7 @@ def test_the_command_line_and_the_server_say_the_same_about_a_bad_window(tmp_pat
     from pipeline.config import ConfigError
     from pipeline.hours import window
     from pipeline.server.settings import ServerConfig
-    from tests.conftest import chat_line, write_lines
+    from tests.lines import chat_line, write_lines
 
     with pytest.raises(HoursError) as parsed:
         window(hours, timezone)
@@ -277,7 +278,7 @@ def test_run_refuses_a_bad_window_before_anything_starts(tmp_path, args, problem
     from typer.testing import CliRunner
 
     from pipeline.cli import app
-    from tests.conftest import chat_line, write_lines
+    from tests.lines import chat_line, write_lines
 
     source = write_lines(tmp_path / "in.jsonl", [chat_line("a", "hi")])
     result = CliRunner().invoke(app, ["run", str(source), str(tmp_path / "out"), "--engine", "fake", *args])
