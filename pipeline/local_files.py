@@ -1,5 +1,10 @@
 """Local files at the bottom of the import graph (stdlib only, besides `cluster.home`): atomic writes, and this
-machine's nightshift directory. Engines, io/ and the runtime all write through it."""
+machine's nightshift directory. Engines, io/ and the runtime all write through it.
+
+`nightshift_home` is defined once, in cluster/home.py, and passed on here: cluster/auth.py needs it too (the head's
+Ray token lives there), cluster/ knows no pipeline/, and pipeline/ may import cluster/; the engines, which know
+nothing of cluster/, take it from this module. cluster/home.py imports nothing of the project, so this module stays
+at the bottom (tests/unit/test_import_layers.py keeps both there)."""
 
 from __future__ import annotations
 
