@@ -62,7 +62,7 @@ import fair  # noqa: E402 - bench/fair.py: token clock, CPU binds, core checks
 
 from cluster.inventory import Accelerator, NodeInventory  # noqa: E402
 from cluster.visibility import visibility_env, visible_devices  # noqa: E402
-from pipeline.planner import ModelShape  # noqa: E402
+from pipeline.model_shape import ModelShape  # noqa: E402
 from pipeline.topology import tensor_parallel_problem  # noqa: E402
 
 PathKind = Literal["nightshift", "vllm-offline", "vllm-run-batch"]
@@ -515,8 +515,8 @@ def main(argv: list[str] | None = None) -> CheckReport:
     ns = parse_args(argv)
     started_at = time.strftime("%Y-%m-%dT%H:%M:%S%z")
     from cluster.detect import detect_node
+    from pipeline.model_shape import model_shape
     from pipeline.models import resolve_model
-    from pipeline.planner import model_shape
 
     inventory = detect_node()
     wanted = [int(x) for x in ns.devices.split(",")] if ns.devices else None

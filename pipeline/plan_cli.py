@@ -21,31 +21,25 @@ from typing import TYPE_CHECKING, Annotated, Any
 import typer
 
 from pipeline.adapters import lora_slots
+from pipeline.max_tokens import DEFAULT_CHAT_MAX_TOKENS, generation_max_tokens, output_budget
+from pipeline.model_shape import ModelShape, PlanError, model_shape
 from pipeline.planner import (
-    DEFAULT_CHAT_MAX_TOKENS,
     DEFAULT_CPU_KV_SPACE_GIB,
     DEFAULT_DEVICES_PER_NODE,
     SHARDING_FIELDS,
     ContextFit,
     DeviceBudget,
-    GiB,
     HistogramBucket,
-    ModelShape,
-    PlanError,
     PoolPlan,
     default_block_size,
     fit_context,
-    fmt_bytes,
-    generation_max_tokens,
     length_histogram,
     max_sequences,
-    model_shape,
-    output_budget,
-    parse_memory,
     plan_pool,
     round_up,
 )
 from pipeline.topology import Topology, TopologyError, check_topology
+from pipeline.units import GiB, fmt_bytes, parse_memory
 
 if TYPE_CHECKING:
     from pipeline.models import ResolvedModel

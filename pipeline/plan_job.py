@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal
 
-from pipeline.planner import PlanError
+from pipeline.model_shape import PlanError
 from pipeline.topology import Topology
 
 if TYPE_CHECKING:

@@ -1,7 +1,9 @@
 """The KV-cache budget: how many tokens of context an engine can hold, and the engine args that follow from it.
 
-Everything here is arithmetic on a model's `config.json` and the sizes in its safetensors headers — no tensor is
-loaded and neither torch nor vLLM is imported, so a plan for a 70B model takes milliseconds on a laptop.
+Everything here is arithmetic on a model's shape (pipeline.model_shape reads it from `config.json` and the sizes
+in its safetensors headers) — no tensor is loaded and neither torch nor vLLM is imported, so a plan for a 70B
+model takes milliseconds on a laptop. A batch's output budgets come from pipeline.max_tokens, memory sizes are
+parsed and printed by pipeline.units.
 
 The rules mirror how vLLM sizes its cache:
 - KV bytes per token = 2 (K and V) × layers × KV heads × head_dim × bytes per element. MLA models (DeepSeek V2/V3)
@@ -19,23 +21,22 @@ The rules mirror how vLLM sizes its cache:
 
 from __future__ import annotations
 
-import json
 import math
-import re
-import struct
-from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from pipeline.endpoints.chat import requested_max_tokens as requested_limit
-from pipeline.endpoints.completions import COMPLETIONS_DEFAULT_MAX_TOKENS  # noqa: F401 - re-exported
-
-# pipeline.topology builds on ModelShape from here, so at run time it is imported where it is used.
-if TYPE_CHECKING:
-    from pipeline.topology import Topology
-
-GiB = 1 << 30
+from pipeline.model_shape import ModelShape, PlanError
+from pipeline.topology import (
+    MAX_TENSOR_PARALLEL,
+    Topology,
+    TopologyError,
+    check_topology,
+    kv_heads_per_rank,
+    stage_layers,
+    tensor_parallel_sizes,
+)
+from pipeline.units import GiB, fmt_bytes
 
 # What `nightshift run` gives a CPU engine when nothing is set (VllmEngineArgs.cpu_kvcache_space_gib).
 DEFAULT_CPU_KV_SPACE_GIB = 2
@@ -44,10 +45,6 @@ DEFAULT_CPU_KV_SPACE_GIB = 2
 MAX_NUM_SEQS_CAP = 256
 # How many GPUs a node is assumed to have when the budget does not say: the usual 8-GPU server.
 DEFAULT_DEVICES_PER_NODE = 8
-# /v1/completions without max_tokens: vLLM (like OpenAI) generates 16 tokens (COMPLETIONS_DEFAULT_MAX_TOKENS).
-# /v1/chat/completions without max_tokens: vLLM lets the answer run to the end of the context, which cannot be
-# planned for. This is the output we budget instead (and say so); requests should set max_tokens.
-DEFAULT_CHAT_MAX_TOKENS = 256
 
 # Block size vLLM picks when none is given, by device and attention kind. CPU: 128 (observed: the engine logs
 # 364 blocks of 128 tokens at 1 GiB for the embedded model); its MLA kernel only compiles for 16. CUDA/ROCm: 16
@@ -69,124 +66,10 @@ _KV_DTYPE_BYTES = {
     "fp8_e5m2": 1,
     "fp8_inc": 1,
 }
-_DTYPE_BYTES = {"float32": 4, "float": 4, "float16": 2, "half": 2, "bfloat16": 2}
-
-# Config keys vLLM reads for the model's context limit, in its order; the smallest present wins.
-_MAX_LEN_KEYS = (
-    "max_position_embeddings",
-    "n_positions",
-    "max_seq_len",
-    "seq_length",
-    "model_max_length",
-    "max_target_positions",
-    "max_sequence_length",
-    "max_seq_length",
-    "seq_len",
-)
-# RoPE types whose max_position_embeddings is already the scaled length (vLLM does not multiply by `factor`).
-_ROPE_PRESCALED = {"su", "longrope", "llama3", "yarn", "deepseek_yarn", "deepseek_llama_scaling"}
-# Markers of layers that keep recurrent state instead of a KV cache (Mamba, linear attention, ...).
-_HYBRID_KEYS = (
-    "hybrid_override_pattern",
-    "layers_block_type",
-    "attn_layer_indices",
-    "linear_attn_config",
-    "full_attention_interval",
-    "mamba_d_state",
-    "ssm_cfg",
-)
-_HYBRID_TYPES = (
-    "mamba",
-    "rwkv",
-    "jamba",
-    "zamba",
-    "bamba",
-    "falcon_h1",
-    "nemotron_h",
-    "lfm2",
-    "hybrid",
-    "qwen3_next",
-)
-_ATTENTION_LAYER_TYPES = {"full_attention", "sliding_attention", "attention", "chunked_attention"}
-_SPARSE_MLA_TYPES = {"deepseek_v32", "deepseek_v4"}
-
-_MEMORY = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
-_MEMORY_UNITS = {
-    "": 1,
-    "b": 1,
-    "k": 10**3,
-    "kb": 10**3,
-    "m": 10**6,
-    "mb": 10**6,
-    "g": 10**9,
-    "gb": 10**9,
-    "t": 10**12,
-    "tb": 10**12,
-    "ki": 2**10,
-    "kib": 2**10,
-    "mi": 2**20,
-    "mib": 2**20,
-    "gi": 2**30,
-    "gib": 2**30,
-    "ti": 2**40,
-    "tib": 2**40,
-}
-
-
-class PlanError(ValueError):
-    """The model or the budget cannot be planned; the message says why and what would work."""
 
 
 class _Frozen(BaseModel):
     model_config = ConfigDict(frozen=True, protected_namespaces=())
-
-
-class ModelShape(_Frozen):
-    """What decides a model's KV-cache footprint, read from its config.json (and weight file headers)."""
-
-    model_type: str = Field(
-        description="config.json `model_type` (of the text model, for multimodal configs)."
-    )
-    layers: int = Field(description="Decoder layers that keep a KV cache.")
-    attention_heads: int = Field(description="Query heads per layer.")
-    kv_heads: int = Field(description="Key/value heads per layer (fewer than query heads under GQA/MQA).")
-    mlp_sizes: tuple[int, ...] = Field(
-        default=(),
-        description="Widths of the MLPs (dense, and each expert's in a mixture of experts): tensor parallelism "
-        "splits them, so it must divide each.",
-    )
-    head_dim: int = Field(
-        description="Size of one cached head: explicit `head_dim`, else hidden / heads; for MLA the latent width "
-        "(kv_lora_rank + qk_rope_head_dim)."
-    )
-    dtype: str = Field(
-        description="Dtype vLLM serves the model in with dtype=auto (float32 is served 16-bit)."
-    )
-    dtype_bytes: int = Field(description="Bytes per element of `dtype`.")
-    max_position_embeddings: int | None = Field(
-        default=None, description="config.json `max_position_embeddings`, if present."
-    )
-    max_model_len_limit: int = Field(
-        description="Longest context vLLM accepts for this model (config keys, tokenizer limit, RoPE scaling)."
-    )
-    sliding_window: int | None = Field(
-        default=None, description="Attention window of the sliding-window layers, when the model uses one."
-    )
-    sliding_window_layers: int = Field(default=0, description="How many layers attend within the window.")
-    is_mla: bool = Field(default=False, description="Multi-head latent attention (DeepSeek V2/V3 style).")
-    kv_lora_rank: int | None = Field(default=None, description="MLA: width of the compressed KV latent.")
-    qk_rope_head_dim: int | None = Field(
-        default=None, description="MLA: width of the decoupled RoPE key stored next to the latent."
-    )
-    weights_bytes: int | None = Field(
-        default=None,
-        description="Bytes of the checkpoint's tensors (safetensors headers); None when unknown.",
-    )
-    hidden_size: int | None = Field(
-        default=None, description="config.json `hidden_size` (the width LoRA slots are sized by), if present."
-    )
-    vocab_size: int | None = Field(default=None, description="config.json `vocab_size`, if present.")
-    notes: list[str] = Field(default_factory=list, description="Assumptions made while reading the config.")
 
 
 class DeviceBudget(_Frozen):
@@ -347,245 +230,6 @@ class HistogramBucket(_Frozen):
     low: int = Field(description="Smallest value in the bucket.")
     high: int = Field(description="Largest value in the bucket.")
     count: int = Field(description="Requests in the bucket.")
-
-
-# --- reading a model ------------------------------------------------------------------------------------------
-
-
-def read_config(model_dir: str | Path) -> dict[str, Any]:
-    """config.json as a dict, plus the tokenizer's context limit when tokenizer_config.json sets one."""
-    path = Path(model_dir) / "config.json"
-    try:
-        config = json.loads(path.read_text())
-    except FileNotFoundError:
-        raise PlanError(f"{path} does not exist: point --model at a Hugging Face model directory") from None
-    except ValueError as exc:
-        raise PlanError(f"{path} is not valid JSON: {exc}") from None
-    tokenizer_config = Path(model_dir) / "tokenizer_config.json"
-    if tokenizer_config.is_file():
-        try:
-            limit = json.loads(tokenizer_config.read_text()).get("model_max_length")
-        except ValueError:
-            limit = None
-        if isinstance(limit, int):  # vLLM caps the context at the tokenizer's limit too
-            config.setdefault("_tokenizer_model_max_length", limit)
-    sentence_config = Path(model_dir) / "sentence_bert_config.json"
-    if sentence_config.is_file():
-        try:
-            limit = json.loads(sentence_config.read_text()).get("max_seq_length")
-        except ValueError:
-            limit = None
-        if isinstance(
-            limit, int
-        ):  # a Sentence Transformers model: vLLM caps the context at its max_seq_length
-            config.setdefault("_sentence_transformers_max_seq_length", limit)
-    return config
-
-
-def model_shape(model_dir: str | Path) -> ModelShape:
-    """The KV-relevant shape of the model in `model_dir`, with its weight size from the safetensors headers."""
-    shape = shape_from_config(read_config(model_dir))
-    weights = weights_bytes(model_dir)
-    return shape.model_copy(update={"weights_bytes": weights})
-
-
-def shape_from_config(config: dict[str, Any]) -> ModelShape:
-    """The KV-relevant shape from a config dict; refuses architectures whose cache is not plain attention."""
-    text = config.get("text_config") or config.get("language_config") or config.get("llm_config")
-    if isinstance(text, dict):
-        # The KV cache belongs to the language model; the outer config describes the vision tower and wrapper.
-        config = {**config, **text}
-    model_type = str(config.get("model_type") or "unknown")
-    _refuse_unplannable(config, model_type)
-    notes: list[str] = []
-    layers = _first_int(config, "num_hidden_layers", "n_layer", "num_layers")
-    heads = _first_int(config, "num_attention_heads", "n_head", "num_heads")
-    if layers is None or heads is None:
-        raise PlanError(
-            f"config.json ({model_type}) names no layer or head count (num_hidden_layers, num_attention_heads)"
-        )
-    kv_heads = _kv_heads(config, heads)
-    head_dim = _head_dim(config, heads)
-    dtype, dtype_bytes = _serving_dtype(config, notes)
-    window, window_layers = _sliding_window(config, model_type, layers)
-    is_mla = config.get("kv_lora_rank") is not None
-    if is_mla:
-        # vLLM caches MLA as one "head" per layer holding the latent and the RoPE key side by side.
-        head_dim = int(config["kv_lora_rank"]) + int(config.get("qk_rope_head_dim") or 0)
-    return ModelShape(
-        model_type=model_type,
-        layers=layers,
-        attention_heads=heads,
-        kv_heads=1 if is_mla else kv_heads,
-        mlp_sizes=tuple(
-            config[key]
-            for key in ("intermediate_size", "moe_intermediate_size", "ffn_dim", "n_inner")
-            if isinstance(config.get(key), int) and not isinstance(config.get(key), bool)
-        ),
-        head_dim=head_dim,
-        dtype=dtype,
-        dtype_bytes=dtype_bytes,
-        max_position_embeddings=_first_int(config, "max_position_embeddings"),
-        max_model_len_limit=_max_model_len_limit(config, model_type, notes),
-        sliding_window=window,
-        sliding_window_layers=window_layers,
-        is_mla=is_mla,
-        kv_lora_rank=config.get("kv_lora_rank") if is_mla else None,
-        qk_rope_head_dim=int(config.get("qk_rope_head_dim") or 0) if is_mla else None,
-        hidden_size=_first_int(config, "hidden_size", "n_embd", "d_model"),
-        vocab_size=_first_int(config, "vocab_size"),
-        notes=notes,
-    )
-
-
-def _refuse_unplannable(config: dict[str, Any], model_type: str) -> None:
-    if model_type in _SPARSE_MLA_TYPES or "index_topk" in config:
-        raise PlanError(
-            f"{model_type}: sparse MLA keeps an extra indexer cache next to the latent; its size is not modelled. "
-            f"Start the engine and read 'KV cache size: N tokens' from its log instead."
-        )
-    layer_types = config.get("layer_types") or []
-    odd = sorted({t for t in layer_types if isinstance(t, str) and t not in _ATTENTION_LAYER_TYPES})
-    markers = [key for key in _HYBRID_KEYS if config.get(key) is not None]
-    if odd or markers or any(kind in model_type for kind in _HYBRID_TYPES):
-        what = ", ".join(odd) if odd else ", ".join(markers) or model_type
-        raise PlanError(
-            f"{model_type} mixes attention with recurrent/state-space layers ({what}); planning covers "
-            f"attention-only models. Start the engine and read 'KV cache size: N tokens' from its log instead."
-        )
-
-
-def _first_int(config: dict[str, Any], *keys: str) -> int | None:
-    for key in keys:
-        value = config.get(key)
-        if isinstance(value, int) and not isinstance(value, bool):
-            return value
-    return None
-
-
-def _kv_heads(config: dict[str, Any], heads: int) -> int:
-    kv = _first_int(config, "num_key_value_heads", "n_head_kv", "num_kv_heads", "multi_query_group_num")
-    if kv is not None:
-        return kv
-    if config.get("multi_query") is True:  # Falcon-7B style: one shared KV head
-        return 1
-    return heads  # plain multi-head attention
-
-
-def _head_dim(config: dict[str, Any], heads: int) -> int:
-    # Explicit head_dim wins: Gemma, Qwen3 and others use a head wider than hidden_size / heads.
-    explicit = _first_int(config, "head_dim", "attention_head_dim")
-    if explicit:
-        return explicit
-    hidden = _first_int(config, "hidden_size", "n_embd", "d_model")
-    if hidden is None:
-        raise PlanError("config.json names neither head_dim nor hidden_size")
-    return hidden // heads
-
-
-def _serving_dtype(config: dict[str, Any], notes: list[str]) -> tuple[str, int]:
-    raw = config.get("dtype") or config.get("torch_dtype")
-    name = str(raw).removeprefix("torch.") if raw else None
-    if name not in _DTYPE_BYTES:
-        notes.append(f"config.json names no known dtype ({raw!r}): assumed bfloat16 (2 bytes)")
-        return "bfloat16", 2
-    if _DTYPE_BYTES[name] == 4:
-        # vLLM's dtype=auto downcasts float32 checkpoints to a 16-bit type; the cache follows.
-        notes.append("float32 checkpoint: vLLM serves it in 16 bits with dtype=auto (KV at 2 bytes)")
-        return "bfloat16", 2
-    return name, _DTYPE_BYTES[name]
-
-
-def _sliding_window(config: dict[str, Any], model_type: str, layers: int) -> tuple[int | None, int]:
-    window = config.get("sliding_window")
-    if config.get("use_sliding_window") is False or not isinstance(window, int) or window <= 0:
-        return None, 0  # e.g. Qwen2 ships a window but turns it off
-    layer_types = config.get("layer_types")
-    if isinstance(layer_types, list) and layer_types:
-        sliding = sum(1 for t in layer_types if t == "sliding_attention")
-    elif isinstance(config.get("sliding_window_pattern"), int) and config["sliding_window_pattern"] > 0:
-        sliding = layers - layers // config["sliding_window_pattern"]  # Gemma 3: every Nth layer is global
-    elif model_type == "gemma2":
-        sliding = (layers + 1) // 2  # Gemma 2 alternates, starting with a sliding layer
-    else:
-        sliding = layers  # Mistral 7B v0.1: every layer slides
-    return (window, sliding) if sliding else (None, 0)
-
-
-def _max_model_len_limit(config: dict[str, Any], model_type: str, notes: list[str]) -> int:
-    found = [
-        config[k]
-        for k in (*_MAX_LEN_KEYS, "_tokenizer_model_max_length", "_sentence_transformers_max_seq_length")
-        if _is_num(config.get(k))
-    ]
-    if not found:
-        notes.append("config.json names no context limit: assumed 2048, as vLLM does")
-        return 2048
-    limit = min(found)
-    factor = _rope_factor(config, model_type)
-    if factor != 1.0:
-        notes.append(f"RoPE scaling ×{factor:g} extends the context limit, as vLLM applies it")
-    return int(limit * factor)
-
-
-def _is_num(value: Any) -> bool:
-    return isinstance(value, int | float) and not isinstance(value, bool) and value > 0
-
-
-def _rope_factor(config: dict[str, Any], model_type: str) -> float:
-    rope = config.get("rope_scaling") or config.get("rope_parameters")
-    if not isinstance(rope, dict) or "gemma3" in model_type:  # Gemma 3's limit is already scaled
-        return 1.0
-    # transformers 5 may key rope_parameters by layer type; all layer types share one factor.
-    entries = (
-        [rope]
-        if ("rope_type" in rope or "type" in rope)
-        else [v for v in rope.values() if isinstance(v, dict)]
-    )
-    factor = 1.0
-    for entry in entries:
-        kind = entry.get("rope_type") or entry.get("type") or "default"
-        if kind not in _ROPE_PRESCALED and _is_num(entry.get("factor")):
-            factor = float(entry["factor"])
-    return factor
-
-
-def weights_bytes(model_dir: str | Path) -> int | None:
-    """Bytes of the model's tensors: summed from safetensors headers (no tensor is read), else weight file sizes."""
-    directory = Path(model_dir)
-    files = _safetensors_files(directory)
-    if files:
-        return sum(safetensors_tensor_bytes(f) for f in files)
-    legacy = [p for p in directory.glob("*.bin") if p.name.startswith(("pytorch_model", "model"))]
-    return sum(p.stat().st_size for p in legacy) or None
-
-
-def _safetensors_files(directory: Path) -> list[Path]:
-    index = directory / "model.safetensors.index.json"
-    if index.is_file():
-        names = sorted(set(json.loads(index.read_text()).get("weight_map", {}).values()))
-        return [directory / name for name in names]
-    files = sorted(directory.glob("*.safetensors"))
-    # Mistral repos ship the same weights twice: consolidated.safetensors (their format) and model-*.safetensors.
-    hf = [f for f in files if not f.name.startswith("consolidated")]
-    return hf or files
-
-
-def safetensors_tensor_bytes(path: str | Path) -> int:
-    """Sum of tensor byte ranges in a safetensors file, from its JSON header alone."""
-    with open(path, "rb") as fh:
-        prefix = fh.read(8)
-        if len(prefix) != 8:
-            raise PlanError(f"{path} is not a safetensors file (shorter than its header length)")
-        (length,) = struct.unpack("<Q", prefix)
-        if length > 100 * 2**20:  # headers are kilobytes; this is not a safetensors file
-            raise PlanError(f"{path} is not a safetensors file (header length {length})")
-        header = json.loads(fh.read(length))
-    return sum(
-        entry["data_offsets"][1] - entry["data_offsets"][0]
-        for name, entry in header.items()
-        if name != "__metadata__"
-    )
 
 
 # --- the budget ------------------------------------------------------------------------------------------------
@@ -805,8 +449,6 @@ def stage_plans(
     PP stages holds about TP × PP times the tokens of one unsharded engine (exactly so when the layers divide
     too) in TP × PP times the memory; past the KV heads, tensor ranks replicate heads and add memory, not tokens.
     """
-    from pipeline.topology import kv_heads_per_rank, stage_layers
-
     tp = topology.tensor_parallel_size
     held = shape.weights_bytes + lora_bytes if shape.weights_bytes is not None else None
     kv_bytes, notes, warnings = kv_budget(budget, held, topology.world)
@@ -848,8 +490,6 @@ def plan_pool(
     a GPU no room for a KV cache, the plan names the smallest engine that holds them. `lora`: (max_loras,
     max_lora_rank) when the engines serve LoRA adapters: their slots are held beside the weights (on a GPU they
     come out of the KV budget; on CPU, whose cache has a fixed size, out of host memory)."""
-    from pipeline.topology import Topology, TopologyError, check_topology
-
     topology = topology or Topology()
     try:
         check_topology(shape, topology, f"this {shape.model_type} model")
@@ -930,8 +570,6 @@ def smallest_fitting_topology(
     the model takes (pipeline.topology) that fits. If none does, the fewest devices tensor × pipeline parallel
     (the most tensor ranks for a given count: they stay on one node), up to MAX_TENSOR_PARALLEL devices. None:
     nothing that size fits."""
-    from pipeline.topology import MAX_TENSOR_PARALLEL, Topology, tensor_parallel_sizes
-
     per_node = budget.devices_per_node or DEFAULT_DEVICES_PER_NODE
     candidates = sorted(
         (
@@ -971,8 +609,6 @@ def _topology_advice(
     holds = f"holds them and one {context:,}-token sequence"
     found = smallest_fitting_topology(shape, budget, context, block_size, kv_cache_dtype)
     if found is None:
-        from pipeline.topology import MAX_TENSOR_PARALLEL
-
         return None, (
             f"{lead}; no engine of up to {MAX_TENSOR_PARALLEL} devices (tensor_parallel_size within {node}) "
             f"{holds}: use a quantized checkpoint or devices with more memory"
@@ -1054,34 +690,6 @@ def _no_fit_warning(context: int, capacity: int, recommended: int | None) -> str
 # --- fitting the context to the data ---------------------------------------------------------------------------
 
 
-def requested_max_tokens(body: dict[str, Any]) -> int | None:
-    """The output limit a request sets itself, as vLLM reads it: max_completion_tokens, else max_tokens (chat,
-    completions), or max_output_tokens (responses)."""
-    return requested_limit(body, ("max_completion_tokens", "max_tokens", "max_output_tokens"))
-
-
-def output_budget(
-    url: str,
-    body: dict[str, Any],
-    generation_default: int | None = None,
-    chat_default: int = DEFAULT_CHAT_MAX_TOKENS,
-) -> tuple[int, bool]:
-    """Output tokens a request may generate, and whether that number is an assumption (no limit in the request).
-
-    The route's registry entry decides (pipeline/endpoints), mirroring vLLM: max_completion_tokens, else
-    max_tokens. Without either, /v1/completions generates 16 (the request field's default); chat and responses
-    fall back to the model's generation_config `max_new_tokens` when it sets one, else they have no limit but the
-    context, so `chat_default` is budgeted and flagged as assumed. Pooling routes (embeddings, score, rerank)
-    generate nothing: 0.
-    """
-    from pipeline.endpoints import Budget, endpoint_for
-
-    endpoint = endpoint_for(url)
-    if endpoint is None:
-        return 0, False
-    return endpoint.output_budget(body, Budget(generation_default, chat_default))
-
-
 def fit_context(needs: list[int], block_size: int, model_limit: int) -> ContextFit:
     """The smallest whole-block max_model_len that holds every request's prompt + max_tokens (≤ model_limit)."""
     if not needs:
@@ -1115,51 +723,3 @@ def length_histogram(lengths: list[int]) -> list[HistogramBucket]:
 
 def _bucket(value: int) -> int:
     return max(4, int(math.log2(value)) if value > 0 else 4)
-
-
-# --- units -----------------------------------------------------------------------------------------------------
-
-
-def parse_memory(text: str | int) -> int:
-    """Bytes from '80GiB', '24GB', '81559MiB', '1.5TiB' or a plain byte count. GB is 10^9, GiB (or Gi) 2^30."""
-    if isinstance(text, int):
-        value, unit = float(text), ""
-    else:
-        match = _MEMORY.match(str(text))
-        if not match or match.group(2).lower() not in _MEMORY_UNITS:
-            raise ValueError(
-                f"{text!r} is not a memory size: use a number with a unit, e.g. 80GiB, 24GB, 81559MiB, "
-                f"or a byte count"
-            )
-        value, unit = float(match.group(1)), match.group(2).lower()
-    size = int(value * _MEMORY_UNITS[unit])
-    if size <= 0:
-        raise ValueError(f"{text!r} is not a positive memory size")
-    return size
-
-
-def fmt_bytes(n: int | float) -> str:
-    """Binary units, three significant figures: 1.00 GiB, 257 MiB."""
-    for unit, scale in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if abs(n) >= scale:
-            value = n / scale
-            return f"{value:.3g} {unit}" if value < 100 else f"{value:.0f} {unit}"
-    return f"{int(n)} B"
-
-
-def generation_max_tokens(
-    model_dir: str | Path, generation_config: str = "auto", override: dict[str, Any] | None = None
-) -> int | None:
-    """The output limit vLLM applies by default: `max_new_tokens` of the generation config it reads (the model's
-    generation_config.json with --generation-config auto, none with vllm, the given directory's otherwise), with
-    --override-generation-config over it."""
-    if override and isinstance(override.get("max_new_tokens"), int) and override["max_new_tokens"] > 0:
-        return override["max_new_tokens"]
-    if generation_config == "vllm":
-        return None
-    folder = Path(model_dir) if generation_config == "auto" else Path(generation_config)
-    try:
-        value = json.loads((folder / "generation_config.json").read_text()).get("max_new_tokens")
-    except (OSError, ValueError, AttributeError):
-        return None
-    return value if isinstance(value, int) and value > 0 else None

@@ -1,7 +1,7 @@
 """An engine's topology: the ranks one engine is sharded into (tensor × pipeline parallel, vLLM's names), what a
 model lets them be, and the resources each rank takes.
 
-Pure: arithmetic on the model's config.json (planner.ModelShape) and the pool's settings; neither Ray nor vLLM.
+Pure: arithmetic on the model's shape (pipeline.model_shape) and the pool's settings; neither Ray nor vLLM.
 The rules are vLLM's own, checked before any work so a job refused for its topology is refused at once with
 what would work, instead of dying in an engine actor minutes later:
 - tensor parallelism splits every layer: the query heads, the key/value heads (or replicates them when there are
@@ -17,7 +17,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from pipeline.planner import ModelShape
+from pipeline.model_shape import ModelShape
 
 # How far `tensor_parallel_sizes` looks: past 64 ranks one engine spans more than eight 8-GPU nodes.
 MAX_TENSOR_PARALLEL = 64

@@ -29,8 +29,8 @@ from pipeline.engines.base import (
     unexpected_error_result,
 )
 from pipeline.engines.fitting import FitTarget, own_requests, per_sequence
+from pipeline.max_tokens import requested_max_tokens
 from pipeline.models import ResolvedModel
-from pipeline.planner import requested_max_tokens
 from pipeline.protocol import ErrorCode
 from pipeline.topology import Topology
 

@@ -183,7 +183,7 @@ def _check_against_model(spec: EngineSpec) -> None:
     """What vLLM would refuse only once an engine starts, refused here from the model's config.json: a topology
     the model cannot be sharded into (naming the sizes it takes) and a context longer than it allows. A model
     whose config cannot be read here is left to vLLM to judge."""
-    from pipeline.planner import PlanError, read_config, shape_from_config
+    from pipeline.model_shape import PlanError, read_config, shape_from_config
     from pipeline.topology import Topology, check_topology
 
     try:
@@ -541,16 +541,9 @@ def fit_target(model: ResolvedModel, args: dict[str, Any], default_max_tokens: i
     """vLLM's fit strategy: prompts counted with the model's tokenizer and chat template; the KV capacity from the
     model config on CPU, or from num_gpu_blocks_override (on GPUs the capacity is known only once an engine has
     measured its memory); the output budget vLLM would allow. `args`: the job's engine.vllm."""
-    from pipeline.planner import (
-        DeviceBudget,
-        PlanError,
-        default_block_size,
-        generation_max_tokens,
-        max_sequences,
-        model_shape,
-        output_budget,
-        plan_pool,
-    )
+    from pipeline.max_tokens import generation_max_tokens, output_budget
+    from pipeline.model_shape import PlanError, model_shape
+    from pipeline.planner import DeviceBudget, default_block_size, max_sequences, plan_pool
     from pipeline.tokens import load_chat_template
 
     model_dir = _model_dir(model)

@@ -13,8 +13,9 @@ import pytest
 import typer
 from typer.testing import CliRunner
 
+from pipeline.model_shape import model_shape
 from pipeline.plan_cli import plan_command
-from pipeline.planner import DeviceBudget, kv_bytes_per_token, model_shape, plan_pool
+from pipeline.planner import DeviceBudget, kv_bytes_per_token, plan_pool
 
 pytestmark = pytest.mark.slow
 

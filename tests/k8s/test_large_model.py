@@ -194,7 +194,7 @@ def test_the_sizing_comments_say_what_the_pools_do(job, pools, group, job_text):
 
 
 def test_the_models_take_the_tensor_parallel_sizes(job, pools):
-    from pipeline.planner import shape_from_config
+    from pipeline.model_shape import shape_from_config
 
     for pool in pools:
         model = model_of(job, pool)

@@ -226,7 +226,9 @@ def test_the_fake_engine_waits_for_an_idle_slot_before_swapping():
 
 def test_lora_slots_come_out_of_a_gpu_kv_budget_and_are_named_in_the_plan():
     from pipeline.adapters import lora_slots
-    from pipeline.planner import DeviceBudget, ModelShape, fmt_bytes, lora_slot_bytes, plan_pool
+    from pipeline.model_shape import ModelShape
+    from pipeline.planner import DeviceBudget, lora_slot_bytes, plan_pool
+    from pipeline.units import fmt_bytes
 
     # Llama-3-8B's shape: per layer and rank unit, qkv (3·4096 + 4096 + 2·1024) + o (2·4096) + gate_up
     # (2·4096 + 2·14336) + down (14336 + 4096) = 81,920 elements; plus the embeddings and LM head once,
@@ -261,8 +263,9 @@ def test_lora_slots_come_out_of_a_gpu_kv_budget_and_are_named_in_the_plan():
 def test_lora_slots_of_the_embedded_model_match_what_a_vllm_worker_allocated():
     """6,541,504 bytes at max_loras 1, rank 8: the LoRA tensors of a live vLLM 0.32 worker serving SmolLM2-135M
     (its index buffers, 65,728 bytes at the default batch, are left out of the plan)."""
+    from pipeline.model_shape import model_shape
     from pipeline.models import resolve_model
-    from pipeline.planner import lora_slot_bytes, model_shape
+    from pipeline.planner import lora_slot_bytes
 
     shape = model_shape(resolve_model(None).path)
     assert lora_slot_bytes(shape, 1, 8) == 6_541_504 - 65_728

@@ -18,7 +18,7 @@ from fake_smi import FakeTools  # noqa: E402
 
 from cluster.detect import detect_node  # noqa: E402
 from cluster.inventory import NodeInventory  # noqa: E402
-from pipeline.planner import ModelShape  # noqa: E402
+from pipeline.model_shape import ModelShape  # noqa: E402
 
 # SmolLM2-135M-Instruct's config.json: 9 query heads (they do not split two ways), 3 KV heads, 30 layers.
 SMOLLM2 = ModelShape(

@@ -24,8 +24,8 @@ from pipeline.engines.fitting import FitTarget
 from pipeline.fit_record import Lengths
 from pipeline.io.readers import input_source
 from pipeline.io.staging import StagingArea
+from pipeline.max_tokens import output_budget
 from pipeline.models import ResolvedModel
-from pipeline.planner import output_budget
 from pipeline.runtime.ingest import measure
 from pipeline.runtime.ingest.dedup import bucket_of
 from pipeline.runtime.ingest.tasks import IngestReport, ingest

@@ -17,8 +17,9 @@ from pipeline.engines.fitting import FitTarget
 from pipeline.fit_record import decision_of
 from pipeline.io.readers import input_source
 from pipeline.io.staging import StagingArea
+from pipeline.max_tokens import output_budget
 from pipeline.models import ResolvedModel
-from pipeline.planner import output_budget, round_up
+from pipeline.planner import round_up
 from pipeline.runtime.ingest import measure
 from pipeline.runtime.ingest.fit import EARLY_HEADROOM, decide, decide_early, hold_above, settle_early_fit
 from pipeline.runtime.ingest.sample import SAMPLE_PIECES, SAMPLE_ROWS, sample_pieces

@@ -15,7 +15,7 @@ import pytest
 from pipeline.endpoints import ENDPOINTS, SUPPORTED_URLS, endpoint_answering, endpoint_for, urls_for_task
 from pipeline.engines.base import EngineRequest, EngineSpec, build_engine
 from pipeline.io.writers import flatten_records
-from pipeline.planner import output_budget
+from pipeline.max_tokens import output_budget
 from pipeline.protocol import ErrorCode, dumps, result_record
 from pipeline.stages.prefix_key import prefix_key
 from pipeline.stages.validate import InvalidLine, LineValidator, ValidRequest

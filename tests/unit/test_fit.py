@@ -13,8 +13,8 @@ from pipeline.config import DEFAULT_MAX_NUM_SEQS, JobConfig
 from pipeline.engines.fitting import FitTarget, KvCapacity
 from pipeline.fit_record import FitDecision, FitOff, Lengths
 from pipeline.io.staging import StagingArea
+from pipeline.max_tokens import output_budget
 from pipeline.models import ResolvedModel
-from pipeline.planner import output_budget
 from pipeline.runtime.ingest.fit import apply_fit, choose_max_num_seqs, fit_job, fit_max_model_len
 from pipeline.runtime.ingest.measure import measure
 from pipeline.state import JobInput, JobState

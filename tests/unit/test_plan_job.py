@@ -13,8 +13,10 @@ import pytest
 import yaml
 from typer.testing import CliRunner
 
-from pipeline.planner import DeviceBudget, GiB, model_shape, plan_pool
+from pipeline.model_shape import model_shape
+from pipeline.planner import DeviceBudget, plan_pool
 from pipeline.topology import Topology
+from pipeline.units import GiB
 from tests.conftest import MODEL_NAME, chat_line, write_lines
 from tests.unit.test_planner import make_model, plan_app
 from tests.unit.test_planner_sharded import LLAMA3_70B, llama_tensors, write_header_only

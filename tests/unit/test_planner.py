@@ -10,22 +10,18 @@ import pytest
 import typer
 from typer.testing import CliRunner
 
+from pipeline.max_tokens import output_budget
+from pipeline.model_shape import PlanError, model_shape, shape_from_config, weights_bytes
 from pipeline.plan_cli import plan_command
 from pipeline.planner import (
     DeviceBudget,
-    GiB,
-    PlanError,
     activation_reserve,
     fit_context,
     kv_bytes_per_token,
     length_histogram,
-    model_shape,
-    output_budget,
-    parse_memory,
     plan_pool,
-    shape_from_config,
-    weights_bytes,
 )
+from pipeline.units import GiB, parse_memory
 
 # SmolLM2-135M-Instruct, the embedded model, as its converted config.json states it.
 SMOLLM2 = {

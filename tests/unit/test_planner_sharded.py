@@ -13,17 +13,10 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from pipeline.planner import (
-    SHARDING_FIELDS,
-    DeviceBudget,
-    GiB,
-    PlanError,
-    fmt_bytes,
-    model_shape,
-    plan_pool,
-    shape_from_config,
-)
+from pipeline.model_shape import PlanError, model_shape, shape_from_config
+from pipeline.planner import SHARDING_FIELDS, DeviceBudget, plan_pool
 from pipeline.topology import Topology, kv_heads_per_rank, stage_layers
+from pipeline.units import GiB, fmt_bytes
 from tests.unit.test_planner import DEEPSEEK_V3, SMOLLM2, make_model, plan_app
 
 # Llama-3-70B as its config.json states it.

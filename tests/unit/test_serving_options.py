@@ -14,8 +14,8 @@ from pipeline.config import ConfigError, JobConfig, PoolConfig, VllmEngineArgs, 
 from pipeline.engines.base import EngineSpec
 from pipeline.fit_record import FitDecision
 from pipeline.io.staging import StagingArea
+from pipeline.max_tokens import generation_max_tokens
 from pipeline.models import ResolvedModel, model_task, served_name
-from pipeline.planner import generation_max_tokens
 from pipeline.runtime.engines.launch import models_summary, pool_spec
 from pipeline.tokens import load_chat_template
 from tests.conftest import chat_line, write_lines

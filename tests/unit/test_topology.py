@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from pipeline.engines.vllm_engine import omp_bind
-from pipeline.planner import shape_from_config
+from pipeline.model_shape import shape_from_config
 from pipeline.runtime.engines.placement import Node, cpus_per_engine, engines_per_core, group_problem
 from pipeline.topology import (
     Topology,

@@ -60,7 +60,7 @@ def engines_per_core(nodes: list[Node], engine_bytes: int, ranks: int = 1) -> in
 
 def engine_bytes(spec: EngineSpec) -> int:
     """Host memory one CPU engine takes: weights, the KV space of each rank, each rank's process."""
-    from pipeline.planner import weights_bytes
+    from pipeline.model_shape import weights_bytes
 
     try:
         weights = weights_bytes(spec.model_path) or 0

@@ -25,8 +25,8 @@ from pipeline.engines.fitting import FitTarget
 from pipeline.fit_record import Lengths
 from pipeline.io.staging import INGEST_PREFIX, StagedRow, StagingArea
 from pipeline.json_codec import loads
+from pipeline.max_tokens import requested_max_tokens
 from pipeline.models import ResolvedModel
-from pipeline.planner import requested_max_tokens
 from pipeline.protocol import ErrorCode, dumps, failed_request_record
 
 # Error parts of the driver's pass: named after the request part they came from, so a redone pass replaces them,

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field, replace
 
 from pipeline.fit_record import Lengths
 from pipeline.io.readers import BadRow, InputPiece
-from pipeline.planner import requested_max_tokens
+from pipeline.max_tokens import requested_max_tokens
 from pipeline.runtime.ingest.measure import context_problem
 from pipeline.stages.validate import LineValidator, ValidRequest
 

@@ -52,7 +52,7 @@ from pipeline.io.readers import (
 )
 from pipeline.io.staging import INGEST_PREFIX, REQUEST_SCHEMA, LocalFiles, StagedRow, StagingArea
 from pipeline.json_codec import dumps_body
-from pipeline.planner import requested_max_tokens
+from pipeline.max_tokens import requested_max_tokens
 from pipeline.protocol import ErrorCode, dumps, failed_request_record
 from pipeline.runtime.executor import TaskExecutor, ray_placement
 from pipeline.runtime.ingest.dedup import (
