@@ -52,7 +52,7 @@ def main() -> None:
     from pipeline.fit_record import decision_of
     from pipeline.io.readers import input_source
     from pipeline.io.staging import StagingArea
-    from pipeline.models import resolve_model
+    from pipeline.job_plan import JobPlan
     from pipeline.runtime.ingest.fit import fit_job
     from pipeline.runtime.ingest.measure import measuring
     from pipeline.runtime.ingest.tasks import ingest
@@ -65,7 +65,8 @@ def main() -> None:
     config = JobConfig.model_validate(
         {"input": str(path), "output": str(out), "engine": {"backend": args.engine}}
     )
-    model = resolve_model(config.model, config.served_model_name)
+    plan = JobPlan.of(config).resolve()
+    model = plan.model
     if not args.serial:
         import ray
 
@@ -82,7 +83,7 @@ def main() -> None:
         fingerprint=report.fingerprint, lines=report.lines, valid=report.valid, invalid=report.invalid
     )
     state = JobState(job_id="bench", config=config, input=counts, lengths=report.lengths, ingested=True)
-    fit_job(config, model, staging, state)
+    fit_job(plan, staging, state)
     decision = decision_of(state.fit)
     t2, c2 = time.monotonic(), time.process_time()
     print(

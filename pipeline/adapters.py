@@ -150,27 +150,6 @@ def check_adapter_config(config: Mapping[str, Any], name: str, max_lora_rank: in
     return rank
 
 
-def job_served_names(config: Any, pool_models: Mapping[str, Any]) -> ServedNames:
-    """The names a job (a JobConfig) serves, given the model of each of its pools (name -> ResolvedModel)."""
-    from pipeline.config import effective_pools, pool_adapters
-
-    models = {model.name: model.task for model in pool_models.values()}
-    pools = [
-        (pool.name, pool_models[pool.name].name, pool_adapters(config, pool))
-        for pool in effective_pools(config)
-        if pool.name in pool_models
-    ]
-    served = served_names(models, pools)
-    for name, base in served.adapters.items():
-        task = models[base]
-        if task not in (None, "generate"):
-            raise AdapterError(
-                f"adapter {name!r}: its model {base!r} runs the {task!r} task; LoRA adapters are served for "
-                "generating models only"
-            )
-    return served
-
-
 def lora_slots(args: Mapping[str, Any]) -> tuple[int, int] | None:
     """(max_loras, max_lora_rank) of an engine that serves adapters (engine args), with vLLM's defaults; None
     when it serves none (vLLM then allocates no LoRA slots)."""

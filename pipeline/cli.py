@@ -311,7 +311,8 @@ def _hours(hours: str | None, timezone: str | None):  # noqa: ANN202 - pipeline.
 def _run_in_hours(job: JobConfig, progress: bool, resume: bool, hours, token_file: Path | None) -> None:  # noqa: ANN001
     """The job inside the window (runtime/shifts.py), each shift a child `run`/`resume` that prints its own
     errors and summary; this process waits, stops and resumes them, and exits as the last one did."""
-    from pipeline.runtime.shifts import ShiftJob, clock_from_environment, run_in_hours
+    from pipeline.clock import clock_from_environment
+    from pipeline.runtime.shifts import ShiftJob, run_in_hours
 
     flags = ["--no-warm"] + ([] if progress else ["--no-progress"])
     if token_file is not None:
@@ -454,6 +455,9 @@ def down() -> None:
     JobConfig,
     "model",
     "served_model_name",
+    "engine.backend",
+    "engine.vllm.lora_modules",
+    "engine.vllm.max_model_len",
     "storage.s3_endpoint_url",
     help={"model": "Model the job would serve (its name is checked)."},
 )
@@ -462,24 +466,37 @@ def validate(
         str,
         typer.Argument(help="OpenAI Batch JSONL or Parquet: a file, directory, glob, s3:// or http(s)://."),
     ],
+    config: Annotated[
+        Path | None,
+        typer.Option(
+            "--config", "-c", help="Job config YAML: its pools, models and adapters are what lines may name."
+        ),
+    ] = None,
     tokens: Annotated[
-        bool, typer.Option("--tokens/--no-tokens", help="Token statistics with the model's tokenizer.")
+        bool,
+        typer.Option(
+            "--tokens/--no-tokens",
+            help="Token statistics with each model's tokenizer, and the lines longer than the job's context.",
+        ),
     ] = True,
     *,
     flags: FlagValues,
 ) -> None:
-    """Dry run: counts, every error record (JSON lines on stdout), token statistics. No engine is started."""
-    from pipeline.config import StorageConfig
-    from pipeline.models import MissingDependencyError, ModelNotFoundError, served_name
-    from pipeline.observe.dry_run import dry_run
+    """Dry run of the job: counts, every error record (JSON lines on stdout), token statistics. No engine is started.
+
+    Lines are checked against every name the job serves — each pool's model and its LoRA adapters — as `run` with the
+    same --config and flags would check them."""
+    from pipeline.job_plan import JobPlan, JobPlanError
+    from pipeline.models import MissingDependencyError, ModelNotFoundError
     from pipeline.runtime.preflight import PreflightError, check_input_source
+    from pipeline.validate_job import validate_input
 
     try:
-        source = check_input_source(input, StorageConfig.model_validate(flags.section("storage")))
-        model = flags["model"]
-        name = served_name(model, flags["served_model_name"])
-        report = dry_run(source, name, model if tokens else None, tokenize=tokens)
-    except (PreflightError, ModelNotFoundError, MissingDependencyError) as exc:
+        job = merge_overrides(load_job_config(config), flags.overrides(), flags.labels)
+        plan = JobPlan.of(job)
+        source = check_input_source(input, job.storage)
+        report = validate_input(source, plan.resolve() if tokens else plan, tokenize=tokens)
+    except (ConfigError, JobPlanError, PreflightError, ModelNotFoundError, MissingDependencyError) as exc:
         _fail(str(exc))
     for record in report.error_records:
         sys.stdout.write(json.dumps(record, ensure_ascii=False) + "\n")

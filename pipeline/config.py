@@ -25,8 +25,16 @@ from pydantic import (
     model_validator,
 )
 
+from pipeline.adapters import (
+    VLLM_LORA_RANKS,
+    AdapterError,
+    check_adapter_names,
+    parse_lora_modules,
+    smallest_lora_rank_at_least,
+)
 from pipeline.config_flags import Flag
 from pipeline.engines.base import BACKEND_NAMES, backend
+from pipeline.server_urls import endpoint_base
 
 
 class ConfigError(ValueError):
@@ -68,8 +76,6 @@ def gpu_hour_prices_flag(values: list[str], flag: str) -> dict[str, float]:
 
 def lora_modules_flag(values: list[str], flag: str) -> dict[str, str]:
     """`--lora-modules a=/path --lora-modules b=s3://x/b` -> {"a": "/path", "b": "s3://x/b"} (parsing: adapters.py)."""
-    from pipeline.adapters import AdapterError, parse_lora_modules
-
     try:
         return parse_lora_modules(values, flag)
     except AdapterError as exc:
@@ -285,8 +291,6 @@ class VllmEngineArgs(_Strict):
     @field_validator("max_lora_rank")
     @classmethod
     def _a_rank_vllm_takes(cls, value: int | None) -> int | None:
-        from pipeline.adapters import VLLM_LORA_RANKS, smallest_lora_rank_at_least
-
         if value is not None and value not in VLLM_LORA_RANKS:
             fits = smallest_lora_rank_at_least(value)
             raise ValueError(
@@ -298,8 +302,6 @@ class VllmEngineArgs(_Strict):
     @field_validator("lora_modules")
     @classmethod
     def _adapter_names(cls, value: dict[str, str]) -> dict[str, str]:
-        from pipeline.adapters import check_adapter_names
-
         check_adapter_names(value)  # AdapterError is a ValueError: pydantic reports it under the field
         return value
 
@@ -446,8 +448,6 @@ class HttpEngineArgs(_Strict):
     @field_validator("endpoints")
     @classmethod
     def _urls(cls, value: list[str]) -> list[str]:
-        from pipeline.engines.http_probe import endpoint_base
-
         for url in value:
             if not _ENDPOINT.match(url):
                 raise ValueError(f"{url!r} is not an http(s):// URL (e.g. http://127.0.0.1:8000)")
@@ -513,6 +513,11 @@ class FitConfig(_Strict):
     )
 
 
+# Engine args named after vLLM's flags (so they live in engine.vllm) that other backends' blocks take too: given for
+# such a backend, they are its own (`EngineConfig.args`); given for one without them, they are refused.
+SHARED_WITH_VLLM = ("tensor_parallel_size", "pipeline_parallel_size", "lora_modules", "max_loras")
+
+
 class EngineConfig(_Strict):
     """Which engine backend runs the requests, and how."""
 
@@ -551,8 +556,20 @@ class EngineConfig(_Strict):
     )
 
     def args(self) -> BaseModel:
-        """This job's backend's own block (engine.vllm, engine.http or engine.fake)."""
-        return getattr(self, self.backend)
+        """This job's backend's own block (engine.vllm, engine.http or engine.fake), with the vLLM-named args given
+        that it takes too (`SHARED_WITH_VLLM`)."""
+        own = getattr(self, self.backend)
+        shared = {k: v for k, v in self._shared_given().items() if k in type(own).model_fields}
+        return own.model_copy(update=shared) if shared and own is not self.vllm else own
+
+    def _shared_given(self) -> dict[str, Any]:
+        """The args of SHARED_WITH_VLLM given in engine.vllm (not left at their defaults)."""
+        given = {}
+        for name in SHARED_WITH_VLLM:
+            value = getattr(self.vllm, name)
+            if value != VllmEngineArgs.model_fields[name].get_default(call_default_factory=True):
+                given[name] = value
+        return given
 
     def unused_settings(self) -> list[str]:
         """Settings given for a backend this job does not run: silently ignored, they would mislead (a config
@@ -570,6 +587,31 @@ class EngineConfig(_Strict):
                 f"(set engine.backend: {name}, or --engine {name}, to run the {name} engine)"
             )
         return unused
+
+    @model_validator(mode="after")
+    def _shared_args_apply_or_are_refused(self) -> EngineConfig:
+        # --tensor-parallel-size, --lora-modules, ... are vLLM's flags and land in engine.vllm; another backend that
+        # takes the same arg takes them (its topology is the pool's, whatever the backend), one that does not
+        # refuses them here, by name, rather than run without them.
+        own = getattr(self, self.backend)
+        if own is self.vllm:
+            return self
+        for name, value in self._shared_given().items():
+            flag = f"--{name.replace('_', '-')} (engine.vllm.{name})"
+            if name not in type(own).model_fields:
+                raise ValueError(
+                    f"{flag} is not read by the {self.backend} backend: drop it, or run --engine vllm"
+                )
+            mine = getattr(own, name)
+            if (
+                name in own.model_fields_set
+                and mine != type(own).model_fields[name].get_default(call_default_factory=True)
+                and mine != value
+            ):
+                raise ValueError(
+                    f"{flag} is {value!r} but engine.{self.backend}.{name} is {mine!r}: give one of them"
+                )
+        return self
 
     @model_validator(mode="after")
     def _http_needs_endpoints(self) -> EngineConfig:
@@ -937,65 +979,6 @@ class JobConfig(_Strict):
         if value is not None and not value.strip():
             raise ValueError("must not be empty")
         return value
-
-
-def effective_pools(config: JobConfig) -> list[PoolConfig]:
-    """The job's pools, checked: unique names, engine overrides the backend knows."""
-    pools = config.pools or [
-        PoolConfig(
-            name="default",
-            min_engines=config.resources.num_engines or 1,
-            **config.resources.model_dump(include=set(EngineResources.model_fields)),
-        )
-    ]
-    names = [p.name for p in pools]
-    if len(set(names)) != len(names):
-        raise ConfigError(f"pool names must be unique, got {names}")
-    if config.engine.backend == "http":
-        pools = _endpoint_pools(config, pools)
-    for pool in pools:
-        try:
-            pool_engine_args(config, pool)
-        except ValidationError as exc:
-            raise ConfigError(f"pools[{pool.name}].engine_overrides: {format_validation_error(exc)}") from exc
-    return pools
-
-
-def pool_engine_args(config: JobConfig, pool: PoolConfig) -> BaseModel:
-    """The engine args a pool's engines run with: the job's backend block (engine.vllm, ...) under the pool's
-    engine_overrides, validated as that block."""
-    base = config.engine.args()
-    return type(base).model_validate({**base.model_dump(), **pool.engine_overrides})
-
-
-def pool_adapters(config: JobConfig, pool: PoolConfig) -> dict[str, str]:
-    """The LoRA adapters a pool's engines serve, {name: path} (its engine_overrides' over the job's)."""
-    return dict(getattr(pool_engine_args(config, pool), "lora_modules", None) or {})
-
-
-def _endpoint_pools(config: JobConfig, pools: list[PoolConfig]) -> list[PoolConfig]:
-    """http jobs: one pool per server, so each server has its own bound of requests in flight and all of them
-    pull from the one queue. Pools given in the config each name their server (engine_overrides.endpoints)."""
-    endpoints = config.engine.http.endpoints
-    if not config.pools:
-        cpus = config.resources.cpus_per_engine
-        return [
-            PoolConfig(
-                name=f"endpoint-{i}",
-                min_engines=config.resources.num_engines or 1,
-                cpus_per_engine=HTTP_CPUS_PER_ENGINE if cpus is None else cpus,
-                engine_overrides={"endpoints": [url]},
-            )
-            for i, url in enumerate(endpoints)
-        ]
-    for pool in pools:
-        own = pool.engine_overrides.get("endpoints", endpoints)
-        if not isinstance(own, list) or len(own) != 1:
-            raise ConfigError(
-                f"pools[{pool.name}]: an http pool sends to one server; give it engine_overrides: "
-                f"{{endpoints: [URL]}} (it would send to {own})"
-            )
-    return pools
 
 
 def read_yaml_mapping(path: Path, name: str = "config file", kind: str = "job file") -> dict[str, Any]:

@@ -377,15 +377,18 @@ def _measure_input(
 
     `job_models` (served name -> task): every model of the job, when the model planned is one of several; the
     requests of the others are valid lines of the job, left out of this model's numbers."""
-    from pipeline.observe.dry_run import _prompt_token_counter
+    from pipeline.models import resolve_model
     from pipeline.runtime.preflight import PreflightError, check_input
+    from pipeline.tokens import PromptCounter
 
     try:
         path = check_input(location)
     except PreflightError as exc:
         raise PlanError(str(exc)) from None
     try:
-        counter, resolved = _prompt_token_counter(model, chat_template, runner)
+        # Prompts counted as the engine will count them (chat template applied).
+        resolved = resolve_model(model, runner=runner)
+        counter = PromptCounter.for_model(resolved.path, chat_template, resolved.task)
     except ValueError as exc:  # a --chat-template naming no file
         raise PlanError(str(exc)) from None
     if counter is None:

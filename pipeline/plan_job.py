@@ -1,8 +1,8 @@
 """What `nightshift plan --config JOB.yaml` plans: every pool of a job file, as the job would run it.
 
 Runs on the driver (the CLI process), with no Ray and no vLLM: it reads the job file and resolves each pool's
-model the way `run` does (`pipeline.runtime.job.job_models`), so a plan and a job never disagree on which model a
-pool serves. The arithmetic and the printing stay in `pipeline.planner` and `pipeline.plan_cli`.
+model the way `run` does (`pipeline.job_plan.JobPlan`, resolved), so a plan and a job never disagree on which model
+a pool serves. The arithmetic and the printing stay in `pipeline.planner` and `pipeline.plan_cli`.
 """
 
 from __future__ import annotations
@@ -54,9 +54,9 @@ def job_pool_targets(config_path: str, gpu_memory_given: bool) -> list[PoolTarge
 
     A GPU pool is planned on a GPU of the size `--gpu-memory` gives; without it, the pools on GPUs are named before
     any model is resolved (the embedded model's first use converts it)."""
-    from pipeline.config import ConfigError, effective_pools, load_job_config, pool_engine_args
+    from pipeline.config import ConfigError, load_job_config
+    from pipeline.job_plan import JobPlan, JobPlanError
     from pipeline.models import MissingDependencyError, ModelNotFoundError
-    from pipeline.runtime.job import job_models
 
     try:
         config = load_job_config(config_path)
@@ -65,8 +65,8 @@ def job_pool_targets(config_path: str, gpu_memory_given: bool) -> list[PoolTarge
                 f"{config_path}: nightshift plan sizes vLLM engines, and this job's engine backend is "
                 f"{config.engine.backend!r}"
             )
-        pools = effective_pools(config)
-        on_gpus = [pool.name for pool in pools if pool.device == "gpu"]
+        plan = JobPlan.of(config)
+        on_gpus = [pool.name for pool in plan.pools if pool.device == "gpu"]
         if on_gpus and not gpu_memory_given:
             one = len(on_gpus) == 1
             raise PlanError(
@@ -74,18 +74,18 @@ def job_pool_targets(config_path: str, gpu_memory_given: bool) -> list[PoolTarge
                 f"pass --gpu-memory, the memory of one of {'its' if one else 'their'} GPUs (e.g. --gpu-memory "
                 f"80GiB), to plan {'it' if one else 'them'}"
             )
-        models, _ = job_models(config)
-    except (ConfigError, ModelNotFoundError, MissingDependencyError) as exc:
+        plan = plan.resolve()
+    except (ConfigError, JobPlanError, ModelNotFoundError, MissingDependencyError) as exc:
         raise PlanError(str(exc)) from None
     return [
         PoolTarget(
             name=pool.name,
-            model=models[pool.name],
-            args=pool_engine_args(config, pool),
+            model=pool.model,
+            args=pool.args,
             device=pool.device,
             default_max_tokens=config.engine.fit.default_max_tokens,
         )
-        for pool in pools
+        for pool in plan.pools
     ]
 
 

@@ -24,7 +24,8 @@ from pipeline.engines.base import (
     error_code_for,
 )
 from pipeline.engines.http_client import Answer, RetryPolicy, SendStats, ServerUnreachable, post_json
-from pipeline.engines.http_probe import ServerInfo, default_concurrency, endpoint_base, probe_server
+from pipeline.engines.http_probe import ServerInfo, default_concurrency, probe_server
+from pipeline.server_urls import endpoint_base
 
 # Requests in flight per endpoint when neither given nor told by the server (matches config.DEFAULT_HTTP_CONCURRENCY;
 # engines do not import the job config).

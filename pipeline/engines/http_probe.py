@@ -17,6 +17,8 @@ from typing import Any
 
 import httpx
 
+from pipeline.server_urls import endpoint_base
+
 # Past this many times a llama.cpp server's slots, more requests in flight only queue on the server (and their
 # wait counts against the request timeout).
 SLOTS_FAR_ABOVE = 2
@@ -36,13 +38,6 @@ class ServerInfo:
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
-
-
-def endpoint_base(url: str) -> str:
-    """An endpoint as given (`http://host:8000`, `http://host:8000/v1/`) as the base a request's url is appended to
-    (`/v1/chat/completions`, `/rerank`): no trailing slash, no trailing /v1."""
-    url = url.rstrip("/")
-    return url[: -len("/v1")] if url.endswith("/v1") else url
 
 
 def _identity_headers(response: httpx.Response) -> dict[str, str]:

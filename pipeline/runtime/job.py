@@ -24,7 +24,6 @@ requests that have no staged row yet.
 from __future__ import annotations
 
 import datetime as dt
-import os
 import resource
 import time
 import uuid
@@ -35,14 +34,14 @@ from typing import Any
 import structlog
 
 from pipeline import __version__
-from pipeline.adapters import AdapterError, ServedNames, job_served_names
-from pipeline.config import JobConfig, StorageConfig, effective_pools, merge_overrides
-from pipeline.engines.base import EngineSpec, backend, engine_class
+from pipeline.config import JobConfig, StorageConfig, merge_overrides
+from pipeline.engines.base import EngineSpec, engine_class
 from pipeline.fit_record import FitDecision, decision_of
 from pipeline.io.locations import RetryStats
 from pipeline.io.readers import InputSource
 from pipeline.io.staging import JobStateError, StagingArea
 from pipeline.io.writers import OutputTarget, output_target
+from pipeline.job_plan import JobPlan, JobPlanError
 from pipeline.manifest import (
     Cost,
     DriverCost,
@@ -53,7 +52,7 @@ from pipeline.manifest import (
     StorageRetries,
     Throughput,
 )
-from pipeline.models import ResolvedModel, resolve_models
+from pipeline.models import ResolvedModel
 from pipeline.observe.cost import job_cost
 from pipeline.observe.progress import JobCounters
 from pipeline.observe.recorder import JobRecorder
@@ -104,78 +103,6 @@ class JobOutcome:
     manifest: dict[str, Any]  # manifest.json as written
     counters: JobCounters
     pools: dict[str, dict[str, float]] = field(default_factory=dict)
-
-
-def engine_spec(config: JobConfig, model: ResolvedModel | None) -> EngineSpec:
-    """The job's engine spec: its backend's args (engine.<backend>); None for `model` before it is known (a server
-    backend's model is the one its servers name)."""
-    engine = config.engine
-    args = engine.args().model_dump()
-    # A fitted backend without a context arg of its own (the fake) takes the one fitting sets (--max-model-len).
-    if backend(engine.backend).fitting and "max_model_len" not in args and engine.vllm.max_model_len:
-        args["max_model_len"] = engine.vllm.max_model_len
-    # A token is kept out of the args, which are logged and written to the manifest.
-    secret = args.pop("api_key", None)
-    key_env = args.get("api_key_env")
-    api_key = secret.get_secret_value() if secret else (os.environ.get(key_env) if key_env else None)
-    return EngineSpec(
-        engine.backend,
-        model.path if model else "",
-        model.name if model else "",
-        args,
-        api_key=api_key,
-        adapter_storage=config.storage,
-    )
-
-
-def job_models(config: JobConfig) -> tuple[dict[str, ResolvedModel], dict[str, Any]]:
-    """The model of each pool (the first pool's is the job's own: the one fitting measures and the manifest names
-    first), and what the backend told of itself before any work (`Engine.probe`: an http job's servers)."""
-    pools = effective_pools(config)
-    if backend(config.engine.backend).model_source == "server":
-        probed = engine_class(config.engine.backend).probe(engine_spec(config, None))
-        return server_models(config, pools, probed.get("servers") or []), probed
-    models = resolve_models(
-        [
-            (
-                p.name,
-                p.model or config.model,
-                p.served_model_name or (None if p.model else config.served_model_name),
-            )
-            for p in pools
-        ],
-        config.engine.vllm.runner,
-    )
-    return models, {}
-
-
-def server_models(config: JobConfig, pools: list, servers: list[dict[str, Any]]) -> dict[str, ResolvedModel]:
-    """A server backend's model: the name every body's `model` must equal — --served-model-name or --model as
-    given, else the one model the servers serve — which every server must serve."""
-    name = config.served_model_name or config.model
-    if name is None:
-        served = {m for s in servers for m in s["models"]}
-        if len(served) != 1:
-            raise PreflightError(
-                f"the servers serve {sorted(served) or 'no model'}: pass --model NAME (the name requests use)"
-            )
-        name = served.pop()
-    for server in servers:
-        if name not in server["models"]:
-            raise PreflightError(
-                f"endpoint {server['endpoint']} does not serve {name!r} (it serves {server['models']}): pass "
-                "--model with one of those, or point --endpoint at a server of that model"
-            )
-    endpoints = [s["endpoint"] for s in servers]
-    versions = sorted({f"{s['kind']} {s['version']}" for s in servers if s.get("version")})
-    model = ResolvedModel(
-        name=name,
-        path=" ".join(endpoints),
-        revision=", ".join(versions) or None,
-        source="server",
-        task=None,  # the server answers a route its model cannot serve with its own error
-    )
-    return {p.name: model for p in pools}
 
 
 def _prepare(config: JobConfig, resume: bool) -> tuple[InputSource, OutputTarget, StagingArea, JobState]:
@@ -261,22 +188,23 @@ class _RunClock:
 
 @dataclass
 class _Job:
-    """One run of a job, as its steps share it: where it reads and writes, its state, its models, its recorder."""
+    """One run of a job, as its steps share it: where it reads and writes, its state, its plan, its recorder."""
 
-    config: JobConfig  # as given: fitting makes the config the engines run (`_fit`)
+    plan: JobPlan  # resolved, as given: fitting makes the plan the engines run (`_fit`)
     resume: bool
     source: InputSource
     output: OutputTarget
     staging: StagingArea
     state: JobState
-    pool_models: dict[str, ResolvedModel]  # the model of each pool (the first pool's is the job's own)
-    probed: dict[str, Any]  # what the backend told of itself before any work (an http job's servers)
     recorder: JobRecorder
-    served: ServedNames  # every name a line may give in `model`: the pools' models and their LoRA adapters
+
+    @property
+    def config(self) -> JobConfig:
+        return self.plan.config
 
     @property
     def model(self) -> ResolvedModel:
-        return next(iter(self.pool_models.values()))
+        return self.plan.model
 
     @property
     def job_id(self) -> str:
@@ -284,43 +212,43 @@ class _Job:
 
 
 def _open_job(config: JobConfig, resume: bool) -> _Job:
-    """Preflight: input and output checked, the job's state (fresh or stored), its models and backend checked, and
-    its recorder started — everything that can refuse the job before any work."""
+    """Preflight: input and output checked, the job's state (fresh or stored), its plan resolved (models, an http
+    job's servers probed), its engines and backend checked, and its recorder started — everything that can refuse
+    the job before any work."""
     source, output, staging, state = _prepare(config, resume)
-    # The model of each pool (a pool without one serves the job's); an http job's servers probed, before any work.
-    pool_models, probed = job_models(config)
-    for server in probed.get("servers") or []:
+    try:
+        # Adapter names that clash are refused here, before any work.
+        plan = JobPlan.of(config).resolve()
+    except JobPlanError as exc:
+        raise PreflightError(str(exc)) from exc
+    for server in plan.probed.get("servers") or []:
         log.info("server", endpoint=server["endpoint"], kind=server["kind"], version=server["version"])
         for warning in server["warnings"]:
             log.warning(warning)
-    model = next(iter(pool_models.values()))
-    spec = engine_spec(config, model)
-    _check_engines(config, spec, pool_models)
-    try:
-        served = job_served_names(config, pool_models)  # adapter names that clash are refused before any work
-    except AdapterError as exc:
-        raise PreflightError(str(exc)) from exc
+    spec = plan.engine_spec()
+    _check_engines(plan, spec)
     for unused in config.engine.unused_settings():
         log.warning(unused)
     try:
-        check_pools(config.observe.gpu_hour_price, [p.name for p in effective_pools(config)])
+        check_pools(config.observe.gpu_hour_price, [pool.name for pool in plan.pools])
     except ValueError as exc:
         raise PreflightError(str(exc)) from exc
-    recorder = _start_recorder(config, staging, state.job_id, model, spec.backend)
-    return _Job(config, resume, source, output, staging, state, pool_models, probed, recorder, served)
+    recorder = _start_recorder(config, staging, state.job_id, plan.model, spec.backend)
+    return _Job(plan, resume, source, output, staging, state, recorder)
 
 
-def _check_engines(config: JobConfig, spec: EngineSpec, pool_models: dict[str, ResolvedModel]) -> None:
+def _check_engines(plan: JobPlan, spec: EngineSpec) -> None:
     """Each pool's engine as it will start — its model, the job's engine args under the pool's overrides — checked
     by its backend, and its topology against the pool's resources (raises ValueError saying what to change)."""
     engine = engine_class(spec.backend)
-    for pool in effective_pools(config):
-        pool_engine = feed_spec(pool_spec(spec, pool_models[pool.name], None, pool), pool)
+    for planned in plan.pools:
+        pool = planned.config
+        pool_engine = feed_spec(pool_spec(spec, planned.model, None, pool), pool)
         engine.check_spec(pool_engine)
         if engine.reads_adapter_files:
             from pipeline.io.adapter_files import check_adapters
 
-            check_adapters(pool_engine.args, config.storage)
+            check_adapters(pool_engine.args, plan.config.storage)
         check_pool_resources(
             pool.name,
             Topology.of(pool_engine.args),
@@ -388,15 +316,10 @@ def _start_engines(job: _Job) -> _Engines:
     engines = _Engines()
     if job.state.ingested:
         return engines
-    config = job.config
     job.recorder.stage_started("engines")  # they start now, overlapping ingest and fitting
-    spec = engine_spec(config, job.model)
-    engines.launch = EngineLaunch(
-        config, spec, job.staging, job.job_id, job.pool_models, job.source.rows_at_most()
-    )
-    if not job.resume and engines.launch.can_stream and nothing_to_fit(config):
-        settled = apply_fit(config, None)
-        engines.launch.stream(settled, engine_spec(settled, job.model))
+    engines.launch = EngineLaunch(job.plan, job.staging, job.job_id, job.source.rows_at_most())
+    if not job.resume and engines.launch.can_stream and nothing_to_fit(job.plan):
+        engines.launch.stream(apply_fit(job.plan, None))
         engines.streaming = True
     elif not job.resume and engines.launch.can_stream:
         _fit_early(job, engines)
@@ -419,18 +342,17 @@ def _fit_early(job: _Job, engines: _Engines) -> None:
         log.info("engine args fitted to the whole input first: the job runs on warm engines")
         return
     sample = sample_input(
-        job.source, job.served.validation_map(), job.staging, measure, job.job_id, reserve_cpus=False
+        job.source, job.plan.validation_map(), job.staging, measure, job.job_id, reserve_cpus=False
     )
     if sample.whole:
         return
-    early = decide_early(config, job.model, job.staging, job.job_id, sample)
+    early = decide_early(job.plan, job.staging, job.job_id, sample)
     if early is None:
         log.info("engine args not fitted early: the sample measured no request", sampled_lines=sample.lines)
         return
     log.info("sampled the input", lines=sample.lines, seconds=round(sample.seconds, 2))
-    settled = apply_fit(config, early)
     why = f"args fitted to a sample of {sample.lines:,} lines; longer requests wait for the whole input's fit"
-    engines.launch.stream(settled, engine_spec(settled, job.model), early, why)
+    engines.launch.stream(apply_fit(job.plan, early), early, why)
     engines.streaming, engines.early, engines.sample = True, early, sample
 
 
@@ -448,7 +370,7 @@ def _ingest(job: _Job, engines: _Engines) -> None:
     staging.write_job(state)
     # Each line goes to a model some pool serves (model_not_found otherwise); the model's task rejects a route it
     # cannot serve at validation (unsupported_task), before any engine.
-    served = job.served
+    served = job.plan.served
     # Validated and measured by tasks on the cluster; too-long prompts are error records already.
     report = ingest(
         job.source,
@@ -488,17 +410,17 @@ def _ingest(job: _Job, engines: _Engines) -> None:
     recorder.stage_ended("ingest")
 
 
-def _fit(job: _Job, engines: _Engines) -> JobConfig:
-    """The config the engines run: engine args fitted to the measured aggregate (runtime/ingest/fit.py), decided
+def _fit(job: _Job, engines: _Engines) -> JobPlan:
+    """The plan the engines run: engine args fitted to the measured aggregate (runtime/ingest/fit.py), decided
     once and kept in the state. After an early fit, what the engines ran and what the held requests run on."""
     job.recorder.stage_started("fit")
     state = job.state
     if engines.early is not None and engines.sample is not None and state.fit is None:
-        full = decide(job.config, job.model, job.staging, job.job_id, state.lengths)
+        full = decide(job.plan, job.staging, job.job_id, state.lengths)
         held = job.staging.num_rows(held_requests(job.staging))
         state.fit = settle_early_fit(engines.early, full, engines.sample, held)
         job.staging.write_job(state)
-    fitted = fit_job(job.config, job.model, job.staging, state)
+    fitted = fit_job(job.plan, job.staging, state)
     job.recorder.stage_ended("fit")
     return fitted
 
@@ -512,12 +434,11 @@ def _validated_counters(state: JobState) -> JobCounters:
 
 
 def _run_engines(
-    job: _Job, engines: _Engines, config: JobConfig, counters: JobCounters, show_progress: bool
+    job: _Job, engines: _Engines, fitted: JobPlan, counters: JobCounters, show_progress: bool
 ) -> tuple[EngineRun, PendingWork]:
-    """The engines run the work list still to run (`config`: the fitted one); returns what they report and the
-    work they were given (on resume, without what engines staged before: runtime/stage/pending.py)."""
+    """The engines run the work list still to run (`fitted`: the plan fitting settled); returns what they report
+    and the work they were given (on resume, without what engines staged before: runtime/stage/pending.py)."""
     state, staging, recorder = job.state, job.staging, job.recorder
-    spec = engine_spec(config, job.model)
     run = EngineRun()
     if engines.streaming:
         assert engines.launch is not None
@@ -534,10 +455,10 @@ def _run_engines(
             log.info(
                 "requests longer than the early fit run on engines fitted to the whole input",
                 rows=rows,
-                max_model_len=config.engine.vllm.max_model_len,
+                max_model_len=fitted.config.engine.vllm.max_model_len,
             )
-            engines.launch = EngineLaunch(config, spec, staging, job.job_id, job.pool_models, rows)
-            engines.launch.feed(config, spec, held, state.input.prefix_keyed)
+            engines.launch = EngineLaunch(fitted, staging, job.job_id, rows)
+            engines.launch.feed(fitted, held, state.input.prefix_keyed)
             run = merged_runs(streamed, engines.launch.wait(counters, show_progress, recorder))
     else:
         settle_losers(staging, job.source)  # a resumed job whose streamed run was cut short
@@ -547,8 +468,8 @@ def _run_engines(
     if pending > 0:
         if engines.launch is None:
             recorder.stage_started("engines")
-            engines.launch = EngineLaunch(config, spec, staging, job.job_id, job.pool_models, pending)
-        engines.launch.feed(config, spec, work.files, state.input.prefix_keyed)
+            engines.launch = EngineLaunch(fitted, staging, job.job_id, pending)
+        engines.launch.feed(fitted, work.files, state.input.prefix_keyed)
         run = engines.launch.wait(counters, show_progress, recorder)
     elif engines.launch is not None and not engines.streaming:
         engines.launch.cancel()
@@ -561,7 +482,7 @@ def _run_engines(
 def _finalize(
     job: _Job,
     engines: _Engines,
-    config: JobConfig,
+    fitted: JobPlan,
     run: EngineRun,
     work: PendingWork,
     counters: JobCounters,
@@ -569,7 +490,7 @@ def _finalize(
 ) -> Manifest:
     """Sorted, sharded output (runtime/commit/finalize.py), the manifest that accounts for it, and the report
     beside it; the manifest is not written yet (committing writes it last)."""
-    state, output, recorder = job.state, job.output, job.recorder
+    state, output, recorder, config = job.state, job.output, job.recorder, fitted.config
     recorder.stage_started("finalize")
     outputs = write_outputs(
         output,
@@ -580,7 +501,7 @@ def _finalize(
         reserve_cpus=engines.launch is None or engines.launch.warm is None,
     )
     usage_histograms = outputs.pop("usage_histograms")
-    manifest = _manifest(job, config, run, work, counters, clock, outputs, request_usage(usage_histograms))
+    manifest = _manifest(job, fitted, run, work, counters, clock, outputs, request_usage(usage_histograms))
     recorder.stage_ended("finalize")
     manifest.stages = recorder.timeline.stages
     if config.observe.report:
@@ -591,7 +512,7 @@ def _finalize(
 
 def _manifest(
     job: _Job,
-    config: JobConfig,
+    fitted: JobPlan,
     run: EngineRun,
     work: PendingWork,
     counters: JobCounters,
@@ -600,7 +521,7 @@ def _manifest(
     usage: Any,
 ) -> Manifest:
     """The job's account (pipeline/manifest.py): what it read, ran and wrote, where, how fast, at what cost."""
-    state, spec = job.state, engine_spec(config, job.model)
+    state, spec = job.state, fitted.engine_spec()
     # Where each stage's tasks ran (node id prefixes): ingest's steps, finalize's; engines are in engine.per_engine.
     placement = Placement(
         ingest=state.ingest.tasks_by_node if state.ingest else None,
@@ -618,6 +539,8 @@ def _manifest(
     if remedy and not run.preemption_warned:
         log.warning(remedy)
     rows_by_model = outputs.pop("rows_by_model", None)
+    served = job.plan.served
+    assert served is not None  # a resolved plan knows every name it serves
     return Manifest(
         format_version=FORMAT_VERSION,
         nightshift_version=__version__,
@@ -629,9 +552,9 @@ def _manifest(
         model=job.model,
         # Rows answered and tokens, per served model (a job may serve one model per pool).
         models=models_summary(
-            job.pool_models,
+            job.plan.pool_models,
             run.pools,
-            {name: (model, job.served.paths[name]) for name, model in job.served.adapters.items()},
+            {name: (model, served.paths[name]) for name, model in served.adapters.items()},
             rows_by_model,
         ),
         engine=EngineReport(
@@ -647,7 +570,7 @@ def _manifest(
             cpu_cores=engines.get("cpu_cores") or None,
             first_ready_at=_utc(engines.get("first_ready_at")),  # engine start ends, generation begins
             fitted=state.fit,
-            probed=job.probed or None,
+            probed=job.plan.probed or None,
         ),
         **outputs,  # counts, shards, tokens
         placement=placement,
@@ -678,12 +601,12 @@ def _manifest(
             peak_rss_bytes=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
         ),
         usage=usage,
-        cost=_cost(config, run, engines, wall, clock.t0, outputs),
+        cost=_cost(fitted, run, engines, wall, clock.t0, outputs),
     )
 
 
 def _cost(
-    config: JobConfig,
+    plan: JobPlan,
     run: EngineRun,
     engines: dict[str, Any],
     wall: float,
@@ -691,9 +614,9 @@ def _cost(
     outputs: dict[str, Any],
 ) -> Cost | None:
     """This run's cost against the hosted price (observe/cost.py), with --gpu-hour-price / --hosted-price."""
-    observe = config.observe
+    observe = plan.config.observe
     hosted = parse_hosted_price(observe.hosted_price) if observe.hosted_price else None
-    gpus = {p.name: p.gpus_per_engine or 0 for p in effective_pools(config)}
+    gpus = {pool.name: pool.config.gpus_per_engine or 0 for pool in plan.pools}
     pools = {}
     for name, stats in run.pools.items():
         nodes = {

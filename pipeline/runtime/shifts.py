@@ -19,7 +19,6 @@ from typing import TYPE_CHECKING, TypeVar
 import structlog
 
 from pipeline.clock import Clock, WindowClosed
-from pipeline.clock import clock_from_environment as clock_from_environment  # re-exported for cli.py
 from pipeline.hours import Hours
 from pipeline.runtime.launcher import start_job
 

@@ -19,7 +19,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from pipeline.config import ConfigError, InputLimits, JobConfig
-from pipeline.io.readers import BadRow, iter_jsonl
+from pipeline.io.jsonl import iter_jsonl
+from pipeline.io.rows import BadRow
 from pipeline.json_codec import loads
 from pipeline.server.schemas import BatchError
 
@@ -109,26 +110,18 @@ def served_before_run(job: JobConfig) -> dict[str, str | None]:
     """Every model name a line of a batch may give (the pools' served names and their LoRA adapters), known from
     the job config alone, as `nightshift validate` knows it: name -> task (None: the task is the engine's to
     check). A job whose servers name their model (the http backend without --model) cannot say before it runs."""
-    from pipeline.adapters import AdapterError, served_names
-    from pipeline.config import effective_pools, pool_adapters
-    from pipeline.engines.base import backend
-    from pipeline.models import served_name
+    from pipeline.job_plan import JobPlan, JobPlanError
 
-    if backend(job.engine.backend).model_source == "server" and not (job.model or job.served_model_name):
+    try:
+        served = JobPlan.of(job).served
+    except JobPlanError as exc:
+        raise ConfigError(str(exc)) from exc
+    if served is None:
         raise ConfigError(
             "limits.line_errors fail_batch checks each line's model before a batch runs: with the http backend "
             "give job.model (or job.served_model_name), the name the servers serve"
         )
-    pools = []
-    for pool in effective_pools(job):
-        name = served_name(
-            pool.model or job.model, pool.served_model_name or (None if pool.model else job.served_model_name)
-        )
-        pools.append((pool.name, name, pool_adapters(job, pool)))
-    try:
-        return served_names({name: None for _, name, _ in pools}, pools).validation_map()
-    except AdapterError as exc:
-        raise ConfigError(str(exc)) from exc
+    return served.validation_map()
 
 
 def invalid_lines(

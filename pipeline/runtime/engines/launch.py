@@ -23,11 +23,11 @@ from typing import Any
 
 import structlog
 
-from pipeline.adapters import job_served_names
-from pipeline.config import DEFAULT_MAX_NUM_SEQS, JobConfig, PoolConfig, effective_pools
+from pipeline.config import DEFAULT_MAX_NUM_SEQS, JobConfig, PoolConfig
 from pipeline.engines.base import EngineSpec, engine_class
 from pipeline.fit_record import FitRecord, decision_of
 from pipeline.io.staging import StagingArea
+from pipeline.job_plan import JobPlan
 from pipeline.models import ResolvedModel
 from pipeline.observe.progress import JobCounters, ProgressDisplay
 from pipeline.observe.recorder import JobRecorder
@@ -215,13 +215,7 @@ class EngineLaunch:
     counted yet), never more than its chunks of work."""
 
     def __init__(
-        self,
-        config: JobConfig,
-        spec: EngineSpec,
-        staging: StagingArea,
-        job_id: str,
-        pool_models: dict[str, ResolvedModel] | None = None,
-        rows_at_most: int | None = None,
+        self, plan: JobPlan, staging: StagingArea, job_id: str, rows_at_most: int | None = None
     ) -> None:
         import ray
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
@@ -231,19 +225,21 @@ class EngineLaunch:
         from pipeline.runtime.stage.sink import PartWriter, engines_share_disk_with_driver
 
         _wait_for_earlier_driver(job_id)
+        config, spec = plan.config, plan.engine_spec()
         self.config = config
         self.job_id = job_id
         self.staging = staging
-        self.pool_models = pool_models or {}
+        self.pool_models = plan.pool_models
+        self.served = plan.served
         # Which model each pool serves is known before fitting (fitting changes engine args, not models); each
         # model's requests are a work list of their own, leased only by the pools serving that model.
-        early = {pool.name: self._spec_of(spec, pool, None) for pool in effective_pools(config)}
+        early = {pool.name: self._spec_of(spec, pool, None) for pool in plan.pool_configs}
         self.model_of = {name: s.served_model_name for name, s in early.items()}
         self.models = list(dict.fromkeys(self.model_of.values()))
         # Engine counts and CPUs the job left open are decided against the cluster Ray now sees.
         engines_given = bool(config.pools) or config.resources.num_engines is not None
         self.pools = []
-        for pool in effective_pools(config):
+        for pool in plan.pool_configs:
             chunk_rows = plan_feed(config, early[pool.name], pool).chunk_rows
             chunks = -(-rows_at_most // chunk_rows) if rows_at_most is not None else None
             self.pools.append(place_pool(pool, feed_spec(early[pool.name], pool), engines_given, chunks))
@@ -328,18 +324,15 @@ class EngineLaunch:
         return len(self.models) == 1
 
     def stream(
-        self,
-        config: JobConfig,
-        spec: EngineSpec,
-        fit: FitRecord | None = None,
-        why: str = "nothing is fitted to the input",
+        self, settled: JobPlan, fit: FitRecord | None = None, why: str = "nothing is fitted to the input"
     ) -> None:
-        """Streaming: the engines start on `spec` (nothing fitted to the input, or `fit`: fitted early to a sample
-        of it) and take requests as ingest hands them over (`add_work`), until `close_input`."""
+        """Streaming: the engines start on the `settled` plan's args (nothing fitted to the input, or `fit`: fitted
+        early to a sample of it) and take requests as ingest hands them over (`add_work`), until `close_input`."""
         import ray
 
+        config = settled.config
         self._fit = fit
-        plans = self._plans(config, spec)
+        plans = self._plans(config, settled.engine_spec())
         # Whether rows share prompts is known only once they are read: routing is on wherever it could pay. One
         # engine gains too: the queue hands it a prompt's rows together, while the prompt is in its cache.
         self.route = config.routing.prefix_aware
@@ -373,16 +366,16 @@ class EngineLaunch:
         self.keyed_rows, self._fit = keyed_rows, fit
         ray.get([queue.close_input.remote() for queue in self.queues.values()])
 
-    def feed(self, config: JobConfig, spec: EngineSpec, files: list[str], keyed_rows: int = 0) -> None:
+    def feed(self, fitted: JobPlan, files: list[str], keyed_rows: int = 0) -> None:
         """Hand the queues the work list (the request parts still to run) and each pool its fitted plan."""
         import ray
 
-        staging = self.staging
+        config, staging = fitted.config, self.staging
         self._fit = staging.read_job().fit
-        plans = self._plans(config, spec)
+        plans = self._plans(config, fitted.engine_spec())
         if len(self.models) > 1:
-            served = job_served_names(config, self.pool_models)
-            work = {m: staging.requests_for_model(files, served.names_of(m)) for m in self.models}
+            assert self.served is not None  # a resolved plan knows every name it serves
+            work = {m: staging.requests_for_model(files, self.served.names_of(m)) for m in self.models}
         else:
             work = {self.models[0]: files}
         self.keyed_rows = keyed_rows

@@ -30,7 +30,7 @@ import math
 
 import structlog
 
-from pipeline.config import DEFAULT_MAX_NUM_SEQS, JobConfig, PoolConfig, effective_pools
+from pipeline.config import DEFAULT_MAX_NUM_SEQS, JobConfig
 from pipeline.engines.base import backend
 from pipeline.engines.fitting import FitTarget, KvCapacity
 from pipeline.fit_record import (
@@ -45,7 +45,7 @@ from pipeline.fit_record import (
     decision_of,
 )
 from pipeline.io.staging import StagingArea
-from pipeline.models import ResolvedModel
+from pipeline.job_plan import JobPlan
 from pipeline.planner import MAX_NUM_SEQS_CAP, round_up
 from pipeline.runtime.ingest.measure import fit_target, measure
 from pipeline.runtime.ingest.sample import Sample
@@ -60,8 +60,8 @@ PoolArgs = dict[str, tuple[dict, str]]
 # --- the job's fit ---------------------------------------------------------------------------------------------
 
 
-def fit_job(config: JobConfig, model: ResolvedModel, staging: StagingArea, state: JobState) -> JobConfig:
-    """The job's config with fitted engine args, deciding them once (kept in `state.fit`, i.e. _staging/job.json).
+def fit_job(plan: JobPlan, staging: StagingArea, state: JobState) -> JobPlan:
+    """The job's plan with fitted engine args, deciding them once (kept in `state.fit`, i.e. _staging/job.json).
 
     Uses the lengths ingest measured (state.lengths) when there are; else measures the work list here and
     updates state.input for requests rejected as too long (valid → invalid). Writes the state.
@@ -69,7 +69,7 @@ def fit_job(config: JobConfig, model: ResolvedModel, staging: StagingArea, state
     if state.fit is None:
         # Measured by ingest on the workers (its aggregate is in the state): too-long requests are already error
         # records and out of the valid count. Otherwise (a job ingested without measuring) measured here.
-        fit = decide(config, model, staging, state.job_id, state.lengths)
+        fit = decide(plan, staging, state.job_id, state.lengths)
         decision = decision_of(fit)
         if state.lengths is None and decision is not None:
             rejected = decision.context_length_exceeded
@@ -77,12 +77,13 @@ def fit_job(config: JobConfig, model: ResolvedModel, staging: StagingArea, state
             state.input.invalid += rejected
         state.fit = fit
         staging.write_job(state)
-    return apply_fit(config, state.fit)
+    return apply_fit(plan, state.fit)
 
 
-def nothing_to_fit(config: JobConfig) -> bool:
+def nothing_to_fit(plan: JobPlan) -> bool:
     """Whether the engine args are settled before any request is read — fitting is off, or every arg it fits is
-    given — so engines may take requests while ingest still reads them (they run `apply_fit(config, None)`)."""
+    given — so engines may take requests while ingest still reads them (they run `apply_fit(plan, None)`)."""
+    config = plan.config
     if not config.engine.fit.enabled:
         return True
     entry = backend(config.engine.backend)
@@ -93,14 +94,13 @@ def nothing_to_fit(config: JobConfig) -> bool:
     if not entry.fits_max_num_seqs:
         return True
     given = config.engine.vllm.max_num_seqs
-    return all(
-        pool.engine_overrides.get("max_num_seqs", given) is not None for pool in effective_pools(config)
-    )
+    return all(pool.engine_overrides.get("max_num_seqs", given) is not None for pool in plan.pool_configs)
 
 
-def apply_fit(config: JobConfig, record: FitRecord | None) -> JobConfig:
-    """`config` with the record's fitted values (None: nothing fitted, yet or at all); given values are never
+def apply_fit(plan: JobPlan, record: FitRecord | None) -> JobPlan:
+    """`plan` with the record's fitted values (None: nothing fitted, yet or at all); given values are never
     replaced."""
+    config = plan.config
     decision = decision_of(record)
     data = config.model_dump()
     vllm = data["engine"]["vllm"]
@@ -116,14 +116,14 @@ def apply_fit(config: JobConfig, record: FitRecord | None) -> JobConfig:
         vllm["max_num_seqs"] = seqs["default"]
     fits_seqs = backend(config.engine.backend).fits_max_num_seqs
     if fits_seqs and vllm["max_num_seqs"] is None and not (decision and decision.max_num_seqs):
-        vllm["max_num_seqs"] = unfitted_max_num_seqs(config)
-    return JobConfig.model_validate(data)
+        vllm["max_num_seqs"] = unfitted_max_num_seqs(plan)
+    return plan.refit(JobConfig.model_validate(data))
 
 
-def unfitted_max_num_seqs(config: JobConfig) -> int | None:
+def unfitted_max_num_seqs(plan: JobPlan) -> int | None:
     """max_num_seqs for a vLLM job that was not fitted: the CPU default when every pool computes on CPU cores;
     otherwise the engine's own choice (a fixed CPU value would cap a GPU far below what its cache holds)."""
-    if any(pool.gpus_per_engine > 0 for pool in effective_pools(config)):
+    if any(pool.gpus_per_engine > 0 for pool in plan.pool_configs):
         return None
     return DEFAULT_MAX_NUM_SEQS
 
@@ -136,7 +136,7 @@ EARLY_HEADROOM = 1.25
 
 
 def decide_early(
-    config: JobConfig, model: ResolvedModel, staging: StagingArea, job_id: str | None, sample: Sample
+    plan: JobPlan, staging: StagingArea, job_id: str | None, sample: Sample
 ) -> FitDecision | None:
     """The args the engines start on before the input is read whole: fitted to the sample's lengths, its longest need
     times EARLY_HEADROOM. None when the sample measured nothing (the exact fit is then waited for)."""
@@ -144,7 +144,7 @@ def decide_early(
         return None
     lengths = sample.lengths.model_copy()
     lengths.longest_need = math.ceil(lengths.longest_need * EARLY_HEADROOM)
-    decision = decision_of(decide(config, model, staging, job_id, lengths, stage="early, from a sample"))
+    decision = decision_of(decide(plan, staging, job_id, lengths, stage="early, from a sample"))
     if decision is None or decision.max_model_len.source != "fitted":
         return decision
     context = decision.max_model_len
@@ -198,8 +198,7 @@ def settle_early_fit(early: FitDecision, full: FitRecord, sample: Sample, rows_h
 
 
 def decide(
-    config: JobConfig,
-    model: ResolvedModel,
+    plan: JobPlan,
     staging: StagingArea,
     job_id: str | None,
     lengths: Lengths | None = None,
@@ -207,6 +206,7 @@ def decide(
 ) -> FitRecord:
     """The fit record of the job: nothing (off, or not possible), or what was fitted from `lengths` (measured here
     when ingest did not)."""
+    config, model = plan.config, plan.model
     if not config.engine.fit.enabled:
         log.info("engine args not fitted (--no-fit)")
         return FitOff(enabled=False, reason="turned off (--no-fit / engine.fit.enabled: false)")
@@ -221,7 +221,7 @@ def decide(
         log.warning("engine args not fitted", reason=target)
         return FitSkipped(enabled=True, skipped=target)
 
-    pool_args = _pool_args(config, effective_pools(config))
+    pool_args = _pool_args(plan)
     # Measured even when max_model_len is given: too-long prompts still fail early, and the KV checks below use
     # what the requests need, not only the worst case the given length allows.
     if lengths is None:
@@ -259,9 +259,9 @@ def decide(
     return decision
 
 
-def _pool_args(config: JobConfig, pools: list[PoolConfig]) -> PoolArgs:
-    base = config.engine.vllm.model_dump()
-    return {p.name: ({**base, **p.engine_overrides}, p.device) for p in pools}
+def _pool_args(plan: JobPlan) -> PoolArgs:
+    base = plan.config.engine.vllm.model_dump()
+    return {p.name: ({**base, **p.engine_overrides}, p.device) for p in plan.pool_configs}
 
 
 def _max_model_len(
