@@ -13,7 +13,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from pipeline.config import StorageConfig
-from pipeline.io.readers import BadRow, InputSource, ReadStats, input_source
+from pipeline.io.readers import InputSource, input_source
+from pipeline.io.rows import BadRow, ReadStats
 from pipeline.protocol import ErrorCode, invalid_line_record
 from pipeline.stages.validate import InvalidLine, LineValidator, ValidRequest, duplicate_line
 

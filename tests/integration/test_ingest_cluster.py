@@ -12,7 +12,8 @@ import pytest
 
 from cluster.local import NodeSpec, mixed_cluster
 from pipeline.config import JobConfig, StorageConfig
-from pipeline.io.readers import file_ranges, input_source
+from pipeline.io.pieces import file_ranges
+from pipeline.io.readers import input_source
 from pipeline.io.staging import StagingArea
 from pipeline.io.writers import output_target
 from pipeline.runtime.ingest.tasks import ingest

@@ -19,7 +19,8 @@ import pyarrow.parquet as pq
 import pytest
 
 from pipeline.config import JobConfig, StorageConfig
-from pipeline.io.readers import ReadStats, input_source
+from pipeline.io.readers import input_source
+from pipeline.io.rows import ReadStats
 from pipeline.io.writers import local_job_dir
 from pipeline.runtime.job import run_job
 from pipeline.runtime.preflight import PreflightError

@@ -14,7 +14,8 @@ import time
 from dataclasses import dataclass, field, replace
 
 from pipeline.fit_record import Lengths
-from pipeline.io.readers import BadRow, InputPiece
+from pipeline.io.pieces import InputPiece
+from pipeline.io.rows import BadRow
 from pipeline.max_tokens import requested_max_tokens
 from pipeline.runtime.ingest.measure import context_problem
 from pipeline.stages.validate import LineValidator, ValidRequest

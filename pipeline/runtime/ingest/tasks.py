@@ -40,16 +40,10 @@ from pathlib import Path
 from pipeline.config import InputLimits, StorageConfig
 from pipeline.engines.fitting import tokenizers_loaded
 from pipeline.fit_record import Lengths
-from pipeline.io.readers import (
-    HASH_RANGE_BYTES,
-    RANGE_BYTES,
-    BadRow,
-    ByteRange,
-    InputPiece,
-    InputSource,
-    ReadStats,
-    with_line_counts,
-)
+from pipeline.io.fingerprint import HASH_RANGE_BYTES
+from pipeline.io.pieces import RANGE_BYTES, ByteRange, InputPiece, with_line_counts
+from pipeline.io.readers import InputSource
+from pipeline.io.rows import BadRow, ReadStats
 from pipeline.io.staging import INGEST_PREFIX, REQUEST_SCHEMA, LocalFiles, StagedRow, StagingArea
 from pipeline.json_codec import dumps_body
 from pipeline.max_tokens import requested_max_tokens

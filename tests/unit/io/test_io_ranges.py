@@ -15,7 +15,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from pipeline.config import InputLimits
-from pipeline.io.readers import ReadStats, file_ranges, input_source, iter_jsonl, with_line_counts
+from pipeline.io.jsonl import iter_jsonl
+from pipeline.io.pieces import file_ranges, with_line_counts
+from pipeline.io.readers import input_source
+from pipeline.io.rows import ReadStats
 
 
 def pieced_rows(path: Path, range_bytes: int, limits: InputLimits | None = None) -> list[tuple]:
@@ -137,7 +140,7 @@ def test_parquet_is_split_by_row_groups_with_continuous_row_numbers(tmp_path: Pa
 def test_range_fingerprint_is_the_file_sha256_when_small_and_combines_ranges_otherwise(
     tmp_path: Path, monkeypatch
 ):
-    from pipeline.io import readers
+    from pipeline.io import fingerprint
 
     path = tmp_path / "in.jsonl"
     data = b'{"custom_id": "a"}\n' * 50
@@ -148,7 +151,7 @@ def test_range_fingerprint_is_the_file_sha256_when_small_and_combines_ranges_oth
 
     seen = set()
     for hash_bytes in (10, 100, len(data) - 1):
-        monkeypatch.setattr(readers, "HASH_RANGE_BYTES", hash_bytes)
+        monkeypatch.setattr(fingerprint, "HASH_RANGE_BYTES", hash_bytes)
         expected = source.fingerprint()
         for range_bytes in (7, 64, 10_000):  # the size the file is read in does not change it
             _, scans = source.plan_reads(range_bytes)
@@ -162,9 +165,9 @@ def test_range_fingerprint_is_the_file_sha256_when_small_and_combines_ranges_oth
 
 
 def test_line_counts_cut_hash_ranges_where_read_ranges_start(tmp_path: Path, monkeypatch):
-    from pipeline.io import readers
+    from pipeline.io import fingerprint
 
-    monkeypatch.setattr(readers, "HASH_RANGE_BYTES", 50)
+    monkeypatch.setattr(fingerprint, "HASH_RANGE_BYTES", 50)
     path = tmp_path / "in.jsonl"
     path.write_bytes(TRICKY)
     for range_bytes in (1, 13, 49, 50, 51, 120):

@@ -14,16 +14,11 @@ import pyarrow.parquet as pq
 import pytest
 
 from pipeline.config import StorageConfig
+from pipeline.io.jsonl import iter_jsonl
 from pipeline.io.locations import LocationError, RetryPolicy
-from pipeline.io.readers import (
-    BadRow,
-    InputFormatError,
-    ReadStats,
-    S3RangeReader,
-    check_parquet_schemas,
-    input_source,
-    iter_jsonl,
-)
+from pipeline.io.readers import check_parquet_schemas, input_source
+from pipeline.io.rows import BadRow, InputFormatError, ReadStats
+from pipeline.io.s3_input import S3RangeReader
 
 
 def rows_of(location, **kwargs):
