@@ -1,159 +1,14 @@
-"""Shared fixtures: request-line builders and a private NIGHTSHIFT_HOME-free setup (the model cache is reused)."""
+"""Shared fixtures (the embedded model, an input file maker) and the suite's hooks: how pytest-xdist splits the
+suite, the priority of the tests beside the real-engine ones, and the figures the tests recorded."""
 
 from __future__ import annotations
 
-import json
 import os
-import re
-import subprocess
-import sys
-import time
 from pathlib import Path
-from typing import Any
 
 import pytest
 
-MODEL_NAME = "smollm2-135m-instruct"
-
-
-# What a clean run may print on stderr: nightshift's own log lines (structlog's console format), nothing else.
-_OWN_LOG_LINE = re.compile(
-    r"^\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d(\.\d+)?Z \[(debug|info|warning|error|critical) *\] "
-)
-# Lines that have shown up before, named so a failure says which came back: a Ray deprecation warning from our own
-# call, Ray's C++ core (its log-level announcement, its actor-restart notice), vLLM's Triton notice on CPU.
-KNOWN_NOISE = ("DeprecationWarning", "logging.cc", "core_worker.cc", "Triton")
-
-
-def foreign_lines(stdout: str, stderr: str) -> list[str]:
-    """Lines of a run's output that a user cannot act on: anything on stderr that is not one of our log lines,
-    and any known noise anywhere."""
-    lines = [line for line in stderr.splitlines() if line.strip() and not _OWN_LOG_LINE.match(line)]
-    lines += [line for line in (stdout + "\n" + stderr).splitlines() if any(n in line for n in KNOWN_NOISE)]
-    return lines
-
-
-def run_bench_smoke(script: str, *args: str) -> subprocess.CompletedProcess:
-    """A bench script of this tree (`bench/<script>`) in a child Python, as a user runs it; asserts it succeeded."""
-    repo = Path(__file__).resolve().parents[1]
-    env = {
-        **os.environ,
-        "PYTHONPATH": os.pathsep.join(filter(None, [str(repo), os.environ.get("PYTHONPATH")])),
-    }
-    proc = subprocess.run(
-        [sys.executable, str(repo / "bench" / script), *args],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        env=env,
-        cwd=repo,
-    )
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
-    return proc
-
-
-def chat_line(custom_id: str, content: str, **body) -> str:
-    body = {"model": MODEL_NAME, "messages": [{"role": "user", "content": content}], **body}
-    return json.dumps({"custom_id": custom_id, "method": "POST", "url": "/v1/chat/completions", "body": body})
-
-
-def completion_line(custom_id: str, prompt: str, **body) -> str:
-    body = {"model": MODEL_NAME, "prompt": prompt, **body}
-    return json.dumps({"custom_id": custom_id, "method": "POST", "url": "/v1/completions", "body": body})
-
-
-def write_lines(path: Path, lines: list[str]) -> Path:
-    path.write_text("".join(line + "\n" for line in lines))
-    return path
-
-
-def read_jsonl(paths) -> list[dict]:
-    rows = []
-    for path in sorted(paths):
-        # "\n" only: str.splitlines() also breaks at U+2028, U+0085 and friends, which JSON leaves unescaped.
-        rows.extend(json.loads(line) for line in Path(path).read_text().split("\n") if line)
-    return rows
-
-
-def read_job_output(output: Path) -> tuple[dict[str, dict], dict[str, dict], dict]:
-    """A finished job's OUTPUT: its result and error lines by custom_id, and its manifest."""
-    results = {r["custom_id"]: r for r in read_jsonl(output.glob("results-*.jsonl"))}
-    errors = {r["custom_id"]: r for r in read_jsonl(output.glob("errors-*.jsonl"))}
-    return results, errors, json.loads((output / "manifest.json").read_text())
-
-
-def staged_rows(staging, kind: str) -> list:
-    """Every staged row of `kind` ("results" or "errors"), in the order finalize writes them."""
-    import pyarrow as pa
-
-    from pipeline.io.staging import StagedRow
-    from pipeline.stages.shard import sort_table
-
-    parts = staging.parts(kind)
-    if not parts:
-        return []
-    table = sort_table(pa.concat_tables(staging.read_part(part) for part in parts), kind)
-    return [StagedRow(**row) for row in table.to_pylist()]
-
-
-def engine_staged_ids(output: Path) -> set[str]:
-    """The custom_ids engines have staged rows for under a local OUTPUT (results and engine-side errors)."""
-    import pyarrow.parquet as pq
-
-    ids: set[str] = set()
-    for part in (Path(output) / "_staging").glob("*/*.parquet"):
-        if part.parent.name in ("results", "errors") and not part.name.startswith("validate-"):
-            ids.update(pq.read_table(part, columns=["custom_id"]).column("custom_id").to_pylist())
-    return ids
-
-
-def kill_driver_half_way(command: list[str], output: Path, rows: int) -> set[str]:
-    """Start a `nightshift` driver, SIGKILL it once engines have staged half of `rows` ids under `output`, and return
-    the staged ids once staging has settled (the dead driver's engines may stage a last chunk)."""
-    import signal
-    import subprocess
-
-    driver = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    deadline = time.monotonic() + 300
-    while len(engine_staged_ids(output)) < rows // 2:
-        assert driver.poll() is None, driver.stderr.read()[-2000:]
-        assert time.monotonic() < deadline, "the job never got half way"
-        time.sleep(0.2)
-    driver.send_signal(signal.SIGKILL)
-    driver.wait()
-    return once_settled(lambda: engine_staged_ids(output))
-
-
-def nightshift_ok(*args: str) -> None:
-    """Run `python -m pipeline ARGS` to completion; fail with its stderr unless it exits 0."""
-    import subprocess
-    import sys
-
-    done = subprocess.run(
-        [sys.executable, "-m", "pipeline", *args], capture_output=True, text=True, timeout=600
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-
-
-def assert_same_shards(one: Path, other: Path) -> None:
-    """The two outputs hold the same shard files, byte for byte."""
-    names = sorted(p.name for p in one.glob("*-of-*.jsonl"))
-    assert names == sorted(p.name for p in other.glob("*-of-*.jsonl"))
-    for name in names:
-        assert (one / name).read_bytes() == (other / name).read_bytes(), name
-
-
-def once_settled(read, quiet_s: float = 3.0, timeout_s: float = 60.0):
-    """What `read()` returns once it has not changed for `quiet_s` seconds (or when `timeout_s` is up): what staging
-    holds after a driver is killed. Engines stage their own chunks, and the ones running when their driver died may
-    stage a last chunk or two before Ray tears down the dead driver's actors."""
-    value, since, deadline = read(), time.monotonic(), time.monotonic() + timeout_s
-    while time.monotonic() - since < quiet_s and time.monotonic() < deadline:
-        time.sleep(0.5)
-        now = read()
-        if now != value:
-            value, since = now, time.monotonic()
-    return value
+from tests.lines import write_lines
 
 
 @pytest.fixture(scope="session")
@@ -307,15 +162,3 @@ def pytest_terminal_summary(terminalreporter):
         terminalreporter.write_sep("-", "measured")
         for text in _RECORDED[NOTE]:
             terminalreporter.write_line(text)
-
-
-class as_actor:  # noqa: N801 - reads as a function at the call site
-    """A local object called the way a Ray actor handle is (`handle.method.remote(...)`), for unit tests of code
-    that talks to actors: the call runs in place (an async method's coroutine is what the caller awaits)."""
-
-    def __init__(self, target: Any) -> None:
-        self._target = target
-
-    def __getattr__(self, name: str) -> Any:
-        method = getattr(self._target, name)
-        return type("Method", (), {"remote": staticmethod(method)})

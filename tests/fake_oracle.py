@@ -11,7 +11,7 @@ from pipeline.config import FakeEngineArgs
 from pipeline.engines.base import EngineRequest, EngineSpec, build_engine
 from pipeline.protocol import result_record
 from pipeline.stages.validate import LineValidator, ValidRequest
-from tests.conftest import MODEL_NAME
+from tests.lines import MODEL_NAME
 
 
 def comparable(row: dict) -> tuple:

@@ -7,7 +7,7 @@ import random
 
 from hypothesis import strategies as st
 
-from tests.conftest import chat_line, completion_line
+from tests.lines import chat_line, completion_line
 
 UNICODE = "ünïcødé 日本語 한국어 العربية 🚀🔥 \u200b\u202e \\ \" ' \t"
 

@@ -17,7 +17,7 @@ import pytest
 from pipeline.config import JobConfig
 from pipeline.runtime.ingest import sample
 from pipeline.runtime.job import run_job
-from tests.conftest import read_jsonl, write_lines
+from tests.lines import read_jsonl, write_lines
 
 pytestmark = pytest.mark.slow
 

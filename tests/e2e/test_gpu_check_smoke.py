@@ -11,7 +11,7 @@ import json
 
 import pytest
 
-from tests.conftest import run_bench_smoke
+from tests.runs import run_bench_smoke
 
 pytestmark = pytest.mark.slow
 

@@ -9,9 +9,9 @@ import json
 
 import pytest
 
-from tests.conftest import MODEL_NAME, chat_line, completion_line, read_jsonl
-from tests.e2e.conftest import run_cli
+from tests.e2e.cli import run_cli
 from tests.fuzz_lines import hostile_corpus
+from tests.lines import MODEL_NAME, chat_line, completion_line, read_jsonl
 
 pytestmark = pytest.mark.slow
 

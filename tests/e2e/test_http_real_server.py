@@ -18,8 +18,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.conftest import MODEL_NAME, chat_line, completion_line, read_jsonl, write_lines
-from tests.e2e.conftest import run_cli
+from tests.e2e.cli import run_cli
+from tests.lines import MODEL_NAME, chat_line, completion_line, read_jsonl, write_lines
 from tests.openai_stub import free_port
 
 pytestmark = pytest.mark.slow

@@ -17,8 +17,8 @@ import sys
 
 import pytest
 
-from tests.conftest import read_job_output, read_jsonl, write_lines
-from tests.e2e.conftest import run_cli
+from tests.e2e.cli import run_cli
+from tests.lines import read_job_output, read_jsonl, write_lines
 
 pytestmark = pytest.mark.slow
 

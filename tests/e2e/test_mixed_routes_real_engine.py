@@ -9,9 +9,9 @@ import json
 
 import pytest
 
-from tests.conftest import read_jsonl, write_lines
-from tests.e2e.conftest import run_cli
+from tests.e2e.cli import run_cli
 from tests.e2e.warm_cluster import CHAT_CONTEXT
+from tests.lines import read_jsonl, write_lines
 
 pytestmark = pytest.mark.slow
 

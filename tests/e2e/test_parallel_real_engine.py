@@ -25,9 +25,9 @@ import pytest
 
 from pipeline.config import JobConfig
 from pipeline.runtime.job import run_job
-from tests.conftest import read_jsonl, write_lines
 from tests.e2e.engine_victims import engine_with_work_in_flight, vllm_process
 from tests.failure_figures import record
+from tests.lines import read_jsonl, write_lines
 
 pytestmark = pytest.mark.slow
 

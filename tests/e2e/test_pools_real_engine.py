@@ -7,7 +7,7 @@ import pytest
 
 from pipeline.config import JobConfig
 from pipeline.runtime.job import run_job
-from tests.conftest import chat_line, read_jsonl, write_lines
+from tests.lines import chat_line, read_jsonl, write_lines
 
 pytestmark = pytest.mark.slow
 

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import MODEL_NAME, write_lines
-from tests.e2e.conftest import run_cli
+from tests.e2e.cli import run_cli
+from tests.lines import MODEL_NAME, write_lines
 
 pytestmark = pytest.mark.slow
 

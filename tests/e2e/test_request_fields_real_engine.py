@@ -16,9 +16,9 @@ import sys
 
 import pytest
 
-from tests.conftest import read_job_output, read_jsonl, write_lines
-from tests.e2e.conftest import run_cli
+from tests.e2e.cli import run_cli
 from tests.e2e.warm_cluster import CHAT_CONTEXT, ENGINE_FLAGS
+from tests.lines import read_job_output, read_jsonl, write_lines
 
 pytestmark = pytest.mark.slow
 

@@ -23,8 +23,9 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 
-from tests.conftest import MODEL_NAME, chat_line, foreign_lines, once_settled, read_jsonl, write_lines
-from tests.e2e.conftest import run_cli
+from tests.e2e.cli import run_cli
+from tests.lines import MODEL_NAME, chat_line, read_jsonl, write_lines
+from tests.runs import foreign_lines, once_settled
 
 pytestmark = pytest.mark.slow
 

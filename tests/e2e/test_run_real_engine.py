@@ -15,8 +15,9 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import MODEL_NAME, chat_line, completion_line, foreign_lines, read_jsonl, write_lines
-from tests.e2e.conftest import run_cli
+from tests.e2e.cli import run_cli
+from tests.lines import MODEL_NAME, chat_line, completion_line, read_jsonl, write_lines
+from tests.runs import foreign_lines
 
 pytestmark = pytest.mark.slow
 
@@ -251,7 +252,7 @@ def test_fitting_counts_prompt_tokens_exactly_as_the_engine_does(job, embedded_m
 def test_the_report_draws_every_chart_from_the_real_engine(job):
     # The real engine reports its KV cache usage, so unlike the fake engine's report no chart is left a sentence.
     from pipeline.observe.report import CHARTS
-    from tests.unit.test_observe import chart_svgs, drawn
+    from tests.report_charts import chart_svgs, drawn
 
     _, output, _, _ = job
     svgs = chart_svgs((output / "report.html").read_text())

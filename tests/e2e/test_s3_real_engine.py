@@ -14,9 +14,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from tests.conftest import MODEL_NAME
-from tests.e2e.conftest import run_cli
+from tests.e2e.cli import run_cli
 from tests.integration.storage_fixtures import moto_s3  # noqa: F401
+from tests.lines import MODEL_NAME
 
 pytestmark = pytest.mark.slow
 

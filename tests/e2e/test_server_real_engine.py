@@ -17,10 +17,10 @@ import time
 
 import pytest
 
-from tests.conftest import MODEL_NAME, chat_line, read_jsonl, write_lines
-from tests.e2e.conftest import run_cli
+from tests.e2e.cli import run_cli
 from tests.failure_figures import note
-from tests.server.conftest import KEY_A, Server
+from tests.lines import MODEL_NAME, chat_line, read_jsonl, write_lines
+from tests.server.harness import KEY_A, Server
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 

@@ -17,8 +17,8 @@ import pytest
 
 from cluster.home import nightshift_home
 from pipeline.runtime import warm_runtime
-from tests.conftest import MODEL_NAME, chat_line, read_jsonl, write_lines
-from tests.e2e.conftest import run_cli
+from tests.e2e.cli import run_cli
+from tests.lines import MODEL_NAME, chat_line, read_jsonl, write_lines
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from tests.conftest import run_bench_smoke
+from tests.runs import run_bench_smoke
 
 
 def test_lora_routing_smoke_reports_fewer_or_equal_loads_routed(tmp_path: Path) -> None:

@@ -7,7 +7,8 @@ import os
 import subprocess
 import sys
 
-from tests.conftest import chat_line, foreign_lines, write_lines
+from tests.lines import chat_line, write_lines
+from tests.runs import foreign_lines
 
 
 def _fake_run(tmp_path, rows: int, env: dict[str, str]) -> subprocess.CompletedProcess:

@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 
 from cluster.local import alive_nodes, node_cluster
-from tests.conftest import MODEL_NAME, chat_line, read_jsonl, write_lines
+from tests.lines import MODEL_NAME, chat_line, read_jsonl, write_lines
 
 pytestmark = pytest.mark.slow
 

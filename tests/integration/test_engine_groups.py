@@ -22,8 +22,8 @@ from cluster.local import NodeSpec, mixed_cluster
 from pipeline.config import JobConfig
 from pipeline.runtime.job import run_job
 from pipeline.runtime.preflight import PreflightError
-from tests.conftest import chat_line, read_jsonl, write_lines
 from tests.failure_figures import record
+from tests.lines import chat_line, read_jsonl, write_lines
 
 pytestmark = pytest.mark.slow
 

@@ -19,7 +19,7 @@ from pipeline.runtime import executor as executor_module
 from pipeline.runtime.commit import finalize as finalize_module
 from pipeline.runtime.commit.finalize import commit, write_outputs
 from tests.integration.storage_fixtures import moto_s3  # noqa: F401
-from tests.unit.io.test_io_writers import error_row, result_row, stage_randomly, unicode_ids
+from tests.staged_rows import error_row, result_row, stage_randomly, unicode_ids
 
 pytestmark = pytest.mark.slow
 

@@ -6,8 +6,8 @@ import pytest
 
 from pipeline.config import JobConfig
 from pipeline.runtime.job import run_job
-from tests.conftest import read_jsonl
 from tests.fuzz_lines import hostile_corpus
+from tests.lines import read_jsonl
 
 
 @pytest.mark.usefixtures("local_ray")

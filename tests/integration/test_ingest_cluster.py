@@ -18,8 +18,8 @@ from pipeline.io.staging import StagingArea
 from pipeline.io.writers import output_target
 from pipeline.runtime.ingest.tasks import ingest
 from pipeline.runtime.job import run_job
-from tests.conftest import chat_line, write_lines
 from tests.integration.storage_fixtures import moto_s3  # noqa: F401
+from tests.lines import chat_line, write_lines
 
 pytestmark = pytest.mark.slow
 

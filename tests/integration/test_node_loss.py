@@ -13,8 +13,8 @@ import pytest
 from cluster.local import NodeSpec, mixed_cluster
 from pipeline.config import JobConfig
 from pipeline.runtime.job import run_job
-from tests.conftest import chat_line, read_jsonl, write_lines
 from tests.failure_figures import record
+from tests.lines import chat_line, read_jsonl, write_lines
 
 pytestmark = pytest.mark.slow
 

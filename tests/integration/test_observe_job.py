@@ -18,9 +18,9 @@ from pipeline.config import JobConfig
 from pipeline.observe.report import CHARTS
 from pipeline.observe.status import job_status
 from pipeline.runtime.job import run_job
-from tests.conftest import chat_line
 from tests.integration.storage_fixtures import free_port
-from tests.unit.test_observe import chart_svgs, drawn
+from tests.lines import chat_line
+from tests.report_charts import chart_svgs, drawn
 
 pytestmark = pytest.mark.usefixtures("local_ray")
 

@@ -15,8 +15,8 @@ from pipeline.io.staging import StagingArea
 from pipeline.io.writers import output_target
 from pipeline.runtime.stage import pending
 from pipeline.runtime.stage.pending import PendingWork, pending_work
+from tests.integration.s3_staging import FAST_RETRIES, error_row, request, result_row
 from tests.integration.storage_fixtures import moto_s3  # noqa: F401
-from tests.integration.test_staging_s3 import FAST_RETRIES, error_row, request, result_row
 
 # The S3 test credentials are in the environment before Ray starts its workers.
 pytestmark = pytest.mark.usefixtures("moto_s3", "local_ray")

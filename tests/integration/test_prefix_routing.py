@@ -10,7 +10,7 @@ import pytest
 
 from pipeline.config import JobConfig
 from pipeline.runtime.job import run_job
-from tests.conftest import MODEL_NAME, chat_line, read_jsonl, write_lines
+from tests.lines import MODEL_NAME, chat_line, read_jsonl, write_lines
 
 pytestmark = pytest.mark.slow
 

@@ -22,17 +22,10 @@ import pytest
 from pipeline.config import JobConfig
 from pipeline.manifest import Manifest
 from pipeline.runtime.job import run_job
-from tests.conftest import (
-    assert_same_shards,
-    chat_line,
-    kill_driver_half_way,
-    nightshift_ok,
-    once_settled,
-    read_jsonl,
-    write_lines,
-)
 from tests.failure_figures import record
 from tests.integration.storage_fixtures import moto_s3  # noqa: F401
+from tests.lines import chat_line, read_jsonl, write_lines
+from tests.runs import assert_same_shards, kill_driver_half_way, nightshift_ok, once_settled
 
 
 def fake_job(input_path, output, **fake_args) -> JobConfig:

@@ -10,7 +10,7 @@ import pytest
 
 from pipeline.config import JobConfig
 from pipeline.runtime.job import run_job
-from tests.conftest import chat_line, completion_line, read_jsonl
+from tests.lines import chat_line, completion_line, read_jsonl
 
 pytestmark = pytest.mark.usefixtures("local_ray")
 

@@ -12,7 +12,7 @@ from pipeline.config import JobConfig
 from pipeline.manifest import Manifest
 from pipeline.runtime.job import run_job
 from pipeline.runtime.preflight import PreflightError
-from tests.conftest import chat_line, completion_line, read_jsonl
+from tests.lines import chat_line, completion_line, read_jsonl
 
 pytestmark = pytest.mark.usefixtures("local_ray")
 

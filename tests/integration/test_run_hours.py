@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.conftest import chat_line
 from tests.fake_oracle import comparable, run_in_process
+from tests.lines import chat_line
 
 pytestmark = pytest.mark.timeout(240)
 

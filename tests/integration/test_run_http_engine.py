@@ -13,8 +13,9 @@ from pipeline.config import JobConfig
 from pipeline.manifest import Manifest
 from pipeline.runtime.job import run_job
 from pipeline.runtime.preflight import PreflightError
-from tests.conftest import chat_line, completion_line, kill_driver_half_way, nightshift_ok, read_jsonl
+from tests.lines import chat_line, completion_line, read_jsonl
 from tests.openai_stub import OpenAIStub
+from tests.runs import kill_driver_half_way, nightshift_ok
 
 pytestmark = [pytest.mark.usefixtures("local_ray"), pytest.mark.timeout(300)]
 

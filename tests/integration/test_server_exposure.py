@@ -11,7 +11,7 @@ import time
 import httpx
 import pytest
 
-from tests.server.conftest import free_port
+from tests.server.harness import free_port
 
 pytestmark = [pytest.mark.usefixtures("local_ray"), pytest.mark.timeout(600)]
 

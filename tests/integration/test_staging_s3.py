@@ -17,31 +17,17 @@ import pytest
 
 from pipeline.config import JobConfig, StorageConfig
 from pipeline.io.locations import RetryStats
-from pipeline.io.staging import ObjectStoreFiles, StagedRow, StagingArea
+from pipeline.io.staging import ObjectStoreFiles, StagingArea
 from pipeline.io.writers import S3Target, local_job_dir, output_target
 from pipeline.runtime.commit.finalize import commit, write_outputs
 from pipeline.runtime.engines.work_queue import WorkQueue
 from pipeline.runtime.job import load_resumable
 from pipeline.runtime.preflight import PreflightError, check_output_target
 from pipeline.state import JobState
-from tests.conftest import chat_line, staged_rows
+from tests.integration.s3_staging import FAST_RETRIES, error_row, request, result_row
 from tests.integration.storage_fixtures import moto_s3  # noqa: F401
-
-FAST_RETRIES = {"retries": 3, "retry_backoff_s": 0.01, "retry_backoff_max_s": 0.05, "timeout_s": 10}
-
-
-def result_row(custom_id: str) -> StagedRow:
-    record = {"id": f"batch_req_{custom_id}", "custom_id": custom_id, "response": {"status_code": 200}}
-    return StagedRow(custom_id, 1, "in.jsonl", None, 3, 5, "default", json.dumps(record))
-
-
-def error_row(line: int, custom_id: str | None = None, code: str = "invalid_json") -> StagedRow:
-    record = {"id": f"batch_req_{line}", "custom_id": custom_id, "error": {"code": code, "line": line}}
-    return StagedRow(custom_id, line, "in.jsonl", code, 0, 0, "", json.dumps(record))
-
-
-def request(custom_id: str, line: int) -> dict:
-    return {"custom_id": custom_id, "url": "/v1/chat/completions", "body": "{}", "line": line, "source": "in"}
+from tests.lines import chat_line
+from tests.staged_rows import staged_rows
 
 
 @pytest.fixture

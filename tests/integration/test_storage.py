@@ -24,10 +24,8 @@ from pipeline.io.rows import ReadStats
 from pipeline.io.writers import local_job_dir
 from pipeline.runtime.job import run_job
 from pipeline.runtime.preflight import PreflightError
-from tests.conftest import MODEL_NAME, chat_line, completion_line
-
-# The fixtures live in storage_fixtures.py; importing them here makes them visible to this module's tests.
 from tests.integration.storage_fixtures import free_port, http_files, http_server, moto_s3  # noqa: F401
+from tests.lines import MODEL_NAME, chat_line, completion_line
 
 pytestmark = pytest.mark.usefixtures("local_ray")
 

@@ -15,14 +15,8 @@ import pytest
 
 from pipeline.config import JobConfig
 from pipeline.runtime.job import run_job
-from tests.conftest import (
-    assert_same_shards,
-    chat_line,
-    kill_driver_half_way,
-    nightshift_ok,
-    read_jsonl,
-    write_lines,
-)
+from tests.lines import chat_line, read_jsonl, write_lines
+from tests.runs import assert_same_shards, kill_driver_half_way, nightshift_ok
 
 pytestmark = pytest.mark.usefixtures("local_ray")
 

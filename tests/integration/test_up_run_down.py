@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from pipeline.runtime import warm_runtime
-from tests.conftest import MODEL_NAME, chat_line, read_jsonl, write_lines
+from tests.lines import MODEL_NAME, chat_line, read_jsonl, write_lines
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 

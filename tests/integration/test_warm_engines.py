@@ -14,7 +14,7 @@ import pytest
 from pipeline.config import JobConfig
 from pipeline.runtime.engines.warm_keeper import start_keeper
 from pipeline.runtime.job import run_job
-from tests.conftest import chat_line, read_jsonl
+from tests.lines import chat_line, read_jsonl
 
 pytestmark = [pytest.mark.usefixtures("local_ray"), pytest.mark.timeout(300)]
 

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from tests.failure_figures import note
-from tests.server.conftest import KEY_A
+from tests.server.harness import KEY_A
 
 pytestmark = pytest.mark.timeout(180)
 

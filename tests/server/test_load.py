@@ -14,9 +14,9 @@ from concurrent.futures import ThreadPoolExecutor
 import openai
 import pytest
 
-from tests.conftest import chat_line
 from tests.failure_figures import note
-from tests.server.conftest import KEY_A, KEY_B
+from tests.lines import chat_line
+from tests.server.harness import KEY_A, KEY_B
 
 pytestmark = pytest.mark.timeout(600)
 

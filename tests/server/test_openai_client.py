@@ -4,44 +4,17 @@ from __future__ import annotations
 
 import contextlib
 import json
-import time
-from pathlib import Path
 
 import httpx
 import openai
 import pytest
 
-from tests.conftest import chat_line, completion_line
 from tests.fake_oracle import comparable, run_in_process
-from tests.server.conftest import JOB, MAX_FILE_BYTES
+from tests.lines import chat_line, completion_line
+from tests.server.batches import FINAL, lines_of, wait_for, write_input
+from tests.server.harness import JOB, MAX_FILE_BYTES
 
 pytestmark = pytest.mark.timeout(180)
-
-FINAL = ("completed", "failed", "cancelled", "expired")
-
-
-def write_input(path: Path, rows: int, bad: bool = True, **body) -> Path:
-    lines = [chat_line(f"req-{i:04d}", f"question {i}", **body) for i in range(rows)]
-    if bad:
-        lines += ["{not json", completion_line("req-0001", "a duplicate custom_id")]
-    path.write_text("\n".join(lines) + "\n")
-    return path
-
-
-def wait_for(client, batch_id: str, until, timeout: float = 120):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        batch = client.batches.retrieve(batch_id)
-        if until(batch):
-            return batch
-        time.sleep(0.3)
-    raise AssertionError(f"batch {batch_id} stuck at {batch.status} {batch.request_counts}")
-
-
-def lines_of(client, file_id: str | None) -> list[dict]:
-    if file_id is None:
-        return []
-    return [json.loads(x) for x in client.files.content(file_id).text.splitlines()]
 
 
 def test_upload_create_poll_download_matches_nightshift_run(client_a, tmp_path):

@@ -11,11 +11,11 @@ import httpx
 import openai
 import pytest
 
-from tests.conftest import chat_line
 from tests.failure_figures import note
 from tests.fake_oracle import comparable, run_in_process
-from tests.server.conftest import JOB, KEY_A, KEY_B, MAX_FILE_BYTES, Server
-from tests.server.test_openai_client import FINAL, lines_of, wait_for, write_input
+from tests.lines import chat_line
+from tests.server.batches import FINAL, lines_of, wait_for, write_input
+from tests.server.harness import JOB, KEY_A, KEY_B, MAX_FILE_BYTES, Server
 
 pytestmark = pytest.mark.timeout(300)
 

@@ -7,44 +7,17 @@ from disk — and a batch with invalid lines failed before it runs."""
 
 from __future__ import annotations
 
-import time
-
-import httpx
 import openai
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
-from tests.conftest import chat_line
-from tests.server.conftest import JOB, KEY_A, MAX_FILE_BYTES, Server
-from tests.server.test_openai_client import FINAL, lines_of, wait_for, write_input
+from tests.lines import chat_line
+from tests.server.batches import FINAL, lines_of, stored, until, wait_for, write_input
+from tests.server.harness import JOB, KEY_A, MAX_FILE_BYTES, Server
 
 pytestmark = pytest.mark.timeout(240)
 
 MODEL = "smollm2-135m-instruct"  # the fake engine serves the embedded model's name
 THIRTY_DAYS = 30 * 24 * 3600
-
-
-def stored(server: Server, key: str) -> dict[str, tuple[float, float]]:
-    """The caller's (files, bytes) on disk per purpose, from GET /metrics."""
-    text = httpx.get(
-        server.base_url.removesuffix("/v1") + "/metrics", headers={"Authorization": f"Bearer {key}"}
-    )
-    found: dict[str, list[float]] = {}
-    for family in text_string_to_metric_families(text.text):
-        if family.name in ("nightshift_server_stored_files", "nightshift_server_stored_bytes"):
-            for sample in family.samples:
-                slot = 0 if family.name.endswith("files") else 1
-                found.setdefault(sample.labels["purpose"], [0.0, 0.0])[slot] = sample.value
-    return {purpose: (files, size) for purpose, (files, size) in found.items()}
-
-
-def until(check, timeout: float = 60, what: str = "condition"):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if found := check():
-            return found
-        time.sleep(0.3)
-    raise AssertionError(f"{what} not reached within {timeout} s")
 
 
 def test_a_completed_batch_has_usage_and_model_and_deletes_free_its_bytes(server, client_a, tmp_path):

@@ -10,10 +10,10 @@ import time
 import openai
 import pytest
 
-from tests.conftest import chat_line
 from tests.fake_oracle import comparable, run_in_process
-from tests.server.conftest import JOB, KEY_A, Server
-from tests.server.test_openai_client import FINAL, lines_of
+from tests.lines import chat_line
+from tests.server.batches import FINAL, lines_of
+from tests.server.harness import JOB, KEY_A, Server
 
 pytestmark = pytest.mark.timeout(240)
 

@@ -12,10 +12,10 @@ from pathlib import Path
 import openai
 import pytest
 
-from tests.conftest import chat_line
+from tests.lines import chat_line
 from tests.openai_stub import OpenAIStub
-from tests.server.conftest import Server
-from tests.server.test_openai_client import FINAL, wait_for
+from tests.server.batches import FINAL, wait_for
+from tests.server.harness import Server
 
 pytestmark = [
     pytest.mark.timeout(300),

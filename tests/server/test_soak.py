@@ -31,11 +31,10 @@ import httpx
 import openai
 import pytest
 
-from tests.conftest import chat_line
 from tests.failure_figures import note
-from tests.server.conftest import JOB, KEY_A, KEY_B, MAX_FILE_BYTES, Server
-from tests.server.test_openai_client import FINAL
-from tests.server.test_retention_usage import stored, until
+from tests.lines import chat_line
+from tests.server.batches import FINAL, stored, until
+from tests.server.harness import JOB, KEY_A, KEY_B, MAX_FILE_BYTES, Server
 
 pytestmark = pytest.mark.timeout(900)
 

@@ -20,8 +20,8 @@ from pipeline.server.uploads import (
     MAX_FORM_PARTS,
     MAX_PART_HEADER_BYTES,
 )
-from tests.server.conftest import KEY_A, MAX_FILE_BYTES
-from tests.server.test_openai_client import FINAL, wait_for, write_input
+from tests.server.batches import FINAL, wait_for, write_input
+from tests.server.harness import KEY_A, MAX_FILE_BYTES
 
 pytestmark = pytest.mark.timeout(180)
 

@@ -317,7 +317,7 @@ def test_a_model_that_is_not_a_string_is_that_lines_error(model):
 
 def test_the_report_counts_rows_and_tokens_per_adapter_and_the_loads():
     from pipeline.observe.report import render_report
-    from tests.unit.test_observe import synthetic_job
+    from tests.report_charts import synthetic_job
 
     manifest, timeline, histograms = synthetic_job()
     assert "adapter loads" not in render_report(manifest, timeline, histograms)

@@ -8,7 +8,7 @@ import pytest
 from typer.testing import CliRunner
 
 from pipeline.cli import app
-from tests.conftest import chat_line, write_lines
+from tests.lines import chat_line, write_lines
 
 runner = CliRunner()
 

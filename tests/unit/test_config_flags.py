@@ -11,7 +11,7 @@ from typer.testing import CliRunner
 from pipeline.cli import app
 from pipeline.config import JobConfig
 from pipeline.config_flags import Flag, FlagValues, config_flags, flag_labels, with_config_flags
-from tests.conftest import chat_line, write_lines
+from tests.lines import chat_line, write_lines
 
 
 def test_each_flag_is_declared_once_on_a_field_with_vllms_names():

@@ -12,7 +12,7 @@ from cluster.inventory import Accelerator, NodeInventory
 from pipeline import doctor
 from pipeline.cli import app
 from pipeline.models import MissingDependencyError
-from tests.conftest import chat_line, write_lines
+from tests.lines import chat_line, write_lines
 
 runner = CliRunner()
 

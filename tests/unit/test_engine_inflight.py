@@ -13,7 +13,7 @@ from pipeline.engines.base import Engine, EngineRequest, EngineResult, EngineSpe
 from pipeline.runtime.engines.engine_actor import HOLD_FACTOR, EngineWorker
 from pipeline.runtime.engines.inflight import EngineWindow
 from pipeline.runtime.engines.work_queue import WorkQueue
-from tests.conftest import as_actor
+from tests.actor_handles import as_actor
 
 CHUNK = 8
 

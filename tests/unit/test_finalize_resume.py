@@ -13,7 +13,7 @@ import pytest
 from pipeline.io.staging import StagingArea
 from pipeline.runtime.commit import finalize as finalize_module
 from pipeline.runtime.commit.finalize import write_outputs
-from tests.unit.io.test_io_writers import error_row, result_row, stage_randomly, unicode_ids
+from tests.staged_rows import error_row, result_row, stage_randomly, unicode_ids
 
 ROWS_PER_SHARD = 40
 RESULTS, ERRORS = 300, 90  # 8 result shards, 3 error shards

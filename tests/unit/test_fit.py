@@ -19,7 +19,7 @@ from pipeline.runtime.ingest.fit import apply_fit, choose_max_num_seqs, fit_job,
 from pipeline.runtime.ingest.measure import measure
 from pipeline.state import JobInput, JobState
 from pipeline.tokens import PromptCounter
-from tests.conftest import staged_rows
+from tests.staged_rows import staged_rows
 
 MODEL = ResolvedModel(name="m", path="/nowhere", revision=None, source="local-dir")
 

@@ -141,7 +141,7 @@ def test_the_command_line_and_the_server_say_the_same_about_a_bad_window(tmp_pat
     from pipeline.config import ConfigError
     from pipeline.hours import window
     from pipeline.server.settings import ServerConfig
-    from tests.conftest import chat_line, write_lines
+    from tests.lines import chat_line, write_lines
 
     with pytest.raises(HoursError) as parsed:
         window(hours, timezone)
@@ -278,7 +278,7 @@ def test_run_refuses_a_bad_window_before_anything_starts(tmp_path, args, problem
     from typer.testing import CliRunner
 
     from pipeline.cli import app
-    from tests.conftest import chat_line, write_lines
+    from tests.lines import chat_line, write_lines
 
     source = write_lines(tmp_path / "in.jsonl", [chat_line("a", "hi")])
     result = CliRunner().invoke(app, ["run", str(source), str(tmp_path / "out"), "--engine", "fake", *args])

@@ -12,7 +12,7 @@ import pytest
 from pipeline.io.readers import input_source
 from pipeline.io.staging import StagingArea
 from pipeline.runtime.ingest.tasks import ingest
-from tests.conftest import staged_rows
+from tests.staged_rows import staged_rows
 
 MODEL = "smollm2-135m-instruct"
 

@@ -17,9 +17,8 @@ from pipeline.model_shape import model_shape
 from pipeline.planner import DeviceBudget, plan_pool
 from pipeline.topology import Topology
 from pipeline.units import GiB
-from tests.conftest import MODEL_NAME, chat_line, write_lines
-from tests.unit.test_planner import make_model, plan_app
-from tests.unit.test_planner_sharded import LLAMA3_70B, llama_tensors, write_header_only
+from tests.lines import MODEL_NAME, chat_line, write_lines
+from tests.unit.planner_models import LLAMA3_70B, llama_tensors, make_model, plan_app, write_header_only
 
 
 @pytest.fixture

@@ -3,16 +3,12 @@
 from __future__ import annotations
 
 import json
-import struct
-from pathlib import Path
 
 import pytest
-import typer
 from typer.testing import CliRunner
 
 from pipeline.max_tokens import output_budget
 from pipeline.model_shape import PlanError, model_shape, shape_from_config, weights_bytes
-from pipeline.plan_cli import plan_command
 from pipeline.planner import (
     DeviceBudget,
     activation_reserve,
@@ -22,92 +18,16 @@ from pipeline.planner import (
     plan_pool,
 )
 from pipeline.units import GiB, parse_memory
-
-# SmolLM2-135M-Instruct, the embedded model, as its converted config.json states it.
-SMOLLM2 = {
-    "architectures": ["LlamaForCausalLM"],
-    "model_type": "llama",
-    "dtype": "bfloat16",
-    "head_dim": 64,
-    "hidden_size": 576,
-    "max_position_embeddings": 8192,
-    "num_attention_heads": 9,
-    "num_hidden_layers": 30,
-    "num_key_value_heads": 3,
-    "tie_word_embeddings": True,
-    "vocab_size": 49152,
-}
-LLAMA3_8B = {
-    "model_type": "llama",
-    "torch_dtype": "bfloat16",
-    "hidden_size": 4096,
-    "num_attention_heads": 32,
-    "num_key_value_heads": 8,
-    "num_hidden_layers": 32,
-    "max_position_embeddings": 8192,
-    "rope_scaling": None,
-}
-MISTRAL_7B_V01 = {
-    "model_type": "mistral",
-    "torch_dtype": "bfloat16",
-    "hidden_size": 4096,
-    "num_attention_heads": 32,
-    "num_key_value_heads": 8,
-    "num_hidden_layers": 32,
-    "max_position_embeddings": 32768,
-    "sliding_window": 4096,
-}
-DEEPSEEK_V3 = {
-    "model_type": "deepseek_v3",
-    "torch_dtype": "bfloat16",
-    "hidden_size": 7168,
-    "num_attention_heads": 128,
-    "num_key_value_heads": 128,
-    "num_hidden_layers": 61,
-    "kv_lora_rank": 512,
-    "q_lora_rank": 1536,
-    "qk_nope_head_dim": 128,
-    "qk_rope_head_dim": 64,
-    "v_head_dim": 128,
-    "max_position_embeddings": 163840,
-    "rope_scaling": {
-        "type": "yarn",
-        "factor": 40,
-        "original_max_position_embeddings": 4096,
-    },
-}
-QWEN3_06B = {  # explicit head_dim (128) differs from hidden_size / heads (64)
-    "model_type": "qwen3",
-    "torch_dtype": "bfloat16",
-    "hidden_size": 1024,
-    "head_dim": 128,
-    "num_attention_heads": 16,
-    "num_key_value_heads": 8,
-    "num_hidden_layers": 28,
-    "max_position_embeddings": 40960,
-    "sliding_window": None,
-    "use_sliding_window": False,
-}
-
-
-def make_model(tmp_path: Path, config: dict, tensors: dict[str, int] | None = None, name: str = "m") -> Path:
-    """A model directory: config.json plus a safetensors file whose tensors hold the given byte counts."""
-    directory = tmp_path / name
-    directory.mkdir()
-    (directory / "config.json").write_text(json.dumps(config))
-    if tensors:
-        write_safetensors(directory / "model.safetensors", tensors)
-    return directory
-
-
-def write_safetensors(path: Path, tensors: dict[str, int]) -> None:
-    header, offset = {"__metadata__": {"format": "pt"}}, 0
-    for tensor, size in tensors.items():
-        header[tensor] = {"dtype": "BF16", "shape": [size // 2], "data_offsets": [offset, offset + size]}
-        offset += size
-    raw = json.dumps(header).encode()
-    path.write_bytes(struct.pack("<Q", len(raw)) + raw + b"\0" * offset)
-
+from tests.unit.planner_models import (
+    DEEPSEEK_V3,
+    LLAMA3_8B,
+    MISTRAL_7B_V01,
+    QWEN3_06B,
+    SMOLLM2,
+    make_model,
+    plan_app,
+    write_safetensors,
+)
 
 # --- shapes and bytes per token ---------------------------------------------------------------------------------
 
@@ -401,17 +321,6 @@ def test_parse_memory_rejects_nonsense(text):
 
 
 # --- the command, on a synthetic model (no tokenizer needed) ------------------------------------------------------
-
-
-def plan_app() -> typer.Typer:
-    app = typer.Typer(add_completion=False, pretty_exceptions_enable=False)
-
-    @app.callback()
-    def main() -> None:
-        """A host app, mounted the way the real CLI mounts the command."""
-
-    app.command("plan")(plan_command)
-    return app
 
 
 def test_cli_json_plan_for_a_gpu(tmp_path):

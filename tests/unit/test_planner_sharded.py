@@ -7,7 +7,6 @@ Every expected number is worked out here from the model's shape and vLLM's rules
 from __future__ import annotations
 
 import json
-import struct
 from pathlib import Path
 
 import pytest
@@ -17,64 +16,24 @@ from pipeline.model_shape import PlanError, model_shape, shape_from_config
 from pipeline.planner import SHARDING_FIELDS, DeviceBudget, plan_pool
 from pipeline.topology import Topology, kv_heads_per_rank, stage_layers
 from pipeline.units import GiB, fmt_bytes
-from tests.unit.test_planner import DEEPSEEK_V3, SMOLLM2, make_model, plan_app
+from tests.unit.planner_models import (
+    BF16,
+    DEEPSEEK_V3,
+    LLAMA3_70B,
+    SMOLLM2,
+    llama_tensors,
+    make_model,
+    plan_app,
+    write_header_only,
+)
 
-# Llama-3-70B as its config.json states it.
-LLAMA3_70B = {
-    "architectures": ["LlamaForCausalLM"],
-    "model_type": "llama",
-    "torch_dtype": "bfloat16",
-    "hidden_size": 8192,
-    "intermediate_size": 28672,
-    "num_attention_heads": 64,
-    "num_key_value_heads": 8,
-    "num_hidden_layers": 80,
-    "max_position_embeddings": 8192,
-    "vocab_size": 128256,
-    "tie_word_embeddings": False,
-}
 # The embedded model's full config (its MLP width decides which tensor_parallel_size it takes).
 SMOLLM2_FULL = {**SMOLLM2, "intermediate_size": 1536}
 
 USABLE_80GIB = int(80 * GiB * 0.9)
 RESERVE_80GIB = max(GiB, USABLE_80GIB // 20)  # the planner's stated assumption: max(1 GiB, 5% of usable)
-BF16 = 2
 GPU_BLOCK = 16  # vLLM's CUDA default
 CPU_BLOCK = 128  # vLLM's CPU default
-
-
-def llama_tensors(config: dict) -> dict[str, int]:
-    """Bytes of every tensor of a Llama checkpoint of this shape (bf16): embeddings, per-layer attention and MLP
-    projections and norms, the final norm and an untied LM head."""
-    hidden, inter, vocab = config["hidden_size"], config["intermediate_size"], config["vocab_size"]
-    kv_width = config["num_key_value_heads"] * hidden // config["num_attention_heads"]
-    tensors = {"model.embed_tokens.weight": vocab * hidden * BF16, "lm_head.weight": vocab * hidden * BF16}
-    for layer in range(config["num_hidden_layers"]):
-        prefix = f"model.layers.{layer}"
-        for name, size in {
-            "self_attn.q_proj": hidden * hidden,
-            "self_attn.k_proj": kv_width * hidden,
-            "self_attn.v_proj": kv_width * hidden,
-            "self_attn.o_proj": hidden * hidden,
-            "mlp.gate_proj": inter * hidden,
-            "mlp.up_proj": inter * hidden,
-            "mlp.down_proj": hidden * inter,
-            "input_layernorm": hidden,
-            "post_attention_layernorm": hidden,
-        }.items():
-            tensors[f"{prefix}.{name}.weight"] = size * BF16
-    tensors["model.norm.weight"] = hidden * BF16
-    return tensors
-
-
-def write_header_only(path: Path, tensors: dict[str, int]) -> None:
-    """A safetensors file holding only its header: the planner reads sizes from the header, never the data."""
-    header, offset = {"__metadata__": {"format": "pt"}}, 0
-    for name, size in tensors.items():
-        header[name] = {"dtype": "BF16", "shape": [size // BF16], "data_offsets": [offset, offset + size]}
-        offset += size
-    raw = json.dumps(header).encode()
-    path.write_bytes(struct.pack("<Q", len(raw)) + raw)
 
 
 @pytest.fixture

@@ -7,16 +7,9 @@ import pytest
 
 from pipeline.config import ConfigError
 from pipeline.server.auth import Keyring, owner_of
-from pipeline.server.settings import AuthSettings
+from tests.unit.keyrings import ring
 
 KEY_A, KEY_B, KEY_C = "a" * 20, "b" * 20, "c" * 20
-
-
-def ring(tmp_path, text: str, monkeypatch, env: str = "") -> Keyring:
-    keys = tmp_path / "keys"
-    keys.write_text(text)
-    monkeypatch.setenv("TEST_KEYS", env)
-    return Keyring.load(AuthSettings(keys_file=keys, keys_env="TEST_KEYS"))
 
 
 def test_a_key_may_carry_a_label_and_old_keys_files_still_work(tmp_path, monkeypatch):

@@ -12,7 +12,7 @@ from pipeline.config import ConfigError
 from pipeline.server.quotas import QuotaExceeded, Quotas, stored_usage
 from pipeline.server.settings import ServerConfig, load_server_config
 from pipeline.server.store import Store
-from tests.unit.test_server_keys import ring
+from tests.unit.keyrings import ring
 
 KEY_A, KEY_B = "a" * 20, "b" * 20
 

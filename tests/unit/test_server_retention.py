@@ -19,7 +19,7 @@ from pipeline.server.retention import Sweeper
 from pipeline.server.runner import DataDir
 from pipeline.server.settings import load_server_config
 from pipeline.server.store import MIGRATIONS, SCHEMA_VERSION, FileGone, Store
-from tests.conftest import chat_line
+from tests.lines import chat_line
 
 DAY = 86400
 

@@ -22,7 +22,7 @@ from cluster.auth import (
 from pipeline.config import ConfigError
 from pipeline.server.exposure import ServeHttp, refuse_open_no_auth
 from pipeline.server.settings import ServerConfig, load_server_config
-from tests.unit.cluster.test_auth import TOKEN, FakeGcs
+from tests.unit.cluster.fake_gcs import TOKEN, FakeGcs
 
 # ------------------------------------------------------------------------------------------ metrics port
 

@@ -18,7 +18,7 @@ from pipeline.max_tokens import generation_max_tokens
 from pipeline.models import ResolvedModel, model_task, served_name
 from pipeline.runtime.engines.launch import models_summary, pool_spec
 from pipeline.tokens import load_chat_template
-from tests.conftest import chat_line, write_lines
+from tests.lines import chat_line, write_lines
 
 
 def test_serving_options_keep_vllms_names_and_defaults():

@@ -17,7 +17,7 @@ from pipeline.io.staging import StagedRow, StagingArea
 from pipeline.runtime.commit import finalize as finalize_module
 from pipeline.runtime.commit.finalize import MANIFEST_NAME, AccountingError, commit, write_outputs
 from pipeline.stages.shard import sort_table
-from tests.conftest import staged_rows
+from tests.staged_rows import staged_rows
 
 
 def result_row(custom_id: str, line: int = 1, source: str = "in.jsonl") -> StagedRow:

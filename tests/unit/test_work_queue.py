@@ -9,7 +9,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from pipeline.runtime.engines.work_queue import WorkQueue
-from tests.conftest import as_actor
+from tests.actor_handles import as_actor
 
 
 def _queue(files, **options) -> WorkQueue:

@@ -9,13 +9,10 @@ import os
 import shlex
 import socket
 import stat
-from concurrent import futures
 
-import grpc
 import pytest
 from typer.testing import CliRunner
 
-from cluster import auth
 from cluster.auth import (
     AUTH_MODE_ENV,
     LOOPBACK_ENV,
@@ -32,9 +29,9 @@ from cluster.auth import (
 )
 from cluster.inventory import NodeInventory
 from cluster.node import NO_AUTH_WARNING, NodeAuth, NodeStartError, node_auth, plan_node
+from tests.unit.cluster.fake_gcs import TOKEN, FakeGcs
 
 CPU_NODE = NodeInventory(vendor="cpu", cpu_count=2, source="os")
-TOKEN = "c0ffee" * 10 + "beef"
 
 
 def closed_port() -> int:
@@ -60,30 +57,6 @@ def token_file(tmp_path, value: str = TOKEN, name: str = "token"):
     path.write_text(value + "\n")
     path.chmod(0o600)
     return path
-
-
-class FakeGcs:
-    """A gRPC server with Ray's two probe methods, refusing calls without `Bearer <token>` like Ray's interceptor."""
-
-    def __init__(self, token: str | None):
-        self.token = token
-        self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
-        self.server.add_generic_rpc_handlers([self])
-        self.port = self.server.add_insecure_port("127.0.0.1:0")
-        self.server.start()
-        self.address = f"127.0.0.1:{self.port}"
-
-    def service(self, details):  # grpc.GenericRpcHandler
-        if details.method not in (auth._GCS_METHOD, auth._CLIENT_METHOD):
-            return None
-
-        def answer(request, context):
-            metadata = dict(context.invocation_metadata())
-            if self.token and metadata.get("authorization") != f"Bearer {self.token}":
-                context.abort(grpc.StatusCode.UNAUTHENTICATED, "InvalidAuthToken: missing or incorrect")
-            return b""
-
-        return grpc.unary_unary_rpc_method_handler(answer)
 
 
 @pytest.fixture

@@ -5,57 +5,16 @@ from __future__ import annotations
 
 import hashlib
 import json
-import random
 from pathlib import Path
 
 import pyarrow.parquet as pq
 import pytest
 
-from pipeline.io.staging import StagedRow, StagingArea
+from pipeline.io.staging import StagingArea
 from pipeline.io.writers import PARQUET_OUTPUT_SCHEMA, flatten_records, local_job_dir, output_target
 from pipeline.runtime.commit import finalize as finalize_module
 from pipeline.runtime.commit.finalize import AccountingError, write_outputs
-
-
-def result_row(custom_id: str, line: int = 1, source: str = "in.jsonl") -> StagedRow:
-    body = {
-        "object": "chat.completion",
-        "choices": [
-            {
-                "index": 0,
-                "message": {"role": "assistant", "content": f"answer {custom_id}"},
-                "finish_reason": "stop",
-            }
-        ],
-        "usage": {"prompt_tokens": 3, "completion_tokens": 5, "total_tokens": 8},
-    }
-    record = {
-        "id": f"batch_req_{custom_id}",
-        "custom_id": custom_id,
-        "response": {"status_code": 200, "request_id": "r", "body": body},
-        "error": None,
-    }
-    return StagedRow(custom_id, line, source, None, 3, 5, "default", json.dumps(record, ensure_ascii=False))
-
-
-def error_row(line: int, source: str = "in.jsonl", custom_id: str | None = None) -> StagedRow:
-    record = {
-        "id": f"batch_req_{source}_{line}",
-        "custom_id": custom_id,
-        "response": None,
-        "error": {"code": "invalid_json", "message": "bad", "line": line, "source": source},
-    }
-    return StagedRow(custom_id, line, source, "invalid_json", 0, 0, "", json.dumps(record))
-
-
-def stage_randomly(staging: StagingArea, kind: str, rows: list[StagedRow], seed: int = 1) -> None:
-    rng = random.Random(seed)
-    rows = rows[:]
-    rng.shuffle(rows)
-    while rows:
-        size = rng.randint(1, 40)
-        staging.write_rows(kind, rows[:size])
-        rows = rows[size:]
+from tests.staged_rows import error_row, result_row, stage_randomly, unicode_ids
 
 
 @pytest.fixture
@@ -63,15 +22,6 @@ def staging(tmp_path: Path) -> StagingArea:
     area = StagingArea(tmp_path / "out")
     area.create()
     return area
-
-
-def unicode_ids(n: int, seed: int = 2) -> list[str]:
-    rng = random.Random(seed)
-    alphabet = "abcXYZ019-_éß日😀\uffff"
-    ids: set[str] = set()
-    while len(ids) < n:
-        ids.add("".join(rng.choice(alphabet) for _ in range(rng.randint(1, 10))))
-    return list(ids)
 
 
 # (50, 2): many map tasks, and buckets placed from a poor sample (two parts): the boundaries are exact all the same.
