@@ -70,7 +70,7 @@ def test_an_s3_adapter_is_read_with_the_jobs_storage_settings(moto_s3, monkeypat
 
 def test_the_job_hands_its_storage_settings_to_its_engines():
     from pipeline.config import JobConfig, StorageConfig
-    from pipeline.runtime.job import engine_spec
+    from pipeline.job_plan import JobPlan
 
     config = JobConfig(storage=StorageConfig(s3_endpoint_url="http://127.0.0.1:9"))
-    assert engine_spec(config, None).adapter_storage.s3_endpoint_url == "http://127.0.0.1:9"
+    assert JobPlan.of(config).engine_spec(None).adapter_storage.s3_endpoint_url == "http://127.0.0.1:9"

@@ -17,7 +17,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from pipeline.config import JobConfig, PoolConfig, effective_pools, load_job_config
+from pipeline.config import JobConfig, PoolConfig, load_job_config
+from pipeline.job_plan import JobPlan
 from pipeline.topology import Topology, check_topology
 
 MANIFEST = Path(__file__).resolve().parents[2] / "k8s" / "rayjob-large-model.yaml"
@@ -84,7 +85,7 @@ def job(job_text, tmp_path_factory) -> JobConfig:
 
 @pytest.fixture(scope="module")
 def pools(job) -> list[PoolConfig]:
-    return effective_pools(job)
+    return JobPlan.of(job).pool_configs
 
 
 @pytest.fixture(scope="module")

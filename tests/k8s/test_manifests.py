@@ -259,12 +259,13 @@ def test_the_rayjob_reads_the_configmap_job_file():
 @pytest.mark.parametrize("label", JOB_CONFIGMAPS)
 def test_the_job_config_is_a_valid_nightshift_job_file(label, tmp_path):
     """Read as `nightshift run --config` reads it, its pools checked as the job checks them."""
-    from pipeline.config import effective_pools, load_job_config
+    from pipeline.config import load_job_config
+    from pipeline.job_plan import JobPlan
 
     (configmap,) = [doc for found, doc in documents() if found == label]
     path = tmp_path / "job.yaml"
     path.write_text(configmap["data"]["job.yaml"])
-    assert effective_pools(load_job_config(path))
+    assert JobPlan.of(load_job_config(path)).pools
 
 
 # ----------------------------------------------------------------------------------------- locked down

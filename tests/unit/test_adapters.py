@@ -12,14 +12,14 @@ import pytest
 from pipeline.adapters import (
     AdapterError,
     check_adapter_config,
-    job_served_names,
     parse_lora_modules,
     served_names,
 )
-from pipeline.config import ConfigError, JobConfig, PoolConfig, lora_modules_flag, pool_adapters
+from pipeline.config import ConfigError, JobConfig, PoolConfig, lora_modules_flag
 from pipeline.engines.base import EngineRequest, EngineSpec
 from pipeline.engines.fake import FakeEngine
 from pipeline.io.adapter_files import local_adapter_dir, read_adapter_config
+from pipeline.job_plan import JobPlan, JobPlanError
 from pipeline.models import ResolvedModel
 from pipeline.observe.usage import merge_rows_by_model, rows_by_model
 from pipeline.stages.prefix_key import prefix_key, routing_key
@@ -96,17 +96,17 @@ def test_a_pools_own_adapters_override_the_jobs():
             ],
         }
     )
-    one, two = config.pools
-    assert pool_adapters(config, one) == {"a": "/a"} and pool_adapters(config, two) == {"b": "/b"}
-    served = job_served_names(config, {"one": _model("base"), "two": _model("other")})
+    one, two = JobPlan.of(config).pools
+    assert one.adapters == {"a": "/a"} and two.adapters == {"b": "/b"}
+    served = JobPlan.of(config, {"one": _model("base"), "two": _model("other")}).served
     assert served.adapters == {"a": "base", "b": "other"}
 
 
 def test_adapters_of_a_pooling_model_are_refused():
     config = JobConfig.model_validate({"engine": {"vllm": {"lora_modules": {"a": "/a"}}}})
     pool = PoolConfig(name="default")
-    with pytest.raises(AdapterError, match="generating models only"):
-        job_served_names(config.model_copy(update={"pools": [pool]}), {"default": _model("emb", "embed")})
+    with pytest.raises(JobPlanError, match="generating models only"):
+        JobPlan.of(config.model_copy(update={"pools": [pool]}), {"default": _model("emb", "embed")})
 
 
 def test_a_line_naming_an_adapter_is_valid_and_one_naming_nothing_lists_what_is_served():

@@ -24,6 +24,7 @@ from pipeline.runtime.ingest import measure
 from pipeline.runtime.ingest.fit import EARLY_HEADROOM, decide, decide_early, hold_above, settle_early_fit
 from pipeline.runtime.ingest.sample import SAMPLE_PIECES, SAMPLE_ROWS, sample_pieces
 from pipeline.runtime.ingest.tasks import held_requests, ingest, is_held, sample_input
+from tests.plans import plan_of
 
 MODEL = "smollm2-135m-instruct"
 JOB = "job-early"
@@ -155,7 +156,7 @@ def test_the_early_context_allows_headroom_and_the_job_keeps_it_when_nothing_was
     staging = staging_at(tmp_path / "out")
     config, model = _config()
     sample = sample_input(input_source(path), MODEL, staging, words, JOB, parallel=False)
-    early = decide_early(config, model, staging, JOB, sample)
+    early = decide_early(plan_of(config, model), staging, JOB, sample)
     assert early is not None
     need = sample.lengths.longest_need
     assert early.max_model_len.value == round_up(math.ceil(need * EARLY_HEADROOM), 16)
@@ -165,7 +166,7 @@ def test_the_early_context_allows_headroom_and_the_job_keeps_it_when_nothing_was
     report = ingest(
         path, MODEL, staging, job_id=JOB, measure=words, parallel=False, hold_above=hold_above(early)
     )
-    full = decide(config, model, staging, JOB, report.lengths)
+    full = decide(plan_of(config, model), staging, JOB, report.lengths)
     kept = decision_of(settle_early_fit(early, full, sample, rows_held=0))
     assert kept is not None and kept.early is not None
     assert kept.max_model_len == early.max_model_len  # what the engines ran: a resume runs the same
@@ -186,7 +187,7 @@ def test_a_sample_that_measured_nothing_decides_nothing_early(tmp_path: Path, wo
     config, model = _config()
     sample = sample_input(input_source(path), MODEL, staging, words, JOB, parallel=False)
     assert not sample.whole and sample.lengths.requests == 0
-    assert decide_early(config, model, staging, JOB, sample) is None
+    assert decide_early(plan_of(config, model), staging, JOB, sample) is None
 
 
 def test_a_streamed_ingest_reads_small_ranges_first_and_stages_the_same_work(tmp_path: Path, words):

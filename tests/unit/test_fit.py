@@ -19,6 +19,7 @@ from pipeline.runtime.ingest.fit import apply_fit, choose_max_num_seqs, fit_job,
 from pipeline.runtime.ingest.measure import measure
 from pipeline.state import JobInput, JobState
 from pipeline.tokens import PromptCounter
+from tests.plans import plan_of
 from tests.staged_rows import staged_rows
 
 MODEL = ResolvedModel(name="m", path="/nowhere", revision=None, source="local-dir")
@@ -135,9 +136,11 @@ def test_a_gpu_with_known_capacity_is_not_capped():
 
 def test_a_gpu_pool_left_unfitted_gets_no_cpu_default():
     gpu = JobConfig.model_validate({"pools": [{"name": "a100", "gpus_per_engine": 1}]})
-    assert apply_fit(gpu, FitOff(enabled=False, reason="off")).engine.vllm.max_num_seqs is None
+    assert (
+        apply_fit(plan_of(gpu), FitOff(enabled=False, reason="off")).config.engine.vllm.max_num_seqs is None
+    )
     record = vllm_record(a100=(None, "engine"))
-    fitted = apply_fit(gpu, record)
+    fitted = apply_fit(plan_of(gpu), record).config
     assert fitted.engine.vllm.max_num_seqs is None and "max_num_seqs" not in fitted.pools[0].engine_overrides
 
 
@@ -208,7 +211,7 @@ def test_fit_job_with_the_fake_engine_fits_the_context_and_rejects_too_long_rows
     rows = [chat("a", 3, 1, max_tokens=20), chat("b", 40, 2), chat("huge", 9000, 3)]
     staging = staged(tmp_path, [rows])
     state = fake_state(4, 3)
-    config = fit_job(fake_job(tmp_path), MODEL, staging, state)
+    config = fit_job(plan_of(fake_job(tmp_path), MODEL), staging, state).config
     record = state.fit
     # The fake counts words of "user: w w ...": 41 for b, + 4 output tokens (its output_tokens default).
     assert record.max_model_len.source == "fitted"
@@ -220,7 +223,7 @@ def test_fit_job_with_the_fake_engine_fits_the_context_and_rejects_too_long_rows
     assert request_ids(staging) == ["a", "b"]
 
     # Resume: the stored decision is applied as is, nothing is measured again.
-    again = fit_job(fake_job(tmp_path), MODEL, staging, staging.read_job())
+    again = fit_job(plan_of(fake_job(tmp_path), MODEL), staging, staging.read_job()).config
     assert again.engine.vllm.max_model_len == 48
 
 
@@ -229,7 +232,7 @@ def test_a_given_max_model_len_wins_and_is_checked_against_the_data(tmp_path):
         tmp_path, [[chat("a", 3, 1, max_tokens=4), chat("b", 60, 2, max_tokens=4), chat("huge", 9000, 3)]]
     )
     state = fake_state(3, 3)
-    config = fit_job(fake_job(tmp_path, vllm={"max_model_len": 32}), MODEL, staging, state)
+    config = fit_job(plan_of(fake_job(tmp_path, vllm={"max_model_len": 32}), MODEL), staging, state).config
     assert config.engine.vllm.max_model_len == 32
     record = state.fit
     assert record.max_model_len.source == "given" and record.max_model_len.needed == 80
@@ -247,7 +250,7 @@ def test_max_num_seqs_is_sized_for_what_the_requests_need_under_a_given_max_mode
     staging = staged(tmp_path, [rows])
     config = JobConfig.model_validate({"engine": {"vllm": {"max_model_len": 4096, "max_num_seqs": 64}}})
     state = fake_state(2, 2)
-    fitted = fit_job(config, MODEL, staging, state)
+    fitted = fit_job(plan_of(config, MODEL), staging, state).config
     seqs = state.fit.max_num_seqs["default"]
     assert state.fit.longest_sequence == 80
     assert (seqs.sized_for_tokens, seqs.fits, seqs.source) == (80, 20, "given")
@@ -260,7 +263,7 @@ def test_max_num_seqs_is_sized_for_what_the_requests_need_under_a_given_max_mode
     open_ended = staged(tmp_path / "2", [[*rows, chat("c", 10, 3)]])
     state = fake_state(3, 3)
     config = JobConfig.model_validate({"engine": {"vllm": {"max_model_len": 160}}})
-    fitted = fit_job(config, MODEL, open_ended, state)
+    fitted = fit_job(plan_of(config, MODEL), open_ended, state).config
     assert state.fit.longest_sequence is None
     assert fitted.engine.vllm.max_num_seqs == 10  # 100 blocks / 10 blocks of 160 tokens
 
@@ -268,7 +271,7 @@ def test_max_num_seqs_is_sized_for_what_the_requests_need_under_a_given_max_mode
 def test_no_fit_turns_it_off(tmp_path):
     staging = staged(tmp_path, [[chat("a", 3, 1), chat("huge", 9000, 2)]])
     state = fake_state(2, 2)
-    config = fit_job(fake_job(tmp_path, fit={"enabled": False}), MODEL, staging, state)
+    config = fit_job(plan_of(fake_job(tmp_path, fit={"enabled": False}), MODEL), staging, state).config
     assert config.engine.vllm.max_model_len is None
     assert state.fit == FitOff(enabled=False, reason="turned off (--no-fit / engine.fit.enabled: false)")
     assert state.fit.model_dump() == {
@@ -291,12 +294,12 @@ def vllm_record(**seqs) -> FitDecision:
 
 def test_apply_fit_sets_only_what_was_not_given():
     config = JobConfig()
-    fitted = apply_fit(config, vllm_record(default=(22, "fitted")))
+    fitted = apply_fit(plan_of(config), vllm_record(default=(22, "fitted"))).config
     assert (fitted.engine.vllm.max_model_len, fitted.engine.vllm.max_num_seqs) == (512, 22)
     given = JobConfig.model_validate({"engine": {"vllm": {"max_num_seqs": 8}}})
-    kept = apply_fit(given, vllm_record(default=(8, "given")))
+    kept = apply_fit(plan_of(given), vllm_record(default=(8, "given"))).config
     assert kept.engine.vllm.max_num_seqs == 8
-    unfitted = apply_fit(config, FitOff(enabled=False, reason="off"))
+    unfitted = apply_fit(plan_of(config), FitOff(enabled=False, reason="off")).config
     assert (unfitted.engine.vllm.max_model_len, unfitted.engine.vllm.max_num_seqs) == (
         None,
         DEFAULT_MAX_NUM_SEQS,
@@ -307,7 +310,7 @@ def test_apply_fit_puts_per_pool_values_in_pool_overrides_and_keeps_given_ones()
     config = JobConfig.model_validate(
         {"pools": [{"name": "big"}, {"name": "small", "engine_overrides": {"max_num_seqs": 2}}]}
     )
-    fitted = apply_fit(config, vllm_record(big=(40, "fitted"), small=(2, "given")))
+    fitted = apply_fit(plan_of(config), vllm_record(big=(40, "fitted"), small=(2, "given"))).config
     overrides = {p.name: p.engine_overrides for p in fitted.pools}
     assert overrides == {"big": {"max_num_seqs": 40}, "small": {"max_num_seqs": 2}}
 
@@ -521,7 +524,7 @@ def test_fit_job_decides_from_the_lengths_ingest_measured_without_measuring_agai
     lengths.too_long = 1
     state = fake_state(3, 2)
     state.lengths = lengths
-    config = fit_job(fake_job(tmp_path), MODEL, staging, state)
+    config = fit_job(plan_of(fake_job(tmp_path), MODEL), staging, state).config
     record = state.fit
     assert record.max_model_len.value == 32 == config.engine.vllm.max_model_len
     assert record.context_length_exceeded == 1 and record.measured.longest_request == "a"
@@ -552,6 +555,7 @@ def test_each_sample_of_n_is_a_sequence_of_its_own(tmp_path):
 _LOAD = """
 import json, sys
 from pipeline.tokens import PromptCounter
+from tests.plans import plan_of
 counter = PromptCounter.for_model(sys.argv[1])
 tok = counter.tokenizer
 chat = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Name three rivers ü 漢字"}]

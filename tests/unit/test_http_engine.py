@@ -8,10 +8,11 @@ import time
 
 import pytest
 
-from pipeline.config import ConfigError, JobConfig, effective_pools
+from pipeline.config import ConfigError, JobConfig
 from pipeline.engines.base import EngineRequest, EngineSpec, build_engine, engine_class
 from pipeline.engines.http_client import RetryPolicy, ServerUnreachable, retry_after_seconds
 from pipeline.engines.http_probe import probe_server
+from pipeline.job_plan import JobPlan
 from pipeline.protocol import ErrorCode
 from tests.openai_stub import MODEL, OpenAIStub, free_port
 
@@ -149,7 +150,7 @@ def test_each_endpoint_is_a_pool_and_bad_endpoint_flags_fail_early():
     config = JobConfig.model_validate(
         {"engine": {"backend": "http", "http": {"endpoints": ["http://a:1", "http://b:2/v1"]}}}
     )
-    pools = effective_pools(config)
+    pools = JobPlan.of(config).pool_configs
     assert [(p.name, p.engine_overrides["endpoints"]) for p in pools] == [
         ("endpoint-0", ["http://a:1"]),
         ("endpoint-1", ["http://b:2/v1"]),
@@ -163,7 +164,7 @@ def test_each_endpoint_is_a_pool_and_bad_endpoint_flags_fail_early():
         "pools": [{"name": "p"}],
     }
     with pytest.raises(ConfigError, match="one server"):
-        effective_pools(JobConfig.model_validate(two))
+        JobPlan.of(JobConfig.model_validate(two))
 
 
 def test_the_api_key_is_never_written_with_the_job_spec():

@@ -334,7 +334,8 @@ def test_cpu_engines_default_to_one_per_core_as_memory_allows(monkeypatch):
 def test_job_resources_and_pools_share_one_model_of_engine_resources():
     """ResourcesConfig and PoolConfig take the same per-engine Ray resources, declared once; job files keep their
     shape, and a job without pools runs one pool with the job's resources."""
-    from pipeline.config import EngineResources, PoolConfig, ResourcesConfig, effective_pools
+    from pipeline.config import EngineResources, PoolConfig, ResourcesConfig
+    from pipeline.job_plan import JobPlan
 
     shared = set(EngineResources.model_fields)
     assert shared == {"cpus_per_engine", "gpus_per_engine", "resources_per_engine"}
@@ -349,7 +350,7 @@ def test_job_resources_and_pools_share_one_model_of_engine_resources():
         "resources_per_engine": {"accelerator:cuda": 1.0},
     }
     job = JobConfig.model_validate({"resources": {"num_engines": 3, **given}})
-    (pool,) = effective_pools(job)
+    (pool,) = JobPlan.of(job).pool_configs
     assert (pool.name, pool.min_engines) == ("default", 3)
     assert pool.model_dump(include=shared) == given
     with pytest.raises(ValidationError, match="extra_forbidden|Extra inputs"):
