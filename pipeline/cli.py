@@ -309,10 +309,10 @@ def _hours(hours: str | None, timezone: str | None):  # noqa: ANN202 - pipeline.
 
 
 def _run_in_hours(job: JobConfig, progress: bool, resume: bool, hours, token_file: Path | None) -> None:  # noqa: ANN001
-    """The job inside the window (runtime/shifts.py), each shift a child `run`/`resume` that prints its own
+    """The job inside the window (runtime/hosting/shifts.py), each shift a child `run`/`resume` that prints its own
     errors and summary; this process waits, stops and resumes them, and exits as the last one did."""
     from pipeline.clock import clock_from_environment
-    from pipeline.runtime.shifts import ShiftJob, run_in_hours
+    from pipeline.runtime.hosting.shifts import ShiftJob, run_in_hours
 
     flags = ["--no-warm"] + ([] if progress else ["--no-progress"])
     if token_file is not None:
@@ -379,13 +379,13 @@ def _run(
 
 
 def _on_warm_runtime(job: JobConfig, warm: bool) -> JobConfig:
-    """The job on `nightshift up`'s runtime when it is there and can serve it (runtime/warm_runtime.py); else as
+    """The job on `nightshift up`'s runtime when it is there and can serve it (runtime/hosting/warm_runtime.py); else as
     given. A resumed job that began on the runtime chooses again."""
     import os
 
     import structlog
 
-    from pipeline.runtime import warm_runtime
+    from pipeline.runtime.hosting import warm_runtime
 
     job = warm_runtime.detach(job)
     if not warm or job.resources.address is not None or job.engine.warm_engines is not None:
@@ -417,7 +417,7 @@ def up(
 ) -> None:
     """Keep a local Ray and warm engines between runs: each `nightshift run` without --address uses them, and a run
     of the same model and engine args skips the engines' start. `nightshift down` ends it."""
-    from pipeline.runtime import warm_runtime
+    from pipeline.runtime.hosting import warm_runtime
 
     try:
         seconds = warm_runtime.parse_duration(idle_timeout)
@@ -444,7 +444,7 @@ def up(
 @app.command()
 def down() -> None:
     """End `nightshift up`'s runtime: its warm engines and its Ray."""
-    from pipeline.runtime import warm_runtime
+    from pipeline.runtime.hosting import warm_runtime
 
     state = warm_runtime.stop()
     typer.echo("nightshift is not up" if state is None else f"nightshift down (daemon pid {state.pid} ended)")
@@ -564,7 +564,7 @@ def main() -> None:
     """The console entry point (`nightshift`, `python -m pipeline`): the command, then an exit that waits for nothing
     left to do.
 
-    Ray, when the command started or joined it, is ended here (runtime/session.py: `end_ray`, a second sooner than
+    Ray, when the command started or joined it, is ended here (runtime/hosting/session.py: `end_ray`, a second sooner than
     Ray's own exit hook), and then the process exits without the interpreter tearing its modules down one by one:
     with Ray Data, pyarrow and matplotlib loaded that takes a second after a job that is already committed. Output
     and logs are flushed first. Tests drive `app` itself, which exits as any typer app does."""
@@ -580,7 +580,7 @@ def _exit_now(code: object) -> None:  # pragma: no cover - ends the process
     import logging
     import os
 
-    from pipeline.runtime.session import end_ray
+    from pipeline.runtime.hosting.session import end_ray
 
     if code is not None and not isinstance(
         code, int

@@ -1,6 +1,6 @@
 """The clock the night window is read by (`pipeline/hours.py` is the window's arithmetic, on given instants): the
 wall clock, whose alarm stops the main thread when the window closes, and a test clock. Both the shifts of
-`nightshift run --hours` (runtime/shifts.py) and the server's runner (server/runner.py) take theirs from here.
+`nightshift run --hours` (runtime/hosting/shifts.py) and the server's runner (server/runner.py) take theirs from here.
 
 `NIGHTSHIFT_TEST_CLOCK` (tests only) starts the clock at a given instant and makes waiting for a window skip ahead
 instead of sleeping: a test sees a window close mid-job and reopen at once.

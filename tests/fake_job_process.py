@@ -1,4 +1,4 @@
-"""A fake child job for the job-process launcher (pipeline/runtime/launcher.py): a small program put where the
+"""A fake child job for the job-process launcher (pipeline/runtime/hosting/launcher.py): a small program put where the
 launcher finds Python (`sys.executable -m pipeline …`). It appends what it was given — its arguments, its
 environment, the job file, its SIGINT disposition — as one JSON line to $FAKE_RECORD, and then does what
 $FAKE_BEHAVIOUR says:
@@ -24,7 +24,7 @@ FAKE_CHILD = """#!{python}
 import json, os, signal, sys, time
 
 # What `python -m pipeline` does first.
-from pipeline.runtime.launcher import follow_launcher
+from pipeline.runtime.hosting.launcher import follow_launcher
 follow_launcher()
 
 given = dict(os.environ)  # what the launcher gave it, before the defaults below

@@ -5,15 +5,15 @@
                      (or, fitted early to a sample, take requests while ingest reads: streaming)
 
     runtime/preflight.py           input and output reachable and usable, before any work
-    runtime/session.py             the Ray session (a private instance, or a cluster's address)
+    runtime/hosting/session.py             the Ray session (a private instance, or a cluster's address)
     runtime/ingest/tasks.py        read + validate + measure as tasks on the cluster: the work list, first errors
     runtime/ingest/measure.py      requests measured as fitting counts them (in the ingest tasks)
     runtime/ingest/sample.py       a sample spread over the input, measured first: what the early fit decides from
     runtime/ingest/fit.py          engine args fitted to the measured requests (on the driver)
     runtime/engines/launch.py      pools of engine actors (engine_actor.py) leasing chunks from the work queue
-    runtime/stage/sink.py          engines stage their own results; only acknowledgements reach the queue
+    runtime/engines/sink.py          engines stage their own results; only acknowledgements reach the queue
     runtime/commit/finalize.py     sorted, sharded output, then the manifest, written last
-    runtime/executor.py            how ingest's and finalize's tasks run: Ray tasks, or in this process
+    runtime/hosting/executor.py            how ingest's and finalize's tasks run: Ray tasks, or in this process
 
 `run_job` is that order and nothing else: each step is a function below it, sharing the run's `_Job`.
 
@@ -69,7 +69,7 @@ from pipeline.runtime.engines.launch import (
 )
 from pipeline.runtime.engines.monitor import preemption_remedy, summarize_engines
 from pipeline.runtime.engines.warm_keeper import NAMESPACE
-from pipeline.runtime.executor import use_task_hosts
+from pipeline.runtime.hosting.executor import use_task_hosts
 from pipeline.runtime.ingest.fit import (
     apply_fit,
     decide,
@@ -88,9 +88,9 @@ from pipeline.runtime.preflight import (
     check_output_target,
     output_problem,
 )
-from pipeline.runtime.session import start_ray
-from pipeline.runtime.stage.pending import PendingWork, pending_work
-from pipeline.runtime.task_hosts import find_task_hosts
+from pipeline.runtime.hosting.session import start_ray
+from pipeline.runtime.commit.pending import PendingWork, pending_work
+from pipeline.runtime.hosting.task_hosts import find_task_hosts
 from pipeline.state import IngestRecord, JobInput, JobState
 from pipeline.topology import Topology, check_pool_resources
 
@@ -159,7 +159,7 @@ def run_job(config: JobConfig, show_progress: bool = True, resume: bool = False)
 
 def _use_warm_task_hosts(config: JobConfig) -> None:
     """On warm engines whose runtime keeps task hosts (`nightshift up`), this job's tasks run there: no fresh worker
-    imports the tokenizer's libraries and loads the tokenizer again (runtime/task_hosts.py)."""
+    imports the tokenizer's libraries and loads the tokenizer again (runtime/hosting/task_hosts.py)."""
     hosts = find_task_hosts(config.engine.warm_engines, NAMESPACE) if config.engine.warm_engines else []
     use_task_hosts(hosts)
     if hosts:
@@ -437,7 +437,7 @@ def _run_engines(
     job: _Job, engines: _Engines, fitted: JobPlan, counters: JobCounters, show_progress: bool
 ) -> tuple[EngineRun, PendingWork]:
     """The engines run the work list still to run (`fitted`: the plan fitting settled); returns what they report
-    and the work they were given (on resume, without what engines staged before: runtime/stage/pending.py)."""
+    and the work they were given (on resume, without what engines staged before: runtime/commit/pending.py)."""
     state, staging, recorder = job.state, job.staging, job.recorder
     run = EngineRun()
     if engines.streaming:

@@ -10,7 +10,7 @@ from typing import Any
 
 from ray import serve
 
-from pipeline.runtime.launcher import STOP_GRACE_SECONDS
+from pipeline.runtime.hosting.launcher import STOP_GRACE_SECONDS
 from pipeline.server.exposure import check_exposure
 from pipeline.server.routes import BatchService, create_app
 from pipeline.server.settings import ServerConfig

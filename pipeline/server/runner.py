@@ -3,7 +3,7 @@ resume` for one whose checkpoint exists (a restarted server), joined to the serv
 
 Why a child process and not a thread of the API replica: a job's driver must be stoppable — a cancel or an expired
 window sends it SIGINT, and the job's own abort path releases its engines while every staged row stays on disk —
-and a thread cannot be stopped. runtime/launcher.py starts and stops it: SIGINT, its grace, then SIGKILL. The child
+and a thread cannot be stopped. runtime/hosting/launcher.py starts and stops it: SIGINT, its grace, then SIGKILL. The child
 dies with the thread that started it (PR_SET_PDEATHSIG), so a killed server leaves no orphan driving its batch; the
 restarted server resumes it from the checkpoint.
 
@@ -40,7 +40,7 @@ import structlog
 from pipeline.clock import SystemClock, clock_from_environment
 from pipeline.config import JobConfig
 from pipeline.io.staging import StagingArea
-from pipeline.runtime.launcher import JobProcess, start_job
+from pipeline.runtime.hosting.launcher import JobProcess, start_job
 from pipeline.server import outputs, scheduling
 from pipeline.server.accounting import account
 from pipeline.server.datadir import fsync_tree, make_private

@@ -1,7 +1,7 @@
 """`nightshift serve`: start (or join) Ray, run the Serve application on HOST:PORT, and stay up until SIGINT or
 SIGTERM; then shut Serve down, which stops the batches' jobs without giving them a final status, so the next
 server resumes them. Deleting the application waits for the replica's graceful shutdown, which waits for the jobs,
-each within its stop grace (runtime/launcher.py; server/app.py: Serve's timeout is longer).
+each within its stop grace (runtime/hosting/launcher.py; server/app.py: Serve's timeout is longer).
 
 Ray's token authentication as `nightshift run` has it (cluster/auth.py): a private local Ray starts with
 RAY_AUTH_MODE=token and the head's token, which each batch's job finds as it joins; a cluster given by --address is asked first whether it wants a token and takes this one — a
@@ -37,7 +37,7 @@ def _serve(config: ServerConfig) -> None:
     import ray
     from ray import serve
 
-    from pipeline.runtime.session import start_ray
+    from pipeline.runtime.hosting.session import start_ray
     from pipeline.server.app import APP_NAME, build_app
     from pipeline.server.exposure import check_exposure
 

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from cluster.home import nightshift_home
-from pipeline.runtime import warm_runtime
+from pipeline.runtime.hosting import warm_runtime
 from tests.e2e.cli import run_cli
 from tests.lines import MODEL_NAME, chat_line, read_jsonl, write_lines
 

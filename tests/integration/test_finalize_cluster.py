@@ -15,7 +15,7 @@ from cluster.local import NodeSpec, mixed_cluster
 from pipeline.config import StorageConfig
 from pipeline.io.staging import StagingArea
 from pipeline.io.writers import output_target
-from pipeline.runtime import executor as executor_module
+from pipeline.runtime.hosting import executor as executor_module
 from pipeline.runtime.commit import finalize as finalize_module
 from pipeline.runtime.commit.finalize import commit, write_outputs
 from tests.integration.storage_fixtures import moto_s3  # noqa: F401

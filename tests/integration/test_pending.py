@@ -13,8 +13,8 @@ import pytest
 from pipeline.config import StorageConfig
 from pipeline.io.staging import StagingArea
 from pipeline.io.writers import output_target
-from pipeline.runtime.stage import pending
-from pipeline.runtime.stage.pending import PendingWork, pending_work
+from pipeline.runtime.commit import pending
+from pipeline.runtime.commit.pending import PendingWork, pending_work
 from tests.integration.s3_staging import FAST_RETRIES, error_row, request, result_row
 from tests.integration.storage_fixtures import moto_s3  # noqa: F401
 

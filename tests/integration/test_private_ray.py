@@ -1,4 +1,4 @@
-"""The private Ray a job starts for itself (pipeline/runtime/session.py): its settings, and its end."""
+"""The private Ray a job starts for itself (pipeline/runtime/hosting/session.py): its settings, and its end."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import sys
 _SCRIPT = """
 import json
 from ray._private import worker
-from pipeline.runtime.session import IDLE_TASK_WORKERS_KEPT_MS, end_ray, start_ray
+from pipeline.runtime.hosting.session import IDLE_TASK_WORKERS_KEPT_MS, end_ray, start_ray
 
 start_ray(None, keep_idle_workers=True)
 node = worker._global_node

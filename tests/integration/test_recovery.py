@@ -343,7 +343,7 @@ _KILLED_DURING_FINALIZE = """
 import os, signal
 from pipeline.runtime.commit import finalize
 
-from pipeline.runtime.executor import TaskExecutor
+from pipeline.runtime.hosting.executor import TaskExecutor
 
 real_map = TaskExecutor.map
 

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.runtime.executor import TaskExecutor, ray_placement, use_task_hosts
-from pipeline.runtime.task_hosts import find_task_hosts, start_task_hosts
+from pipeline.runtime.hosting.executor import TaskExecutor, ray_placement, use_task_hosts
+from pipeline.runtime.hosting.task_hosts import find_task_hosts, start_task_hosts
 
 pytestmark = pytest.mark.slow
 

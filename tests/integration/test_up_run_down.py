@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.runtime import warm_runtime
+from pipeline.runtime.hosting import warm_runtime
 from tests.lines import MODEL_NAME, chat_line, read_jsonl, write_lines
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from pipeline.io.locations import RetryStats
-from pipeline.runtime.executor import IN_PROCESS, TaskExecutor, TaskPlacement, place_tasks
+from pipeline.runtime.hosting.executor import IN_PROCESS, TaskExecutor, TaskPlacement, place_tasks
 
 
 def square(context: dict, item: int) -> int:

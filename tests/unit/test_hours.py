@@ -1,5 +1,5 @@
 """The night window's arithmetic (pipeline/hours.py) on fixed instants, and the orchestration that runs a job inside
-it (pipeline/runtime/shifts.py) with a fake clock (or the test clock of pipeline/clock.py) and a fake job."""
+it (pipeline/runtime/hosting/shifts.py) with a fake clock (or the test clock of pipeline/clock.py) and a fake job."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import pytest
 
 from pipeline.clock import SkippingClock, WindowClosed
 from pipeline.hours import Hours, HoursError
-from pipeline.runtime.shifts import run_in_hours
+from pipeline.runtime.hosting.shifts import run_in_hours
 
 UTC = dt.timezone.utc
 
@@ -331,7 +331,7 @@ def test_the_runner_waits_for_the_window_and_expires_what_waited_too_long(tmp_pa
 def _shift_job(tmp_path, monkeypatch, behaviour: str):  # noqa: ANN202 - ShiftJob
     """A ShiftJob whose children are the fake job (tests/fake_job_process.py)."""
     from pipeline.config import JobConfig
-    from pipeline.runtime.shifts import ShiftJob
+    from pipeline.runtime.hosting.shifts import ShiftJob
     from tests.fake_job_process import install_fake_python
 
     install_fake_python(

@@ -257,7 +257,7 @@ def test_ingest_tasks_are_pinned_to_the_drivers_node_only_when_local_files_are_o
     from pipeline.io.locations import parse_location
     from pipeline.io.readers import InputSource
     from pipeline.io.staging import ObjectStoreFiles
-    from pipeline.runtime.executor import place_tasks
+    from pipeline.runtime.hosting.executor import place_tasks
     from pipeline.runtime.ingest.tasks import on_drivers_disk
 
     def pinned_to(source, staging, nodes, driver):

@@ -1,4 +1,4 @@
-"""The job-process launcher (pipeline/runtime/launcher.py) with a fake child (tests/fake_job_process.py) that
+"""The job-process launcher (pipeline/runtime/hosting/launcher.py) with a fake child (tests/fake_job_process.py) that
 records what it was given (its arguments, its environment, the job file) and then behaves as told — exits, aborts
 on SIGINT as a job does, or ignores SIGINT as a stuck job would."""
 
@@ -15,7 +15,7 @@ import pytest
 import yaml
 
 from pipeline.config import JobConfig
-from pipeline.runtime.launcher import STOP_GRACE_SECONDS, start_job
+from pipeline.runtime.hosting.launcher import STOP_GRACE_SECONDS, start_job
 from tests.fake_job_process import install_fake_python, wait_for_records
 
 pytestmark = pytest.mark.timeout(60)
@@ -236,7 +236,7 @@ def test_a_child_dies_with_the_thread_that_started_it(tmp_path, fake_python):
 def test_a_job_started_by_hand_keeps_its_signals(tmp_path, monkeypatch):
     """`follow_launcher` does nothing in a process the launcher did not start: a user's own `python -m pipeline`
     keeps whatever SIGINT disposition its shell gave it."""
-    from pipeline.runtime import launcher
+    from pipeline.runtime.hosting import launcher
 
     monkeypatch.delenv(launcher.LAUNCHER_ENV, raising=False)
     previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -298,7 +298,7 @@ def test_s3_credentials_reach_only_a_job_with_an_s3_location(tmp_path, fake_pyth
 
 
 def test_an_adapter_on_s3_is_an_s3_location_too(tmp_path):
-    from pipeline.runtime.job_env import uses_s3
+    from pipeline.runtime.hosting.job_env import uses_s3
 
     assert not uses_s3(_job(tmp_path))
     adapter = {"sql": "s3://bucket/adapters/sql"}

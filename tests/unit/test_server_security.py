@@ -88,7 +88,7 @@ def ray_starts(monkeypatch):
     """Stands in for starting Ray: records the environment Ray would start with, then stops `serve` there."""
     import os
 
-    import pipeline.runtime.session
+    import pipeline.runtime.hosting.session
 
     seen: list[dict] = []
 
@@ -96,7 +96,7 @@ def ray_starts(monkeypatch):
         seen.append({"address": address, **{k: os.environ.get(k) for k in (AUTH_MODE_ENV, TOKEN_PATH_ENV)}})
         raise RayStarted
 
-    monkeypatch.setattr(pipeline.runtime.session, "start_ray", start_ray)
+    monkeypatch.setattr(pipeline.runtime.hosting.session, "start_ray", start_ray)
     return seen
 
 

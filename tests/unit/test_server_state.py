@@ -117,7 +117,7 @@ def test_a_batchs_job_is_the_servers_job_with_the_batchs_own_input_output_and_cl
 
     import yaml
 
-    from pipeline.runtime.launcher import job_environment, write_job_file
+    from pipeline.runtime.hosting.launcher import job_environment, write_job_file
     from pipeline.server.runner import BatchRunner, DataDir
 
     data = DataDir(tmp_path)

@@ -12,7 +12,7 @@ import pytest
 
 from pipeline import __version__
 from pipeline.config import JobConfig
-from pipeline.runtime import warm_runtime as wr
+from pipeline.runtime.hosting import warm_runtime as wr
 
 
 def _state(**changes) -> wr.WarmRuntime:

@@ -20,7 +20,7 @@ A resumed finalize keeps the plan (when the staged parts, rows_per_shard and for
 already mapped and the shards already recorded, and runs the rest. Every task's writes are idempotent (fixed names,
 whole-file replaces), so a task Ray re-runs after a lost node does no harm.
 
-The tasks are plain functions of (context, item), run by runtime/executor.py: Ray tasks of one CPU each when Ray is
+The tasks are plain functions of (context, item), run by runtime/hosting/executor.py: Ray tasks of one CPU each when Ray is
 up. With a local path involved (local staging or a local OUTPUT) on a cluster that spans several hosts, they are
 pinned to the driver's node, the only one that sees that disk (in the driver itself when that node offers Ray no
 CPUs); otherwise Ray spreads them. Without Ray (finalize called on its own, as in unit tests) the same task
@@ -49,7 +49,7 @@ from pipeline.io.staging import STAGED_SCHEMA, LocalFiles, PartFiles, StagingAre
 from pipeline.io.writers import MANIFEST_NAME, OutputTarget, output_target, shard_encoder
 from pipeline.local_files import atomic_write_json, fsync_path
 from pipeline.manifest import Manifest
-from pipeline.runtime.executor import IN_PROCESS, TaskExecutor, ray_placement
+from pipeline.runtime.hosting.executor import IN_PROCESS, TaskExecutor, ray_placement
 from pipeline.stages.shard import (
     assign_shards,
     cut_ranks,
@@ -211,7 +211,7 @@ def _keys(ctx: _Context, path: str, kind: str) -> pa.Array:
     return ctx.read(path, ["key"]).column("key").combine_chunks()
 
 
-# -- the tasks (plain functions of (context, item): runtime/executor.py runs them) -----------------------------------
+# -- the tasks (plain functions of (context, item): runtime/hosting/executor.py runs them) -----------------------------------
 
 
 class GroupCall(NamedTuple):

@@ -1,7 +1,7 @@
 """The engine actor: a Ray Data callable class that hosts one engine and feeds it from the work queue.
 
 Ray Data places the actors (resources, accelerator type, restarts) and hands each one a *ticket*; a ticket is a
-pull loop: lease a chunk of requests from the queue, run it, stage its rows (runtime/stage/sink.py), acknowledge, lease
+pull loop: lease a chunk of requests from the queue, run it, stage its rows (runtime/engines/sink.py), acknowledge, lease
 the next — with about 2 x the engine's effective max_num_seqs requests inside the engine and one chunk in reserve,
 so continuous batching stays full across chunk boundaries. The number of Ray tasks is the number of engines, not of
 chunks; only acknowledgements travel back.
@@ -42,7 +42,7 @@ from pipeline.io.staging import STAGED_SCHEMA
 from pipeline.json_codec import loads
 from pipeline.protocol import ErrorCode, dumps, result_record
 from pipeline.runtime.engines.inflight import ChunkSlots, EngineWindow
-from pipeline.runtime.stage.sink import ChunkSink
+from pipeline.runtime.engines.sink import ChunkSink
 
 log = structlog.get_logger(__name__)
 

@@ -225,7 +225,7 @@ class EngineKeeper:
             "started": self.started,
             "reused": self.reused,
             # Seconds since a job last called or held an engine (None while one does): a coordinator that lives
-            # only for its engines (runtime/warm_runtime.py) ends after its idle timeout of it.
+            # only for its engines (runtime/hosting/warm_runtime.py) ends after its idle timeout of it.
             "idle_s": None if any(k.job for k in self._kept) else round(now - self._active_at, 1),
         }
 

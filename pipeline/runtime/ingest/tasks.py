@@ -3,7 +3,7 @@ records, and only an aggregate comes back to the driver.
 
 The input is cut into pieces (`InputSource.plan_reads`: whole files, byte ranges of large JSONL files, row groups of
 Parquet files; an http(s) input is one piece) and four steps run as parallel tasks, each a plain function of
-(the job, one item), run by runtime/executor.py: as Ray tasks when Ray is initialized, in this process otherwise
+(the job, one item), run by runtime/hosting/executor.py: as Ray tasks when Ray is initialized, in this process otherwise
 (unit tests; no Ray needed):
 
 1. scan: byte ranges are read once — newline counts (a JSONL range does not know how many lines precede it, so its
@@ -48,7 +48,7 @@ from pipeline.io.staging import INGEST_PREFIX, REQUEST_SCHEMA, LocalFiles, Stage
 from pipeline.json_codec import dumps_body
 from pipeline.max_tokens import requested_max_tokens
 from pipeline.protocol import ErrorCode, dumps, failed_request_record
-from pipeline.runtime.executor import TaskExecutor, ray_placement
+from pipeline.runtime.hosting.executor import TaskExecutor, ray_placement
 from pipeline.runtime.ingest.dedup import (
     REQUEST,
     BucketOutcome,

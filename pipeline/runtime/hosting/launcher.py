@@ -1,4 +1,4 @@
-"""The job-process launcher. Runs on the driver (`nightshift run --hours`, one child per shift: runtime/shifts.py)
+"""The job-process launcher. Runs on the driver (`nightshift run --hours`, one child per shift: runtime/hosting/shifts.py)
 or on the Batch API's server replica (one child per batch: server/runner.py), and starts one job as a child
 `python -m pipeline run|resume` process.
 
@@ -13,7 +13,7 @@ What the launcher owns, so both callers do it the same way:
   `run --config JOB_FILE`, with the job (its JobConfig as YAML) written to JOB_FILE first, readable by its owner only;
 - secrets: the http engine's api_key reaches the child only through its environment (under `api_key_env`), never
   on its command line nor in the job file (JobConfig never serializes it);
-- the child's environment: only what a job needs of the launcher's (runtime/job_env.py), never all of it — the
+- the child's environment: only what a job needs of the launcher's (runtime/hosting/job_env.py), never all of it — the
   server's API keys and credentials stay with the server;
 - the child's process: it stays in the launcher's process group (a Ctrl-C on the terminal reaches both), gets a
   default SIGINT disposition whatever it inherited, and on Linux dies with the thread that started it. The child
@@ -89,10 +89,10 @@ def write_job_file(job: JobConfig, path: Path) -> None:
 def job_environment(
     job: JobConfig, extra: Mapping[str, str] | None = None, withhold: Collection[str] = ()
 ) -> dict[str, str]:
-    """The child's environment: the part of the launcher's a job may see (runtime/job_env.py: the allowlist; a
+    """The child's environment: the part of the launcher's a job may see (runtime/hosting/job_env.py: the allowlist; a
     name in `withhold` never), the variable the http engine reads its key from, `extra` over them, and a key given
     in the job's config under that variable — for a resumed job too, whose checkpoint names it."""
-    from pipeline.runtime.job_env import inherited_environment
+    from pipeline.runtime.hosting.job_env import inherited_environment
 
     env = inherited_environment(os.environ, job, withhold)
     key_env = getattr(job.engine.args(), "api_key_env", None)

@@ -29,7 +29,7 @@ from pipeline.runtime.locality import must_pin_to_driver
 IN_PROCESS = "local"  # the placement of a task that ran in this process
 MAX_RETRIES = 3  # Ray runs a task again after its worker or node died: every task's writes are idempotent
 
-# The warm runtime's task hosts (runtime/task_hosts.py) this driver sends its tasks to, when its job runs on one.
+# The warm runtime's task hosts (runtime/hosting/task_hosts.py) this driver sends its tasks to, when its job runs on one.
 _task_hosts: list[Any] = []
 
 

@@ -1,10 +1,10 @@
 """A warm runtime on this machine (`nightshift up` / `nightshift down`): a Ray instance and a warm-engine keeper
 that outlive one `nightshift run`, so the next run of the same model does not pay Ray's start nor its engines'.
 
-    nightshift up ─▶ a daemon process (`python -m pipeline.runtime.warm_runtime`, its own session)
+    nightshift up ─▶ a daemon process (`python -m pipeline.runtime.hosting.warm_runtime`, its own session)
                        ├─ a local Ray instance (token-authenticated, the head's token: cluster/auth.py)
                        ├─ the EngineKeeper named KEEPER (runtime/engines/warm_keeper.py), owned by the daemon
-                       ├─ task hosts (runtime/task_hosts.py): the runs' ingest and finalize tasks, imports done
+                       ├─ task hosts (runtime/hosting/task_hosts.py): the runs' ingest and finalize tasks, imports done
                        └─ $NIGHTSHIFT_HOME/up/state.json: where it is (mode 0600 in a 0700 directory)
     nightshift run ─▶ finds the state, joins that Ray, takes its engines from the keeper (engine.warm_engines)
 
@@ -39,7 +39,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from pipeline import __version__
 from pipeline.config import JobConfig
-from pipeline.runtime.job_env import ENGINE_PREFIXES
+from pipeline.runtime.hosting.job_env import ENGINE_PREFIXES
 
 KEEPER = "nightshift-up"  # the keeper's actor name (namespace: warm_keeper.NAMESPACE)
 DEFAULT_IDLE_TIMEOUT_S = 30 * 60.0
@@ -206,7 +206,7 @@ def start(idle_timeout_s: float, timeout_s: float = START_TIMEOUT_S) -> tuple[Wa
     with open(log, "ab") as out:
         os.chmod(log, 0o600)
         daemon = subprocess.Popen(
-            [sys.executable, "-m", "pipeline.runtime.warm_runtime", "--idle-timeout", str(idle_timeout_s)],
+            [sys.executable, "-m", "pipeline.runtime.hosting.warm_runtime", "--idle-timeout", str(idle_timeout_s)],
             stdin=subprocess.DEVNULL,
             stdout=out,
             stderr=subprocess.STDOUT,
@@ -320,8 +320,8 @@ def serve(idle_timeout_s: float) -> None:
     import ray
 
     from pipeline.runtime.engines.warm_keeper import NAMESPACE, start_keeper
-    from pipeline.runtime.session import start_ray
-    from pipeline.runtime.task_hosts import start_task_hosts, stop_task_hosts
+    from pipeline.runtime.hosting.session import start_ray
+    from pipeline.runtime.hosting.task_hosts import start_task_hosts, stop_task_hosts
 
     stopping = []
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
@@ -360,7 +360,7 @@ def serve(idle_timeout_s: float) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(prog="python -m pipeline.runtime.warm_runtime")
+    parser = argparse.ArgumentParser(prog="python -m pipeline.runtime.hosting.warm_runtime")
     parser.add_argument("--idle-timeout", type=float, default=DEFAULT_IDLE_TIMEOUT_S)
     serve(parser.parse_args().idle_timeout)
 

@@ -2,7 +2,7 @@
 job the way Ctrl-C does — its abort path releases the engines, every staged row stays in `_staging/`, the rows in
 flight are dropped and run again later — then wait for the next opening and resume, all from the one command,
 until the job commits. Resuming re-runs only rows without a staged result, so the output is the uninterrupted
-run's. Each shift's job is a child process, started and stopped by runtime/launcher.py (`ShiftJob`).
+run's. Each shift's job is a child process, started and stopped by runtime/hosting/launcher.py (`ShiftJob`).
 
 The window's arithmetic is `pipeline/hours.py`, its clock `pipeline/clock.py` (the wall clock, or the test clock
 `NIGHTSHIFT_TEST_CLOCK` starts); the clock is injected, so the orchestration is tested with a fake one and a fake
@@ -20,7 +20,7 @@ import structlog
 
 from pipeline.clock import Clock, WindowClosed
 from pipeline.hours import Hours
-from pipeline.runtime.launcher import start_job
+from pipeline.runtime.hosting.launcher import start_job
 
 if TYPE_CHECKING:
     from pipeline.config import JobConfig
@@ -64,7 +64,7 @@ def run_in_hours(
 
 class ShiftJob:
     """One job, run shift after shift, each shift as a child `nightshift run` / `nightshift resume` process
-    (runtime/launcher.py: why a child, and how it is started and stopped).
+    (runtime/hosting/launcher.py: why a child, and how it is started and stopped).
 
     A child per shift because when the window closes, the job's engines must be gone before anything resumes it,
     and a child's exit guarantees that (its Ray driver ends, and Ray ends the driver's actors; a private local Ray

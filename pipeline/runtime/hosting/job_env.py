@@ -1,6 +1,6 @@
 """What a job process inherits from the environment of the process that launches it: an allowlist, not everything.
 
-The launcher (runtime/launcher.py) runs in the Batch API's replica and in `nightshift run --hours`. The replica's
+The launcher (runtime/hosting/launcher.py) runs in the Batch API's replica and in `nightshift run --hours`. The replica's
 environment holds what no job may see: the server's API keys (NIGHTSHIFT_API_KEYS, or whichever variable
 `auth.keys_env` names), credentials meant for other storage, whatever else an operator put there. So a job gets
 only what it needs to run Python, join its Ray cluster, load its model, reach its servers through a proxy, and start
@@ -69,7 +69,7 @@ JOB_VARIABLES: frozenset[str] = frozenset(
 
 # What an engine reads from its environment: vLLM, the devices it may use, its numeric libraries, the model hub.
 # A job with its own local Ray passes them to its engines; `nightshift up`'s runs compare them with its daemon's
-# (runtime/warm_runtime.py).
+# (runtime/hosting/warm_runtime.py).
 ENGINE_PREFIXES: tuple[str, ...] = (
     "HF_",  # the model hub: HF_HOME, HF_TOKEN (gated models), HF_HUB_OFFLINE, HF_ENDPOINT
     "TRANSFORMERS_",

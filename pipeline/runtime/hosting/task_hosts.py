@@ -7,7 +7,7 @@ before ingest can hand its first request to an engine, even on the warm engines 
 therefore also keeps TaskHost actors (named `<keeper>-tasks-<i>` in the keeper's namespace, owned by the daemon, no
 CPU reserved: a task host works only while a job's executor waits on it). A run attached to that runtime finds them
 (`find_task_hosts`) and its TaskExecutor sends each task function there instead of starting Ray tasks
-(runtime/executor.py: `use_task_hosts`). The tokenizer cache (engines/fitting.py) is per process, so the second job
+(runtime/hosting/executor.py: `use_task_hosts`). The tokenizer cache (engines/fitting.py) is per process, so the second job
 of a model measures with the tokenizer the first one loaded.
 
 The runtime is one machine (`nightshift up` starts a local Ray), so the hosts run where the job's disk is. A host
@@ -46,7 +46,7 @@ class TaskHost:
         return os.getpid()
 
     def run(self, fn: Any, context: Any, item: Any) -> tuple[str, Any, dict[str, int]]:
-        from pipeline.runtime.executor import _task
+        from pipeline.runtime.hosting.executor import _task
 
         return _task(fn, context, item)
 
@@ -56,7 +56,7 @@ def start_task_hosts(owner: str, count: int, namespace: str) -> list[Any]:
     as the hosts should live; returns when each has done its imports."""
     import ray
 
-    from pipeline.runtime.executor import MAX_RETRIES
+    from pipeline.runtime.hosting.executor import MAX_RETRIES
 
     hosts = [
         ray.remote(num_cpus=0)(TaskHost)
