@@ -206,7 +206,13 @@ def start(idle_timeout_s: float, timeout_s: float = START_TIMEOUT_S) -> tuple[Wa
     with open(log, "ab") as out:
         os.chmod(log, 0o600)
         daemon = subprocess.Popen(
-            [sys.executable, "-m", "pipeline.runtime.hosting.warm_runtime", "--idle-timeout", str(idle_timeout_s)],
+            [
+                sys.executable,
+                "-m",
+                "pipeline.runtime.hosting.warm_runtime",
+                "--idle-timeout",
+                str(idle_timeout_s),
+            ],
             stdin=subprocess.DEVNULL,
             stdout=out,
             stderr=subprocess.STDOUT,
