@@ -6,7 +6,8 @@ heads cannot be split two ways).
 - One job, two pools of the same model: one engine at TP=2, one at TP=1, each answering every question under a
   name of its own — a mixed-topology job, and TP=2's texts set beside TP=1's for the same requests.
 - A TP=2 engine whose second rank is SIGKILLed mid-job: the whole engine is rebuilt, its rows run again, exactly
-  once.
+  once. Its actor is held (SIGSTOP) from the moment it has rows in flight until the rank is dead, so the job can
+  neither end nor take the actor away while the rank is looked for, however loaded the box.
 - A PP=2 engine (two stages on this node: the CPU backend has no Ray executor to span nodes; the fake engine
   tests stages on two raylets, tests/integration/test_engine_groups.py).
 
@@ -16,9 +17,12 @@ and death are the subject.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import threading
+import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -64,6 +68,20 @@ def job_config(tmp_path: Path, job_id: str, model: Path, lines: list[str], **set
             **settings,
         }
     )
+
+
+@contextlib.contextmanager
+def held(pid: int) -> Iterator[None]:
+    """The process stopped (SIGSTOP) for the block, then continued: none of its threads runs meanwhile, so it does
+    not exit either; its children (vLLM's engine core and its ranks) run on. A process already gone fails the test."""
+    try:
+        os.kill(pid, signal.SIGSTOP)
+    except ProcessLookupError:
+        raise AssertionError(f"the engine actor {pid} exited before it could be held") from None
+    try:
+        yield
+    finally:
+        os.kill(pid, signal.SIGCONT)
 
 
 def texts(rows: list[dict]) -> dict[str, str]:
@@ -120,8 +138,8 @@ def test_one_job_with_a_tp2_pool_and_a_tp1_pool_of_the_same_model(private_ray, t
 
 
 def test_a_rank_of_a_tp2_engine_killed_mid_job(private_ray, tiny_llama, tmp_path):
-    # Enough work that the kill lands mid-job on a busy box too: the tiny model answers 32 lines in seconds, and on a
-    # loaded box such a job once ended before its rank had been found and killed.
+    # More lines than the engine holds at once (2 x max_num_seqs, and a chunk in reserve): when it is held, most of
+    # the job is still in the queue.
     n = 128
     lines = [
         chat(f"k-{i:03d}", str(tiny_llama), QUESTIONS[i % len(QUESTIONS)], max_tokens=48) for i in range(n)
@@ -145,10 +163,22 @@ def test_a_rank_of_a_tp2_engine_killed_mid_job(private_ray, tiny_llama, tmp_path
     thread = threading.Thread(target=lambda: outcome.update(result=run_job(config, show_progress=False)))
     thread.start()
 
+    # The engine actor is held (SIGSTOP) the moment it is seen with rows in flight: while its rank is looked for and
+    # killed it acknowledges, leases and begins nothing, and does not exit, so the job cannot end under the search (on
+    # a loaded box the tiny model's job once ended, its actor with it, before the rank was found). vLLM's engine core
+    # and ranks run on: the core sees the rank die and tells the actor its engine is dead, which the actor reads once
+    # it is continued, with chunks in flight and most of the job still in the queue.
     victim, actor_pid = engine_with_work_in_flight("rank-kill", thread)
-    worker = vllm_process(actor_pid, "Worker_TP1")
-    worker.send_signal(signal.SIGKILL)
-    worker.wait(timeout=30)
+    t_found = time.monotonic()
+    with held(actor_pid):
+        t_held = time.monotonic()
+        worker = vllm_process(actor_pid, "Worker_TP1")
+        worker.send_signal(signal.SIGKILL)
+        worker.wait(timeout=30)
+        print(
+            f"\nrank-kill: actor {actor_pid} held {t_held - t_found:.3f} s after its rows in flight were seen; "
+            f"Worker_TP1 {worker.pid} found and killed {time.monotonic() - t_held:.2f} s later"
+        )
 
     thread.join(timeout=900)
     assert not thread.is_alive()
