@@ -9,7 +9,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import structlog
 
@@ -79,32 +79,43 @@ def pool_line(pools: dict[str, dict], elapsed: float) -> str:
     return " | ".join(parts)
 
 
-def engine_line(engines: dict[str, Any] | None) -> str:
+class EngineNumbers(Protocol):
+    """What the display reads of the engines' summary (runtime/engines/monitor.py `EngineSummary`)."""
+
+    @property
+    def kv_cache_usage(self) -> float | None: ...
+    @property
+    def kv_cache_usage_peak(self) -> float | None: ...
+    @property
+    def num_preemptions(self) -> int: ...
+    @property
+    def prefix_cache_hit_rate(self) -> float | None: ...
+
+
+def engine_line(engines: EngineNumbers | None) -> str:
     """'KV 63% (peak 97%) · 12 preemptions · prefix hits 66%' — the engines' numbers, as far as they are known."""
-    if not engines:
+    if engines is None:
         return ""
     parts = []
-    if engines.get("kv_cache_usage") is not None:
-        peak = engines.get("kv_cache_usage_peak")
-        parts.append(
-            f"KV {engines['kv_cache_usage']:.0%}" + (f" (peak {peak:.0%})" if peak is not None else "")
-        )
-    if engines.get("num_preemptions"):
-        parts.append(f"{engines['num_preemptions']} preemptions")
-    if engines.get("prefix_cache_hit_rate") is not None:
-        parts.append(f"prefix hits {engines['prefix_cache_hit_rate']:.0%}")
+    if engines.kv_cache_usage is not None:
+        peak = engines.kv_cache_usage_peak
+        parts.append(f"KV {engines.kv_cache_usage:.0%}" + (f" (peak {peak:.0%})" if peak is not None else ""))
+    if engines.num_preemptions:
+        parts.append(f"{engines.num_preemptions} preemptions")
+    if engines.prefix_cache_hit_rate is not None:
+        parts.append(f"prefix hits {engines.prefix_cache_hit_rate:.0%}")
     return " · ".join(parts)
 
 
-def engine_fields(engines: dict[str, Any] | None) -> dict[str, Any]:
+def engine_fields(engines: EngineNumbers | None) -> dict[str, Any]:
     """The engines' numbers as log-line fields (only those known)."""
-    if not engines:
+    if engines is None:
         return {}
     fields = {
-        "kv_cache_usage": engines.get("kv_cache_usage"),
-        "kv_cache_usage_peak": engines.get("kv_cache_usage_peak"),
-        "preemptions": engines.get("num_preemptions"),
-        "prefix_cache_hit_rate": engines.get("prefix_cache_hit_rate"),
+        "kv_cache_usage": engines.kv_cache_usage,
+        "kv_cache_usage_peak": engines.kv_cache_usage_peak,
+        "preemptions": engines.num_preemptions,
+        "prefix_cache_hit_rate": engines.prefix_cache_hit_rate,
     }
     return {k: v for k, v in fields.items() if v is not None}
 
@@ -122,7 +133,7 @@ class ProgressDisplay:
         counters: JobCounters,
         enabled: bool = True,
         log_every: float = 10.0,
-        engines: Callable[[], dict[str, Any]] | None = None,
+        engines: Callable[[], EngineNumbers | None] | None = None,
         tick: float = 2.0,
     ) -> None:
         self.counters = counters
@@ -137,7 +148,7 @@ class ProgressDisplay:
         self._stop = threading.Event()
         self._ticker: threading.Thread | None = None
         self._pools: dict[str, dict] | None = None
-        self._engines_summary: dict[str, Any] | None = None
+        self._engines_summary: EngineNumbers | None = None
 
     def _tick(self) -> None:
         while not self._stop.wait(self.tick):

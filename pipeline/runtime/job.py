@@ -58,7 +58,8 @@ from pipeline.observe.progress import JobCounters
 from pipeline.observe.recorder import JobRecorder
 from pipeline.observe.report import request_usage, write_report
 from pipeline.prices import check_pools, parse_hosted_price
-from pipeline.runtime.commit.finalize import FORMAT_VERSION, commit, write_outputs
+from pipeline.runtime.commit.finalize import FORMAT_VERSION, FinalizeOutputs, commit, write_outputs
+from pipeline.runtime.commit.pending import PendingWork, pending_work
 from pipeline.runtime.engines.launch import (
     EngineLaunch,
     EngineRun,
@@ -67,9 +68,11 @@ from pipeline.runtime.engines.launch import (
     models_summary,
     pool_spec,
 )
-from pipeline.runtime.engines.monitor import preemption_remedy, summarize_engines
+from pipeline.runtime.engines.monitor import EngineSummary, preemption_remedy, summarize_engines
 from pipeline.runtime.engines.warm_keeper import NAMESPACE
 from pipeline.runtime.hosting.executor import use_task_hosts
+from pipeline.runtime.hosting.session import start_ray
+from pipeline.runtime.hosting.task_hosts import find_task_hosts
 from pipeline.runtime.ingest.fit import (
     apply_fit,
     decide,
@@ -88,9 +91,6 @@ from pipeline.runtime.preflight import (
     check_output_target,
     output_problem,
 )
-from pipeline.runtime.hosting.session import start_ray
-from pipeline.runtime.commit.pending import PendingWork, pending_work
-from pipeline.runtime.hosting.task_hosts import find_task_hosts
 from pipeline.state import IngestRecord, JobInput, JobState
 from pipeline.topology import Topology, check_pool_resources
 
@@ -500,13 +500,12 @@ def _finalize(
         format=config.output_options.format,
         reserve_cpus=engines.launch is None or engines.launch.warm is None,
     )
-    usage_histograms = outputs.pop("usage_histograms")
-    manifest = _manifest(job, fitted, run, work, counters, clock, outputs, request_usage(usage_histograms))
+    manifest = _manifest(job, fitted, run, work, counters, clock, outputs)
     recorder.stage_ended("finalize")
     manifest.stages = recorder.timeline.stages
     if config.observe.report:
         # Before the manifest: a committed job's report is complete; a report that fails costs the job nothing.
-        manifest.report = write_report(output, manifest, recorder.timeline, usage_histograms)
+        manifest.report = write_report(output, manifest, recorder.timeline, outputs.usage_histograms)
     return manifest
 
 
@@ -517,28 +516,25 @@ def _manifest(
     work: PendingWork,
     counters: JobCounters,
     clock: _RunClock,
-    outputs: dict[str, Any],
-    usage: Any,
+    outputs: FinalizeOutputs,
 ) -> Manifest:
     """The job's account (pipeline/manifest.py): what it read, ran and wrote, where, how fast, at what cost."""
     state, spec = job.state, fitted.engine_spec()
+    usage = request_usage(outputs.usage_histograms)  # percentiles of the shards' histograms
     # Where each stage's tasks ran (node id prefixes): ingest's steps, finalize's; engines are in engine.per_engine.
     placement = Placement(
         ingest=state.ingest.tasks_by_node if state.ingest else None,
         engine_groups=run.groups,
-        **outputs.pop("placement"),
+        finalize=outputs.tasks_by_node,
     )
     wall = time.monotonic() - clock.t0
     engines = summarize_engines(run.snapshot)
     decision = decision_of(state.fit)
     remedy = preemption_remedy(
-        engines.get("num_preemptions", 0),
-        engines.get("effective_args", {}),
-        decision.longest_sequence if decision else None,
+        engines.num_preemptions, engines.effective_args, decision.longest_sequence if decision else None
     )
     if remedy and not run.preemption_warned:
         log.warning(remedy)
-    rows_by_model = outputs.pop("rows_by_model", None)
     served = job.plan.served
     assert served is not None  # a resolved plan knows every name it serves
     return Manifest(
@@ -555,34 +551,36 @@ def _manifest(
             job.plan.pool_models,
             run.pools,
             {name: (model, served.paths[name]) for name, model in served.adapters.items()},
-            rows_by_model,
+            outputs.rows_by_model,
         ),
         engine=EngineReport(
             backend=spec.backend,
-            args=engines.get("effective_args") or spec.args,
-            sampling_defaults=engines.get("sampling_defaults", {}),
-            engines=engines.get("engines", 0),
-            reused=engines.get("reused", 0),
-            kv_cache_tokens_per_engine=engines.get("kv_cache_tokens_per_engine"),
-            in_flight=engines.get("in_flight"),
-            per_engine=engines.get("per_engine"),
-            kv_cache_usage_peak=engines.get("kv_cache_usage_peak"),
-            cpu_cores=engines.get("cpu_cores") or None,
-            first_ready_at=_utc(engines.get("first_ready_at")),  # engine start ends, generation begins
+            args=engines.effective_args or spec.args,
+            sampling_defaults=engines.sampling_defaults,
+            engines=engines.engines,
+            reused=engines.reused,
+            kv_cache_tokens_per_engine=engines.kv_cache_tokens_per_engine,
+            in_flight=engines.in_flight,
+            per_engine=engines.per_engine,
+            kv_cache_usage_peak=engines.kv_cache_usage_peak,
+            cpu_cores=engines.cpu_cores or None,
+            first_ready_at=_utc(engines.first_ready_at),  # engine start ends, generation begins
             fitted=state.fit,
             probed=job.plan.probed or None,
         ),
-        **outputs,  # counts, shards, tokens
+        counts=outputs.counts,
+        shards=outputs.shards,
+        tokens=outputs.tokens,
         placement=placement,
         wall_time_s=round(wall, 3),
         throughput=Throughput(
             rows_per_s=round(counters.done / wall, 2) if wall else 0.0,
             output_tokens_per_s=round(counters.completion_tokens / wall, 2) if wall else 0.0,
         ),
-        preemptions=engines.get("num_preemptions", 0),
+        preemptions=engines.num_preemptions,
         preemption_warning=remedy,
-        prefix_cache_hit_rate=engines.get("prefix_cache_hit_rate"),
-        adapter_loads=engines.get("adapter_loads"),
+        prefix_cache_hit_rate=engines.prefix_cache_hit_rate,
+        adapter_loads=engines.adapter_loads,
         routing=run.routing,
         recovery=Recovery(
             resumed=bool(job.resume),
@@ -608,10 +606,10 @@ def _manifest(
 def _cost(
     plan: JobPlan,
     run: EngineRun,
-    engines: dict[str, Any],
+    engines: EngineSummary,
     wall: float,
     t0: float,
-    outputs: dict[str, Any],
+    outputs: FinalizeOutputs,
 ) -> Cost | None:
     """This run's cost against the hosted price (observe/cost.py), with --gpu-hour-price / --hosted-price."""
     observe = plan.config.observe
@@ -619,15 +617,13 @@ def _cost(
     gpus = {pool.name: pool.config.gpus_per_engine or 0 for pool in plan.pools}
     pools = {}
     for name, stats in run.pools.items():
-        nodes = {
-            e.get("node_id") for e in (engines.get("per_engine") or {}).values() if e.get("pool") == name
-        }
+        nodes = {e.get("node_id") for e in engines.per_engine.values() if e.get("pool") == name}
         pools[name] = {
             "engines": stats.get("engines", 0),
             "gpus_per_engine": gpus.get(name, 0),
             "nodes": len(nodes),
         }
-    ready = engines.get("first_ready_at")
+    ready = engines.first_ready_at
     # Start-up: from this run's start until the first engine could generate (ingest and model load included).
     startup = ready - (time.time() - (time.monotonic() - t0)) if ready else None
     cost = job_cost(
@@ -636,9 +632,9 @@ def _cost(
         pools=pools,
         wall_s=wall,
         startup_s=None if startup is None else max(0.0, startup),
-        prompt_tokens=outputs["tokens"]["prompt"],
-        completion_tokens=outputs["tokens"]["completion"],
-        rows=outputs["counts"]["succeeded"],
+        prompt_tokens=outputs.tokens.prompt,
+        completion_tokens=outputs.tokens.completion,
+        rows=outputs.counts.succeeded,
     )
     return Cost.model_validate(cost) if cost else None
 

@@ -15,9 +15,9 @@ from cluster.local import NodeSpec, mixed_cluster
 from pipeline.config import StorageConfig
 from pipeline.io.staging import StagingArea
 from pipeline.io.writers import output_target
-from pipeline.runtime.hosting import executor as executor_module
 from pipeline.runtime.commit import finalize as finalize_module
-from pipeline.runtime.commit.finalize import commit, write_outputs
+from pipeline.runtime.commit.finalize import FinalizeOutputs, commit, write_outputs
+from pipeline.runtime.hosting import executor as executor_module
 from tests.integration.storage_fixtures import moto_s3  # noqa: F401
 from tests.staged_rows import error_row, result_row, stage_randomly, unicode_ids
 
@@ -75,15 +75,15 @@ def stage(staging: StagingArea, part_rows: int | None = None) -> None:
     staging.write_rows("errors", errors)
 
 
-def finalize(output, staging: StagingArea, fmt: str) -> dict:
+def finalize(output, staging: StagingArea, fmt: str) -> FinalizeOutputs:
     return write_outputs(output, staging, ROWS_PER_SHARD, RESULTS + ERRORS, format=fmt)
 
 
-def without_ray(monkeypatch, output, staging: StagingArea, fmt: str) -> dict:
+def without_ray(monkeypatch, output, staging: StagingArea, fmt: str) -> FinalizeOutputs:
     with monkeypatch.context() as patch:
         patch.setattr(finalize_module, "ray_placement", lambda local_paths: None)
         summary = finalize(output, staging, fmt)
-    assert summary["placement"]["finalize"].keys() == {"driver"}
+    assert summary.tasks_by_node.keys() == {"driver"}
     return summary
 
 
@@ -105,14 +105,14 @@ def test_one_host_spreads_the_tasks_over_its_nodes(cluster, tmp_path: Path, monk
 
     summary = finalize(output, staging, fmt)
 
-    placement = summary["placement"]["finalize"]
+    placement = summary.tasks_by_node
     assert set(placement) <= set(nodes(cluster)) and len(placement) >= 2, placement
     assert sum(placement.values()) >= 10 + 1  # a reduce task per shard at least
     expected = without_ray(monkeypatch, reference, StagingArea(reference), fmt)
-    assert summary["shards"] == expected["shards"] and summary["counts"] == expected["counts"]
-    assert [s["rows"] for s in summary["shards"]["results"]] == [ROWS_PER_SHARD] * 10
-    commit(output, staging, summary)
-    commit(reference, StagingArea(reference), summary)
+    assert summary.shards == expected.shards and summary.counts == expected.counts
+    assert [s.rows for s in summary.shards.results] == [ROWS_PER_SHARD] * 10
+    commit(output, staging, summary.manifest_fields())
+    commit(reference, StagingArea(reference), summary.manifest_fields())
     assert local_files(output) == local_files(reference)
 
 
@@ -132,8 +132,8 @@ def test_a_local_output_across_hosts_keeps_the_tasks_on_the_drivers_node(
     summary = finalize(output, staging, "jsonl")
 
     driver_node = ray.get_runtime_context().get_node_id()[:8]
-    assert list(summary["placement"]["finalize"]) == [driver_node]
-    assert [s["rows"] for s in summary["shards"]["results"]] == [ROWS_PER_SHARD] * 10
+    assert list(summary.tasks_by_node) == [driver_node]
+    assert [s.rows for s in summary.shards.results] == [ROWS_PER_SHARD] * 10
 
 
 def test_s3_staging_and_output_spread_over_the_nodes(cluster, moto_s3, tmp_path: Path, monkeypatch):
@@ -150,13 +150,13 @@ def test_s3_staging_and_output_spread_over_the_nodes(cluster, moto_s3, tmp_path:
 
     summary = finalize(target, staging, "jsonl")
 
-    placement = summary["placement"]["finalize"]
+    placement = summary.tasks_by_node
     assert set(placement) <= set(nodes(cluster)) and len(placement) >= 2, placement
     assert any("/_staging/finalize/done/" in key for key in moto_s3.keys(bucket))
     expected = without_ray(monkeypatch, reference_dir, reference, "jsonl")
-    assert summary["shards"] == expected["shards"]
-    commit(target, staging, summary)
+    assert summary.shards == expected.shards
+    commit(target, staging, summary.manifest_fields())
     keys = moto_s3.keys(bucket)
     assert not [k for k in keys if "/_staging/" in k]
-    for shard in summary["shards"]["results"] + summary["shards"]["errors"]:
-        assert moto_s3.get(bucket, f"run/{shard['name']}") == (reference_dir / shard["name"]).read_bytes()
+    for shard in summary.shards.results + summary.shards.errors:
+        assert moto_s3.get(bucket, f"run/{shard.name}") == (reference_dir / shard.name).read_bytes()

@@ -191,11 +191,9 @@ def test_finalize_and_commit_into_the_bucket(moto_s3, storage, home):
     moto_s3.put(bucket, "runs/one/notes.txt", b"not ours")
 
     summary = write_outputs(target, staging, rows_per_shard=20, expected_rows=59)
-    assert [s["name"] for s in summary["shards"]["results"]] == [
-        f"results-{k:05d}-of-00003.jsonl" for k in range(3)
-    ]
+    assert [s.name for s in summary.shards.results] == [f"results-{k:05d}-of-00003.jsonl" for k in range(3)]
     assert any("/_staging/" in k for k in moto_s3.keys(bucket))  # shards alone are no commit
-    commit(target, staging, {"counts": summary["counts"]})
+    commit(target, staging, {"counts": summary.counts.model_dump(mode="json")})
 
     keys = moto_s3.keys(bucket)
     assert keys == sorted(

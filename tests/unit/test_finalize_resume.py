@@ -12,7 +12,7 @@ import pytest
 
 from pipeline.io.staging import StagingArea
 from pipeline.runtime.commit import finalize as finalize_module
-from pipeline.runtime.commit.finalize import write_outputs
+from pipeline.runtime.commit.finalize import FinalizeOutputs, write_outputs
 from tests.staged_rows import error_row, result_row, stage_randomly, unicode_ids
 
 ROWS_PER_SHARD = 40
@@ -47,7 +47,7 @@ def staged(tmp_path: Path) -> Path:
     return output
 
 
-def finalize(output: Path, fmt: str = "jsonl", rows_per_shard: int = ROWS_PER_SHARD) -> dict:
+def finalize(output: Path, fmt: str = "jsonl", rows_per_shard: int = ROWS_PER_SHARD) -> FinalizeOutputs:
     return write_outputs(output, StagingArea(output), rows_per_shard, RESULTS + ERRORS, format=fmt)
 
 
@@ -110,9 +110,9 @@ def test_a_reduce_cut_short_rewrites_only_the_missing_shards(staged: Path, monke
     ]
     for name, stamp in before.items():  # the finished shards were left alone
         assert ((staged / name).stat().st_ino, (staged / name).stat().st_mtime_ns) == stamp
-    assert summary["shards"] == expected["shards"] and summary["counts"] == expected["counts"]
+    assert summary.shards == expected.shards and summary.counts == expected.counts
     assert shard_files(staged) == reference
-    assert [s["rows"] for s in summary["shards"]["results"]] == [40] * 7 + [20]
+    assert [s.rows for s in summary.shards.results] == [40] * 7 + [20]
 
 
 def test_a_map_cut_short_reroutes_only_the_unmapped_groups(staged: Path, monkeypatch):
@@ -134,7 +134,7 @@ def test_a_map_cut_short_reroutes_only_the_unmapped_groups(staged: Path, monkeyp
     mapped = calls.seen["_map_task"]
     assert ("results", 0) not in mapped and ("results", 1) in mapped and ("errors", 0) in mapped
     assert len(calls.seen["_reduce_task"]) == 8 + 3
-    assert summary["shards"] == expected["shards"] and summary["counts"] == expected["counts"]
+    assert summary.shards == expected.shards and summary.counts == expected.counts
     assert shard_files(staged) == reference
 
 
@@ -146,7 +146,7 @@ def test_interrupted_before_the_plan_was_recorded_starts_over(staged: Path, monk
         with pytest.raises(Interrupted):
             finalize(staged)
     assert (staged / "results-00000-of-00001.jsonl").exists()  # OUTPUT untouched until the plan is made
-    assert finalize(staged)["shards"] == reference["shards"]
+    assert finalize(staged).shards == reference.shards
     assert not (staged / "results-00000-of-00001.jsonl").exists()
     assert shard_files(staged) == shard_files(staged.parent / "uninterrupted")
 
@@ -161,7 +161,7 @@ def test_a_plan_that_no_longer_fits_is_made_again(staged: Path, monkeypatch):
     # attempt is reused, and its shards are replaced.
     summary = finalize(staged, rows_per_shard=100)
     reference = finalize(pristine, rows_per_shard=100)
-    assert summary["shards"] == reference["shards"]
-    assert [s["rows"] for s in summary["shards"]["results"]] == [100, 100, 100]
+    assert summary.shards == reference.shards
+    assert [s.rows for s in summary.shards.results] == [100, 100, 100]
     assert shard_files(staged) == shard_files(pristine)
     assert not list(staged.glob("results-*-of-00008.jsonl"))

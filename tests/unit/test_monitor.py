@@ -5,6 +5,7 @@ from __future__ import annotations
 from pipeline.observe.progress import engine_line
 from pipeline.runtime.engines import monitor as monitor_module
 from pipeline.runtime.engines.monitor import (
+    EngineSummary,
     EngineWatch,
     JobMonitor,
     preemption_remedy,
@@ -125,9 +126,20 @@ def engine_info(preemptions: int, usage: float, peak: float, hits: int = 0, quer
 
 def test_summary_reports_kv_usage_now_and_at_peak():
     summary = summarize_engines({"a": engine_info(3, 0.5, 0.9, 1, 4), "b": engine_info(2, 0.7, 1.0, 1, 4)})
-    assert summary["num_preemptions"] == 5
-    assert summary["kv_cache_usage"] == 0.6 and summary["kv_cache_usage_peak"] == 1.0
-    assert summary["prefix_cache_hit_rate"] == 0.25
+    assert summary.num_preemptions == 5
+    assert summary.kv_cache_usage == 0.6 and summary.kv_cache_usage_peak == 1.0
+    assert summary.prefix_cache_hit_rate == 0.25
+    assert summary.engines == 2 and summary.kv_cache_tokens_per_engine == 7680
+    assert summary.in_flight == {"default": {"max_num_seqs": 96, "window": None}}
+    assert list(summary.per_engine) == ["a", "b"] and summary.per_engine["a"]["pool"] == "default"
+
+
+def test_a_summary_of_no_engine_holds_the_defaults():
+    assert summarize_engines({}) == EngineSummary()
+    empty = EngineSummary()
+    assert (empty.engines, empty.reused, empty.num_preemptions) == (0, 0, 0)
+    assert empty.effective_args == {} and empty.sampling_defaults == {} and empty.cpu_cores == []
+    assert empty.first_ready_at is None and empty.kv_cache_usage is None and empty.adapter_loads is None
 
 
 def test_engine_watch_warns_once_as_soon_as_preemptions_appear(monkeypatch):
@@ -141,9 +153,10 @@ def test_engine_watch_warns_once_as_soon_as_preemptions_appear(monkeypatch):
     warnings = []
     monkeypatch.setattr(monitor_module.log, "warning", lambda message, **kw: warnings.append(message))
     watch = EngineWatch(snapshot, every_s=0)
-    assert watch.poll()["engines"] == 0
-    assert watch.poll()["kv_cache_usage"] == 0.5 and not watch.warned
-    assert watch.poll()["num_preemptions"] == 4 and watch.warned
+    assert watch.summary is None  # no reading yet
+    assert watch.poll().engines == 0
+    assert watch.poll().kv_cache_usage == 0.5 and not watch.warned
+    assert watch.poll().num_preemptions == 4 and watch.warned
     for _ in range(3):
         watch.poll()
     assert warnings == [
@@ -171,4 +184,4 @@ def test_engine_line_shows_what_is_known():
     assert engine_line(None) == ""
     line = engine_line(summarize_engines({"a": engine_info(12, 0.63, 0.97, 66, 100)}))
     assert line == "KV 63% (peak 97%) · 12 preemptions · prefix hits 66%"
-    assert engine_line({"kv_cache_usage": None, "num_preemptions": 0}) == ""
+    assert engine_line(EngineSummary()) == ""

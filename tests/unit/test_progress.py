@@ -6,6 +6,7 @@ import time
 
 from pipeline.observe import progress as progress_module
 from pipeline.observe.progress import JobCounters, ProgressDisplay
+from pipeline.runtime.engines.monitor import EngineSummary
 
 
 def test_log_lines_carry_the_engines_numbers_while_no_result_arrives(monkeypatch):
@@ -15,12 +16,9 @@ def test_log_lines_carry_the_engines_numbers_while_no_result_arrives(monkeypatch
 
     def engines():
         polls.append(1)
-        return {
-            "kv_cache_usage": 0.5,
-            "kv_cache_usage_peak": 0.75,
-            "num_preemptions": 3,
-            "prefix_cache_hit_rate": 0.6,
-        }
+        return EngineSummary(
+            kv_cache_usage=0.5, kv_cache_usage_peak=0.75, num_preemptions=3, prefix_cache_hit_rate=0.6
+        )
 
     with ProgressDisplay(JobCounters(total=10), enabled=False, log_every=0.0, engines=engines, tick=0.05):
         deadline = time.monotonic() + 5

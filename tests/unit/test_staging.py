@@ -185,7 +185,7 @@ def test_write_outputs_and_commit(staging: StagingArea, monkeypatch):
     staging.write_rows("errors", errors)
 
     summary = write_outputs(output, staging, rows_per_shard=10, expected_rows=27)
-    assert summary["counts"] == {
+    assert summary.counts.model_dump() == {
         "total": 27,
         "succeeded": 23,
         "failed": 4,
@@ -193,17 +193,17 @@ def test_write_outputs_and_commit(staging: StagingArea, monkeypatch):
         "structured": {"requested": 0, "parsed_json": 0},  # no row asked for JSON output
     }
     result_names = [f"results-{k:05d}-of-00003.jsonl" for k in range(3)]
-    assert [s["name"] for s in summary["shards"]["results"]] == result_names
-    assert [s["name"] for s in summary["shards"]["errors"]] == ["errors-00000-of-00001.jsonl"]
+    assert [s.name for s in summary.shards.results] == result_names
+    assert [s.name for s in summary.shards.errors] == ["errors-00000-of-00001.jsonl"]
     assert MANIFEST_NAME not in output_files(output)  # shards alone are not a commit
     assert staging.exists()
 
     seen_ids = []
-    for shard in summary["shards"]["results"] + summary["shards"]["errors"]:
-        data = (output / shard["name"]).read_bytes()
-        assert shard["sha256"] == hashlib.sha256(data).hexdigest()
-        assert shard["rows"] == len(data.splitlines())
-        if shard["name"].startswith("results"):
+    for shard in summary.shards.results + summary.shards.errors:
+        data = (output / shard.name).read_bytes()
+        assert shard.sha256 == hashlib.sha256(data).hexdigest()
+        assert shard.rows == len(data.splitlines())
+        if shard.name.startswith("results"):
             seen_ids += [json.loads(x)["custom_id"] for x in data.splitlines()]
     assert seen_ids == ids
     error_lines = [json.loads(x) for x in (output / "errors-00000-of-00001.jsonl").read_text().splitlines()]
@@ -226,7 +226,7 @@ def test_write_outputs_and_commit(staging: StagingArea, monkeypatch):
 
     monkeypatch.setattr(finalize_module, "atomic_write_json", spy_write_json)
     monkeypatch.setattr(shutil, "rmtree", spy_rmtree)
-    manifest = {"format_version": finalize_module.FORMAT_VERSION, **summary}
+    manifest = {"format_version": finalize_module.FORMAT_VERSION, **summary.manifest_fields()}
     commit(output, staging, manifest)
 
     assert events == ["manifest", "rmtree"]
@@ -274,7 +274,7 @@ def test_rerun_removes_stale_shards_of_another_count(staging: StagingArea):
         "errors-00000-of-00001.jsonl",
         "notes.txt",
     }
-    assert summary["counts"]["failed"] == 0
+    assert summary.counts.failed == 0
     assert (output / "errors-00000-of-00001.jsonl").read_bytes() == b""
-    commit(output, staging, summary)
+    commit(output, staging, summary.manifest_fields())
     assert MANIFEST_NAME in output_files(output)

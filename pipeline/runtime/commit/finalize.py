@@ -48,7 +48,7 @@ from pipeline.io.locations import Location
 from pipeline.io.staging import STAGED_SCHEMA, LocalFiles, PartFiles, StagingArea, with_later_columns
 from pipeline.io.writers import MANIFEST_NAME, OutputTarget, output_target, shard_encoder
 from pipeline.local_files import atomic_write_json, fsync_path
-from pipeline.manifest import Manifest
+from pipeline.manifest import Counts, Manifest, Shards, StructuredCounts, Tokens
 from pipeline.runtime.hosting.executor import IN_PROCESS, TaskExecutor, ray_placement
 from pipeline.stages.shard import (
     assign_shards,
@@ -68,7 +68,7 @@ from pipeline.stages.shard import (
 
 log = structlog.get_logger(__name__)
 
-__all__ = ["MANIFEST_NAME", "FORMAT_VERSION", "AccountingError", "write_outputs", "commit"]
+__all__ = ["MANIFEST_NAME", "FORMAT_VERSION", "AccountingError", "FinalizeOutputs", "write_outputs", "commit"]
 
 FORMAT_VERSION = 1
 PLAN_VERSION = 1
@@ -103,6 +103,37 @@ PIECE_OPTIONS = pa.ipc.IpcWriteOptions(compression="lz4")
 
 class AccountingError(RuntimeError):
     """Staged rows do not add up to the input: the job is not committed."""
+
+
+@dataclass(frozen=True)
+class FinalizeOutputs:
+    """What finalize wrote (write_outputs): the manifest's counts, shards and tokens as they are written, and what
+    the job's manifest and report derive from the shards' records."""
+
+    # Rows by outcome (total = succeeded + failed), error rows per code, structured (JSON) output asked for and
+    # parsed: the manifest's `counts`.
+    counts: Counts
+    # Every shard written, per kind in order: name, rows, first/last custom_id, bytes, sha256 (`shards`).
+    shards: Shards
+    # Prompt and completion tokens of every row written (`tokens`).
+    tokens: Tokens
+    # Per-request usage of the result rows, as histograms (observe/usage.py): the manifest's percentiles and the
+    # report's length charts.
+    usage_histograms: dict[str, dict[str, Any]]
+    # Rows and tokens per name the requests gave in `model` (a served model or a LoRA adapter): the rows an engine
+    # answered, results and the engine's error records alike (the manifest's `models`).
+    rows_by_model: dict[str, dict[str, int]]
+    # Which nodes ran finalize's tasks (a node id's first 8 characters, or "driver") and how many, this attempt
+    # only (the manifest's `placement.finalize`).
+    tasks_by_node: dict[str, int]
+
+    def manifest_fields(self) -> dict[str, Any]:
+        """`counts`, `shards` and `tokens` as manifest.json holds them: the manifest of finalize used on its own."""
+        return {
+            "counts": self.counts.model_dump(mode="json"),
+            "shards": self.shards.model_dump(mode="json"),
+            "tokens": self.tokens.model_dump(mode="json"),
+        }
 
 
 def _as_target(output: Path | str | OutputTarget) -> OutputTarget:
@@ -477,7 +508,7 @@ def write_outputs(
     expected_rows: int,
     format: str = "jsonl",
     reserve_cpus: bool = True,
-) -> dict[str, Any]:
+) -> FinalizeOutputs:
     """Write the shards; returns counts, shard descriptions and the nodes that ran finalize, for the manifest.
     `reserve_cpus=False`: engines still hold the cluster's CPUs (warm engines), so tasks take none."""
     target = _as_target(output)
@@ -584,26 +615,21 @@ def write_outputs(
         for record in done[kind].values():
             for key in tokens:
                 tokens[key] += record.get("tokens", {}).get(key, 0)
-    return {
-        "counts": {
-            "total": expected_rows,
-            "succeeded": n_results,
-            "failed": n_errors,
-            "by_error_code": dict(sorted(by_code.items())),
+    return FinalizeOutputs(
+        counts=Counts(
+            total=expected_rows,
+            succeeded=n_results,
+            failed=n_errors,
+            by_error_code=dict(sorted(by_code.items())),
             # Results of requests that asked for JSON output, and how many of those parsed (observe/usage.py).
-            "structured": structured,
-        },
-        "shards": shards,
-        "tokens": tokens,
-        # Per-request usage of the result rows, as histograms (observe/usage.py): the manifest's percentiles and
-        # the report's length charts.
-        "usage_histograms": usage,
-        # Rows and tokens per name the requests gave in `model` (a served model or a LoRA adapter): the rows an
-        # engine answered, results and the engine's error records alike.
-        "rows_by_model": by_model,
-        # Which nodes ran finalize's tasks (a node id's first 8 characters, or "driver"), this attempt only.
-        "placement": {"finalize": _by_node_label(tasks_by_node)},
-    }
+            structured=StructuredCounts(**structured),
+        ),
+        shards=Shards.model_validate(shards),
+        tokens=Tokens(**tokens),
+        usage_histograms=usage,
+        rows_by_model=by_model,
+        tasks_by_node=_by_node_label(tasks_by_node),
+    )
 
 
 def commit(

@@ -16,6 +16,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 import structlog
@@ -153,7 +154,45 @@ def summarize_recovery(work: dict[str, dict[str, Any]]) -> dict[str, Any]:
     }
 
 
-def summarize_engines(snapshot: dict[str, dict[str, Any]]) -> dict[str, Any]:
+@dataclass(frozen=True)
+class EngineSummary:
+    """The engines' numbers over all engines (summarize_engines): the live display's and the manifest's. The
+    defaults are a summary of no engine at all."""
+
+    # Engine actors that reported.
+    engines: int = 0
+    # When the first engine was ready (epoch seconds): engine start ends, generation begins. None: none ready yet.
+    first_ready_at: float | None = None
+    # Of the engines, warm ones another job had started (this job did not pay their start).
+    reused: int = 0
+    # Sequences the engines preempted and recomputed (KV cache full), summed over engines.
+    num_preemptions: int = 0
+    # Prefix-cache hits / queries over all engines, to 4 places; None: no query yet.
+    prefix_cache_hit_rate: float | None = None
+    # LoRA adapters loaded into engines' slots, first loads and swaps (None: no engine serves adapters).
+    adapter_loads: int | None = None
+    # KV cache usage (0..1): the mean of the engines' last readings; None: none reported.
+    kv_cache_usage: float | None = None
+    # The highest KV cache usage (0..1) any engine reported; None: none reported.
+    kv_cache_usage_peak: float | None = None
+    # KV cache capacity of one engine (the first one's), in tokens.
+    kv_cache_tokens_per_engine: int | None = None
+    # The first engine's effective engine args (what it actually ran with).
+    effective_args: dict[str, Any] = field(default_factory=dict)
+    # CPU engines: the cores each one computed on (empty where vLLM bound them itself).
+    cpu_cores: list[Any] = field(default_factory=list)
+    # Every sampling default the first engine applied, the model's generation_config included.
+    sampling_defaults: dict[str, Any] = field(default_factory=dict)
+    # Per engine actor: its pool and node, whether it was warm, adapter loads, the rows and chunks it ran, and
+    # how busy it was between its first and last request.
+    per_engine: dict[str, dict[str, Any]] = field(default_factory=dict)
+    # Per pool: the engine's own max_num_seqs (given, fitted, or decided by the engine as it started), the
+    # requests each of its actors kept inside it (2 x that, unless max_in_flight was given) and the peak of
+    # requests inside the engine.
+    in_flight: dict[str, dict[str, Any]] = field(default_factory=dict)
+
+
+def summarize_engines(snapshot: dict[str, dict[str, Any]]) -> EngineSummary:
     """Totals over all engines: preemptions, prefix-cache hit rate, KV capacity and usage (the mean of the engines'
     last readings, and the highest reading any engine reported); plus the first engine's args."""
     preemptions = sum(e["stats"].get("num_preemptions", 0) for e in snapshot.values())
@@ -174,25 +213,22 @@ def summarize_engines(snapshot: dict[str, dict[str, Any]]) -> dict[str, Any]:
     ]
     first = next(iter(snapshot.values()), {})
     ready = [e["ready_at"] for e in snapshot.values() if e.get("ready_at")]
-    return {
-        "engines": len(snapshot),
-        "first_ready_at": min(ready) if ready else None,
-        "reused": sum(1 for e in snapshot.values() if e.get("reused")),
-        "num_preemptions": preemptions,
-        "prefix_cache_hit_rate": round(hits / queries, 4) if queries else None,
-        # LoRA adapters loaded into engines' slots, first loads and swaps (None: no engine serves adapters).
-        "adapter_loads": sum(loads) if loads else None,
-        "kv_cache_usage": round(sum(usage) / len(usage), 4) if usage else None,
-        "kv_cache_usage_peak": round(max(peaks), 4) if peaks else None,
-        "kv_cache_tokens_per_engine": first.get("stats", {}).get("kv_cache_tokens"),
-        "effective_args": first.get("effective_args", {}),
-        # CPU engines: the cores each one computed on (absent where vLLM bound them itself).
-        "cpu_cores": sorted(
+    return EngineSummary(
+        engines=len(snapshot),
+        first_ready_at=min(ready) if ready else None,
+        reused=sum(1 for e in snapshot.values() if e.get("reused")),
+        num_preemptions=preemptions,
+        prefix_cache_hit_rate=round(hits / queries, 4) if queries else None,
+        adapter_loads=sum(loads) if loads else None,
+        kv_cache_usage=round(sum(usage) / len(usage), 4) if usage else None,
+        kv_cache_usage_peak=round(max(peaks), 4) if peaks else None,
+        kv_cache_tokens_per_engine=first.get("stats", {}).get("kv_cache_tokens"),
+        effective_args=first.get("effective_args", {}),
+        cpu_cores=sorted(
             cores for e in snapshot.values() if (cores := e["stats"].get("extra", {}).get("cpu_cores"))
         ),
-        "sampling_defaults": first.get("sampling_defaults", {}),
-        # Per engine: its node, the rows and chunks it ran, and how busy it was between its first and last request.
-        "per_engine": {
+        sampling_defaults=first.get("sampling_defaults", {}),
+        per_engine={
             actor: {
                 "pool": e["pool"],
                 "node_id": e.get("node_id"),
@@ -202,9 +238,7 @@ def summarize_engines(snapshot: dict[str, dict[str, Any]]) -> dict[str, Any]:
             }
             for actor, e in sorted(snapshot.items())
         },
-        # Per pool: the engine's own max_num_seqs (given, fitted, or decided by the engine as it started) and the
-        # requests each of its actors kept inside it (2 x that, unless max_in_flight was given).
-        "in_flight": {
+        in_flight={
             e["pool"]: {
                 "max_num_seqs": (e.get("effective_args") or {}).get("max_num_seqs"),
                 "window": e.get("in_flight_window"),
@@ -216,7 +250,7 @@ def summarize_engines(snapshot: dict[str, dict[str, Any]]) -> dict[str, Any]:
             }
             for e in snapshot.values()
         },
-    }
+    )
 
 
 def preemption_remedy(
@@ -268,7 +302,7 @@ class EngineWatch:
         self._snapshot = snapshot
         self.every_s = every_s
         self.longest_sequence = longest_sequence  # from fitting: makes the remedy exact
-        self.summary: dict[str, Any] = {}
+        self.summary: EngineSummary | None = None  # the last good reading (None: none yet)
         self.engines: dict[str, dict[str, Any]] = {}  # the engines' last raw reports (for the job's recorder)
         self.warned = False
         self._last = float("-inf")
@@ -283,7 +317,7 @@ class EngineWatch:
 
         return cls(lambda: ray.get(monitor.snapshot.remote(), timeout=10), every_s, longest_sequence)
 
-    def poll(self) -> dict[str, Any]:
+    def poll(self) -> EngineSummary | None:
         with self._lock:
             now = time.monotonic()
             if now - self._last < self.every_s:
@@ -291,14 +325,12 @@ class EngineWatch:
             self._last = now
             try:
                 self.engines = self._snapshot()
-                self.summary = summarize_engines(self.engines)
+                summary = self.summary = summarize_engines(self.engines)
             except Exception as exc:  # noqa: BLE001 - a slow or restarting monitor must not stop the job
                 log.debug("engine stats unavailable", error=str(exc))
                 return self.summary
-            remedy = preemption_remedy(
-                self.summary["num_preemptions"], self.summary["effective_args"], self.longest_sequence
-            )
+            remedy = preemption_remedy(summary.num_preemptions, summary.effective_args, self.longest_sequence)
             if remedy and not self.warned:
                 self.warned = True
                 log.warning(remedy)
-            return self.summary
+            return summary

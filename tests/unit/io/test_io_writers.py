@@ -41,20 +41,18 @@ def test_external_sort_matches_a_plain_sort(
 
     summary = write_outputs(output, staging, rows_per_shard=97, expected_rows=1000 + 129)
 
-    shards = summary["shards"]["results"]
-    assert [s["rows"] for s in shards] == [97] * 10 + [30]
+    shards = summary.shards.results
+    assert [s.rows for s in shards] == [97] * 10 + [30]
     written = []
     for shard in shards:
-        data = (output / shard["name"]).read_bytes()
-        assert hashlib.sha256(data).hexdigest() == shard["sha256"] and len(data) == shard["bytes"]
+        data = (output / shard.name).read_bytes()
+        assert hashlib.sha256(data).hexdigest() == shard.sha256 and len(data) == shard.bytes
         ids_in_shard = [json.loads(x)["custom_id"] for x in data.decode().splitlines()]
-        assert (ids_in_shard[0], ids_in_shard[-1]) == (shard["first_custom_id"], shard["last_custom_id"])
+        assert (ids_in_shard[0], ids_in_shard[-1]) == (shard.first_custom_id, shard.last_custom_id)
         written.extend(ids_in_shard)
     assert written == sorted(ids, key=lambda s: s.encode())  # UTF-8 byte order across shard boundaries
     error_records = [
-        json.loads(x)
-        for s in summary["shards"]["errors"]
-        for x in (output / s["name"]).read_text().splitlines()
+        json.loads(x) for s in summary.shards.errors for x in (output / s.name).read_text().splitlines()
     ]
     assert [(e["error"]["source"], e["error"]["line"]) for e in error_records] == sorted(
         (e.source, e.line) for e in errors
@@ -70,17 +68,17 @@ def test_parquet_shards_range_partitioned_with_manifest_sha256(staging: StagingA
 
     summary = write_outputs(output, staging, rows_per_shard=100, expected_rows=252, format="parquet")
 
-    names = [s["name"] for s in summary["shards"]["results"]]
+    names = [s.name for s in summary.shards.results]
     assert names == [f"results-{k:05d}-of-00003.parquet" for k in range(3)]
     previous_last = None
-    for shard in summary["shards"]["results"]:
-        data = (output / shard["name"]).read_bytes()
-        assert hashlib.sha256(data).hexdigest() == shard["sha256"] and len(data) == shard["bytes"]
-        table = pq.read_table(output / shard["name"])
+    for shard in summary.shards.results:
+        data = (output / shard.name).read_bytes()
+        assert hashlib.sha256(data).hexdigest() == shard.sha256 and len(data) == shard.bytes
+        table = pq.read_table(output / shard.name)
         assert table.schema == PARQUET_OUTPUT_SCHEMA
         got = table.column("custom_id").to_pylist()
-        assert got == sorted(got) and len(got) == shard["rows"]
-        assert (got[0], got[-1]) == (shard["first_custom_id"], shard["last_custom_id"])
+        assert got == sorted(got) and len(got) == shard.rows
+        assert (got[0], got[-1]) == (shard.first_custom_id, shard.last_custom_id)
         if previous_last is not None:
             assert previous_last < got[0]
         previous_last = got[-1]
@@ -88,8 +86,8 @@ def test_parquet_shards_range_partitioned_with_manifest_sha256(staging: StagingA
         assert row["content"] == f"answer {row['custom_id']}" and row["finish_reason"] == "stop"
         assert (row["status_code"], row["prompt_tokens"], row["completion_tokens"]) == (200, 3, 5)
         assert json.loads(row["response"])["body"]["usage"]["total_tokens"] == 8 and row["error"] is None
-    (errors,) = summary["shards"]["errors"]
-    table = pq.read_table(output / errors["name"])
+    (errors,) = summary.shards.errors
+    table = pq.read_table(output / errors.name)
     assert [json.loads(e)["line"] for e in table.column("error").to_pylist()] == [2, 7]
     assert table.column("status_code").to_pylist() == [None, None]
 
@@ -98,13 +96,10 @@ def test_empty_parquet_output_is_one_readable_empty_shard(staging: StagingArea):
     summary = write_outputs(
         Path(staging.root).parent, staging, rows_per_shard=10, expected_rows=0, format="parquet"
     )
-    (shard,) = summary["shards"]["results"]
-    table = pq.read_table(Path(staging.root).parent / shard["name"])
+    (shard,) = summary.shards.results
+    table = pq.read_table(Path(staging.root).parent / shard.name)
     assert table.num_rows == 0 and table.schema == PARQUET_OUTPUT_SCHEMA
-    assert (
-        shard["sha256"]
-        == hashlib.sha256((Path(staging.root).parent / shard["name"]).read_bytes()).hexdigest()
-    )
+    assert shard.sha256 == hashlib.sha256((Path(staging.root).parent / shard.name).read_bytes()).hexdigest()
 
 
 def test_duplicate_result_across_many_shards_commits_nothing(staging: StagingArea):
@@ -180,10 +175,10 @@ def test_staged_parts_shards_and_manifest_reach_the_disk_before_they_count(stagi
     events.clear()
     output = Path(staging.root).parent
     summary = write_outputs(output, staging, rows_per_shard=7, expected_rows=20)
-    finalize_module.commit(output, staging, summary)
+    finalize_module.commit(output, staging, summary.manifest_fields())
     manifest_at = next(
         i for i, (kind, what) in enumerate(events) if kind == "replace" and what.endswith("/manifest.json")
     )
     before = {what for kind, what in events[:manifest_at] if kind == "fsync"}
-    assert {str(output / s["name"]) for s in summary["shards"]["results"]} <= before and str(output) in before
+    assert {str(output / s.name) for s in summary.shards.results} <= before and str(output) in before
     assert ("fsync", str(output)) in events[manifest_at:]
