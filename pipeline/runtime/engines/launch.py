@@ -41,8 +41,8 @@ from pipeline.runtime.engines.engine_group import (
 )
 from pipeline.runtime.engines.monitor import EngineWatch, summarize_recovery
 from pipeline.runtime.engines.placement import place_pool
-from pipeline.runtime.preflight import PreflightError
 from pipeline.runtime.engines.sink import ChunkSink
+from pipeline.runtime.preflight import PreflightError
 
 log = structlog.get_logger(__name__)
 
@@ -221,8 +221,8 @@ class EngineLaunch:
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
         from pipeline.runtime.engines.monitor import JobMonitor
-        from pipeline.runtime.engines.work_queue import WorkQueue
         from pipeline.runtime.engines.sink import PartWriter, engines_share_disk_with_driver
+        from pipeline.runtime.engines.work_queue import WorkQueue
 
         _wait_for_earlier_driver(job_id)
         config, spec = plan.config, plan.engine_spec()
