@@ -215,11 +215,14 @@ def crash(server: Server, targets: tuple[int, int]) -> None:
     until(lambda: not session_pids(sid), timeout=120, what="the killed server's processes to end")
 
 
-SLOW_HEAD = 64 * 1024  # what a slow client has sent of its upload when the server is killed
+SLOW_HEAD = 64 * 1024  # what a slow client's upload holds on disk (its scratch part) when the server dies
+# What the slow client sends before it stalls: twice SLOW_HEAD, since the server writes a file part through a buffer
+# (a block, 4 KiB here) whose tail waits for more bytes; how the proxy splits the body decides how much that is.
+SLOW_SENT = 2 * SLOW_HEAD
 
 
 def slow_upload(server: Server, finish: threading.Event) -> None:
-    """An upload from a slow client: its form and the first SLOW_HEAD bytes of its file, then nothing until
+    """An upload from a slow client: its form and the first SLOW_SENT bytes of its file, then nothing until
     `finish` — the server streams it into a scratch part meanwhile."""
     boundary = "soak-slow-upload"
 
@@ -227,7 +230,7 @@ def slow_upload(server: Server, finish: threading.Event) -> None:
         yield (
             f'--{boundary}\r\nContent-Disposition: form-data; name="purpose"\r\n\r\nbatch\r\n--{boundary}\r\n'
             'Content-Disposition: form-data; name="file"; filename="slow.jsonl"\r\n\r\n'
-        ).encode() + chat_line("slow", "x" * SLOW_HEAD).encode()
+        ).encode() + chat_line("slow", "x" * SLOW_SENT).encode()
         finish.wait(600)
         yield f"\n\r\n--{boundary}--\r\n".encode()
 
@@ -239,8 +242,38 @@ def slow_upload(server: Server, finish: threading.Event) -> None:
         httpx.post(f"{server.base_url}/files", content=body(), headers=headers, timeout=600)
 
 
+def stop_process(pid: int) -> None:
+    """Stop the process (SIGSTOP) and return once every thread of it has stopped: kill() returns as soon as the signal
+    is sent, and a thread that is running (on the other core) or inside a system call goes on until it is kicked or
+    the call returns."""
+    os.kill(pid, signal.SIGSTOP)
+    deadline = time.monotonic() + 30
+    while not all(state in "TZX" for state in thread_states(pid)):
+        assert time.monotonic() < deadline, f"process {pid} not stopped 30 s after SIGSTOP"
+        time.sleep(0.001)
+
+
+def thread_states(pid: int) -> list[str]:
+    """The state letter of each thread of the process (R, S, D, T...), from /proc; a thread gone is left out."""
+    states = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            stat = (task / "stat").read_text()
+        except (FileNotFoundError, ProcessLookupError):
+            continue
+        states.append(stat[stat.rindex(")") + 2])  # after "pid (comm) ": comm may hold spaces and parentheses
+    return states
+
+
 def scratch_parts(data: Path, at_least: int = 0) -> list[Path]:
-    return [p for p in (data / "tmp").iterdir() if p.stat().st_size >= at_least]
+    """Uploads' scratch parts with at least `at_least` bytes on disk; one that goes meanwhile (an upload that ended)
+    is left out."""
+    parts = []
+    for part in (data / "tmp").iterdir():
+        with contextlib.suppress(FileNotFoundError):
+            if part.stat().st_size >= at_least:
+                parts.append(part)
+    return parts
 
 
 class Pollers:
@@ -403,9 +436,16 @@ def test_two_tenants_quotas_retention_and_a_kill_mid_sweep(soak):
 
         t_burst = time.monotonic()
         targets = crash_targets(soak)
-        with database(soak) as db, ThreadPoolExecutor(5) as pool:
+        with database(soak) as db, ThreadPoolExecutor(5) as pool, contextlib.ExitStack() as leaving:
+            # The uploaders stop however the block ends: a failure in it must not wait for them forever.
+            leaving.callback(killed.set)
             burst_futures = [pool.submit(upload_burst, n) for n in range(4)]
             burst_futures.append(pool.submit(slow_upload, soak, killed))
+            # The slow client's upload on disk before the kill can come (expiring takes SHORT seconds): the server
+            # streams it into its scratch part at once, but on a loaded box "at once" has no bound.
+            until(
+                lambda: scratch_parts(data, SLOW_HEAD), timeout=120, what="the slow client's upload on disk"
+            )
             deadline = time.monotonic() + 240
             # A sweep in its freeing loop with plenty left (many burst files marked, some already freed) while a
             # batch is mid-run. The burst goes on until then, so every few seconds a sweep has plenty to do.
@@ -419,9 +459,9 @@ def test_two_tenants_quotas_retention_and_a_kill_mid_sweep(soak):
                             submit(ledger, a, f"a-late-{len(late)}", 160, output_kept=True, max_tokens=8)
                         )
                     time.sleep(0.005)
-                # The sweeper held where it is (SIGSTOP lands at once, and the SIGKILL below in the same place) and
-                # the state read again: on a loaded box a sweep can free the rest between the read and the kill.
-                os.kill(targets[1], signal.SIGSTOP)
+                # The sweeper held where it is (the SIGKILL below lands in the same place) and the state read again
+                # once it has stopped: on a loaded box a sweep can free the rest between the read and the kill.
+                stop_process(targets[1])
                 if (state := burst_state(db))[0] >= 1 and state[1] >= 1 and mid_batch(db):
                     break
                 os.kill(targets[1], signal.SIGCONT)
