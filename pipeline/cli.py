@@ -458,6 +458,7 @@ def down() -> None:
     "engine.backend",
     "engine.vllm.lora_modules",
     "engine.vllm.max_model_len",
+    "engine.http.endpoints",
     "storage.s3_endpoint_url",
     help={"model": "Model the job would serve (its name is checked)."},
 )
@@ -486,6 +487,7 @@ def validate(
 
     Lines are checked against every name the job serves — each pool's model and its LoRA adapters — as `run` with the
     same --config and flags would check them."""
+    from pipeline.engines.base import backend
     from pipeline.job_plan import JobPlan, JobPlanError
     from pipeline.models import MissingDependencyError, ModelNotFoundError
     from pipeline.runtime.preflight import PreflightError, check_input_source
@@ -495,6 +497,9 @@ def validate(
         job = merge_overrides(load_job_config(config), flags.overrides(), flags.labels)
         plan = JobPlan.of(job)
         source = check_input_source(input, job.storage)
+        # Tokens are counted with each model's own tokenizer, which needs the models; a backend whose servers
+        # count their own (http) has nothing to count with here, and its servers are not contacted.
+        tokens = tokens and backend(job.engine.backend).fitting is not None
         report = validate_input(source, plan.resolve() if tokens else plan, tokenize=tokens)
     except (ConfigError, JobPlanError, PreflightError, ModelNotFoundError, MissingDependencyError) as exc:
         _fail(str(exc))

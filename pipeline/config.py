@@ -603,11 +603,7 @@ class EngineConfig(_Strict):
                     f"{flag} is not read by the {self.backend} backend: drop it, or run --engine vllm"
                 )
             mine = getattr(own, name)
-            if (
-                name in own.model_fields_set
-                and mine != type(own).model_fields[name].get_default(call_default_factory=True)
-                and mine != value
-            ):
+            if name in own.model_fields_set and mine != value:
                 raise ValueError(
                     f"{flag} is {value!r} but engine.{self.backend}.{name} is {mine!r}: give one of them"
                 )

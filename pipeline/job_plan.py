@@ -249,6 +249,13 @@ def _derive_pools(config: JobConfig) -> list[PoolConfig]:
         raise ConfigError(f"pool names must be unique, got {names}")
     if backend(config.engine.backend).model_source == "server":
         pools = _endpoint_pools(config, pools)
+        for pool in pools:
+            if pool.model or pool.served_model_name:
+                # One name for every server: what requests give is checked against what each server serves.
+                raise ConfigError(
+                    f"pools[{pool.name}]: a pool of the {config.engine.backend} backend serves its server's model; "
+                    "name it for the whole job with --model (or --served-model-name), not per pool"
+                )
     return pools
 
 

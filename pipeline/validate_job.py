@@ -96,15 +96,14 @@ def validate_input(location: Any, plan: JobPlan, tokenize: bool = True) -> Valid
                 by_model[pool.served_name] = _PoolMeasure(plan, pool)
                 if by_model[pool.served_name].target is not None:
                     report.counted_by.append(by_model[pool.served_name].target.counted_by)
-        for name, base in served.validation_map().items():
+        for name in served.validation_map():
             measures[name] = by_model[served.adapters.get(name, name)]
-            del base
     for outcome in iter_validated(location, validator, report.ingest):
         if isinstance(outcome, InvalidLine):
             report.error_records.append(outcome.record)
             continue
         report.routes[outcome.url] += 1
-        pool_measure = measures.get(outcome.body.get("model") or plan.model.name) if measures else None
+        pool_measure = measures.get(outcome.body["model"]) if measures else None
         if pool_measure is None:
             continue
         prompts = pool_measure.measure(outcome)

@@ -291,7 +291,7 @@ def fit_target(model: ResolvedModel, args: dict[str, Any], default_max_tokens: i
 
     return FitTarget(
         counted_by="the fake engine's word count",
-        count=per_sequence(own_requests(model.name, count)),
+        count=per_sequence(own_requests(model, args, count)),
         output_budget=output,
         model_limit=FAKE_MAX_MODEL_LEN,
         block_size=lambda args, device: 16,

@@ -56,13 +56,15 @@ class FitTarget:
 FitStrategy = Callable[[ResolvedModel, dict[str, Any], int], FitTarget | str]
 
 
-def own_requests(name: str, count: Counter) -> Counter:
-    """`count` for the requests of the model fitting is for; a request for another model of the job (a pool of
-    its own) starts no sequence here: that pool runs with its model's own limits (runtime/engines/launch.py
-    pool_spec)."""
+def own_requests(model: ResolvedModel, args: dict[str, Any], count: Counter) -> Counter:
+    """`count` for the requests of the model fitting is for: those naming it, or one of the LoRA adapters its
+    engines serve (`args`' lora_modules: an adapter's request runs on the model's engines, in their context). A
+    request for another model of the job (a pool of its own) starts no sequence here: that pool runs with its
+    model's own limits (runtime/engines/launch.py pool_spec)."""
+    names = {None, model.name, *(args.get("lora_modules") or {})}
 
     def counted(requests: Sequence[tuple[str, dict]]) -> list[list[int] | Exception]:
-        own = [i for i, (_, body) in enumerate(requests) if body.get("model") in (None, name)]
+        own = [i for i, (_, body) in enumerate(requests) if body.get("model") in names]
         if len(own) == len(requests):
             return count(requests)
         out: list[list[int] | Exception] = [[] for _ in requests]

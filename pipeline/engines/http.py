@@ -2,7 +2,7 @@
 
 A server batches the requests it has at once (vLLM, SGLang, llama.cpp's slots), so sending one at a time — the
 classic mistake — leaves it mostly idle; this engine keeps `concurrency` requests in flight on one pooled async
-client. The runtime gives each endpoint a pool of its own (pipeline/config.py `effective_pools`), so this engine
+client. The job's plan gives each endpoint a pool of its own (pipeline/job_plan.py), so this engine
 talks to exactly one server. Retries and their limits are in http_client.py, what the server tells about itself in
 http_probe.py. The body a server returns is the result as is; its own error answers become error records.
 """

@@ -598,7 +598,8 @@ def fit_target(model: ResolvedModel, args: dict[str, Any], default_max_tokens: i
         # decides, never loads it; each ingest worker loads it once, whatever the number of its tasks.
         count=per_sequence(
             own_requests(
-                model.name,
+                model,
+                args,
                 lambda requests: prompt_counter(model_dir, chat_template, model.task).count_batch(requests),
             )
         ),

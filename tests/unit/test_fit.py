@@ -663,3 +663,16 @@ def test_tokenizer_classes_chosen_at_once_are_all_remembered(tmp_path, monkeypat
     known = json.loads((tmp_path / tokens.TOKENIZER_CLASSES).read_text())
     assert sorted(known) == [f"/models/m{i}" for i in range(6)]
     assert known["/models/m3"] == {"stamp": [["stamp", 3]], "class": "transformers.x:T3"}
+
+
+def test_a_line_naming_an_adapter_is_measured_on_its_base_models_engines():
+    """An adapter's request runs in its base model's context: fitting counts it, a line for another model's pool
+    starts no sequence here."""
+    from pipeline.engines.fake import fit_target
+
+    target = fit_target(MODEL, {"lora_modules": {"sql": "/adapters/sql"}}, 256)
+    bodies = [
+        {"model": name, "messages": [{"role": "user", "content": "w w w"}]} for name in ("m", "sql", "other")
+    ]
+    counted = target.count([("/v1/chat/completions", body) for body in bodies])
+    assert counted[0] == counted[1] != [] and counted[2] == []

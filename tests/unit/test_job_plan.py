@@ -156,3 +156,50 @@ def test_the_pools_are_derived_in_one_place():
             if name in ("_derive_pools", "effective_pools", "_endpoint_pools"):
                 derivers.append(str(path.relative_to(ROOT)))
     assert set(derivers) == {"pipeline/job_plan.py"}, derivers
+
+
+def test_an_http_pool_takes_the_jobs_model_name_not_its_own():
+    servers = {"backend": "http", "http": {"endpoints": ["http://a:1"]}}
+    config = {
+        "engine": servers,
+        "pools": [{"name": "p", "model": "y", "engine_overrides": {"endpoints": ["http://a:1"]}}],
+    }
+    with pytest.raises(ConfigError, match=r"pools\[p\].*--model"):
+        JobPlan.of(JobConfig.model_validate(config))
+
+
+def test_a_shared_flag_given_twice_differently_is_refused_even_where_one_is_the_default():
+    both = {"backend": "fake", "vllm": {"max_loras": 3}, "fake": {"max_loras": 1}}
+    with pytest.raises(ValidationError, match="give one of them"):
+        JobConfig.model_validate({"engine": both})
+    same = JobConfig.model_validate(
+        {"engine": {"backend": "fake", "vllm": {"max_loras": 3}, "fake": {"max_loras": 3}}}
+    )
+    assert same.engine.args().max_loras == 3
+
+
+def test_each_pool_runs_its_own_fitted_max_num_seqs_over_its_placement():
+    """Fitting writes a named pool's max_num_seqs into its engine_overrides; the engines of that pool start with it,
+    on the CPUs placed at launch."""
+    from pipeline.fit_record import FitDecision
+    from pipeline.runtime.engines.launch import feed_spec, settled_pool
+    from pipeline.runtime.ingest.fit import apply_fit
+
+    config = JobConfig.model_validate({"pools": [{"name": "a"}, {"name": "b"}]})
+    planned = JobPlan.of(config, {"a": model("m"), "b": model("m")})
+    record = FitDecision.model_validate(
+        {
+            "enabled": True,
+            "counted_by": "words",
+            "max_model_len": {"value": 512, "source": "fitted", "model_limit": 8192, "block_size": 16},
+            "max_num_seqs": {
+                "a": {"value": 7, "source": "fitted", "why": ""},
+                "b": {"value": 9, "source": "fitted", "why": ""},
+            },
+        }
+    )
+    settled = apply_fit(planned, record)
+    placed = [pool.model_copy(update={"cpus_per_engine": 2.0}) for pool in planned.pool_configs]
+    pools = [settled_pool(pool, settled) for pool in placed]
+    started = [feed_spec(settled.engine_spec(), pool) for pool in pools]
+    assert [(s.args["max_num_seqs"], s.cpus) for s in started] == [(7, 2.0), (9, 2.0)]

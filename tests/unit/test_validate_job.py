@@ -125,3 +125,14 @@ def test_a_bad_job_file_fails_before_reading_the_input(tmp_path):
     job.write_text("pools:\n  - name: a\n  - name: a\n")
     result, _ = validate(str(tmp_path / "missing.jsonl"), "--config", str(job), "--no-tokens")
     assert result.exit_code == 2 and "unique" in result.output
+
+
+def test_an_http_job_is_checked_by_name_without_contacting_its_servers(tmp_path):
+    path = write_lines(tmp_path / "in.jsonl", [line("a", "m"), line("b", "other")])
+    args = ["--engine", "http", "--endpoint", "http://127.0.0.1:9", "--model", "m"]
+    result, records = validate(str(path), *args)
+    assert result.exit_code == 0 and result.exception is None, result.output
+    assert [(r["custom_id"], code_of(r)) for r in records] == [("b", "model_not_found")]
+    # Without --model the servers would name the model: nothing can be checked before the job runs.
+    result, _ = validate(str(path), *args[:-2])
+    assert result.exit_code == 2 and "give --model" in result.output

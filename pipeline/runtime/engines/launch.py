@@ -313,10 +313,15 @@ class EngineLaunch:
         model = self.pool_models.get(pool.name)
         return pool_spec(spec, model, fit, pool) if model is not None else spec
 
-    def _plans(self, config: JobConfig, spec: EngineSpec) -> dict[str, FeedPlan]:
-        return {
-            pool.name: plan_feed(config, self._spec_of(spec, pool, self._fit), pool) for pool in self.pools
-        }
+    def _plans(self, settled: JobPlan) -> dict[str, FeedPlan]:
+        """Each placed pool's feed plan on the `settled` plan's engine args: its pool's own fitted values (a named
+        pool's max_num_seqs is fitted into its engine_overrides) over the placement decided at launch."""
+        config, spec = settled.config, settled.engine_spec()
+        plans = {}
+        for placed in self.pools:
+            pool = settled_pool(placed, settled)
+            plans[pool.name] = plan_feed(config, self._spec_of(spec, pool, self._fit), pool)
+        return plans
 
     @property
     def can_stream(self) -> bool:
@@ -332,7 +337,7 @@ class EngineLaunch:
 
         config = settled.config
         self._fit = fit
-        plans = self._plans(config, settled.engine_spec())
+        plans = self._plans(settled)
         # Whether rows share prompts is known only once they are read: routing is on wherever it could pay. One
         # engine gains too: the queue hands it a prompt's rows together, while the prompt is in its cache.
         self.route = config.routing.prefix_aware
@@ -372,7 +377,7 @@ class EngineLaunch:
 
         config, staging = fitted.config, self.staging
         self._fit = staging.read_job().fit
-        plans = self._plans(config, fitted.engine_spec())
+        plans = self._plans(fitted)
         if len(self.models) > 1:
             assert self.served is not None  # a resolved plan knows every name it serves
             work = {m: staging.requests_for_model(files, self.served.names_of(m)) for m in self.models}
@@ -566,6 +571,17 @@ def _tail(plans: Iterable[FeedPlan]) -> int:
     rows to run are the short ones. Measured with bench/cluster_sim.py: the last 8,192 of 200,000 rows ordered left
     the last 5% of rows 5.4% of the run; the long ones, started together, then still finish near the end."""
     return min(65536, max(32768, 16 * sum(p.max_engines * p.chunk_rows for p in plans)))
+
+
+def settled_pool(placed: PoolConfig, settled: JobPlan) -> PoolConfig:
+    """A pool as placed at launch (engines and CPUs decided against the cluster then) with its engine_overrides as
+    the settled plan has them: fitting writes a named pool's max_num_seqs there."""
+    overrides = settled.pool(placed.name).config.engine_overrides
+    return (
+        placed
+        if overrides == placed.engine_overrides
+        else placed.model_copy(update={"engine_overrides": overrides})
+    )
 
 
 def pool_spec(spec: EngineSpec, model: ResolvedModel, fit: FitRecord | None, pool: PoolConfig) -> EngineSpec:
