@@ -9,6 +9,7 @@ missing or refused token stops the server in one line that says what to set, and
 
 from __future__ import annotations
 
+import os
 import signal
 import threading
 from pathlib import Path
@@ -41,6 +42,10 @@ def _serve(config: ServerConfig) -> None:
     from pipeline.server.app import APP_NAME, build_app
     from pipeline.server.exposure import check_exposure
 
+    # Serve's controller gives a starting proxy PROXY_READY_CHECK_TIMEOUT_S (5 s) to answer its ready check, then
+    # kills it, and serve.start fails with the proxy's ActorDiedError: on a loaded node a proxy importing its web
+    # stack takes longer. The Ray this server starts (its controller inherits this environment) waits longer.
+    os.environ.setdefault("RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S", "60")
     start_ray(config.address)
     try:
         serve.start(http_options={"host": config.host, "port": config.port})
