@@ -10,12 +10,11 @@ import sys
 from pathlib import Path
 
 import pytest
-import typer
 from typer.testing import CliRunner
 
 from pipeline.model_shape import model_shape
-from pipeline.plan_cli import plan_command
 from pipeline.planner import DeviceBudget, kv_bytes_per_token, plan_pool
+from tests.unit.planner_models import plan_app
 
 pytestmark = pytest.mark.slow
 
@@ -66,17 +65,6 @@ def test_planned_capacity_matches_the_engine_within_ten_percent(embedded_model, 
     plan = plan_pool(model_shape(embedded_model.path), DeviceBudget.cpu(KV_SPACE_GIB), context=CONTEXT)
     assert plan.block_size == engine_kv["block_size"]
     assert abs(plan.kv_capacity_tokens - engine_kv["tokens"]) <= 0.10 * engine_kv["tokens"], (plan, engine_kv)
-
-
-def plan_app() -> typer.Typer:
-    app = typer.Typer(add_completion=False, pretty_exceptions_enable=False)
-
-    @app.callback()
-    def main() -> None:
-        """A host app, mounted the way the real CLI mounts the command."""
-
-    app.command("plan")(plan_command)
-    return app
 
 
 def test_cli_plans_the_embedded_model():
