@@ -7,6 +7,7 @@ from __future__ import annotations
 import datetime as dt
 import json
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -216,3 +217,28 @@ def test_a_job_of_two_pools_takes_both_pools_engines_warm(tmp_path, keeper):
 
     state = ray.get(handle.describe.remote())
     assert state["started"] == 2 and state["reused"] == 2 and len(state["engines"]) == 2
+
+
+def test_a_ticket_is_sent_again_only_once_its_engine_is_restarted(tmp_path):
+    """A send while Ray is still restarting the engine actor fails without reaching it; the job waits for the
+    restarted actor instead of spending the ticket's attempts on it."""
+    import ray
+
+    from pipeline.runtime.engines.warm_keeper import _until_restarted
+    from tests.gated_restart import GatedRestart
+
+    gate, started = tmp_path / "gate", tmp_path / "started"
+    actor = ray.remote(num_cpus=0, max_restarts=-1)(GatedRestart).remote(str(gate), str(started))
+    first = ray.get(actor.pid.remote())
+    ray.kill(actor, no_restart=False)
+    with pytest.raises(ray.exceptions.ActorUnavailableError):
+        while True:  # until the kill is seen: then each call fails at once while the restart waits at the gate
+            ray.get(actor.ready.remote())
+    waiter = ThreadPoolExecutor(1).submit(_until_restarted, actor)
+    with pytest.raises(ray.exceptions.ActorUnavailableError):
+        ray.get(actor.ready.remote())  # still restarting: the condition _until_restarted waits out
+    assert not waiter.done()
+    gate.write_text("open")
+    waiter.result(timeout=120)
+    assert ray.get(actor.pid.remote()) != first
+    ray.kill(actor, no_restart=True)

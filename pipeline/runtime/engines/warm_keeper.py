@@ -270,6 +270,17 @@ def find_keeper(name: str) -> Any | None:
         return None
 
 
+def _until_restarted(handle: Any) -> None:
+    """Returns once the engine actor answers again. A ticket sent while Ray is still restarting the actor fails at
+    once ("the actor is restarting") without reaching it; counted as an attempt, a slow restart (an engine start
+    on a loaded node) would use a dying ticket's sends up before its poisoned chunk was ever isolated. A call that
+    may be retried without limit is queued by Ray until the restarted actor is up; an actor that cannot come back
+    raises ActorDiedError here."""
+    import ray
+
+    ray.get(handle.ready.options(max_task_retries=-1).remote())
+
+
 class WarmTickets:
     """A job's side: its engines taken from the keeper, one ticket on each, sent again if its engine restarts."""
 
@@ -330,6 +341,9 @@ class WarmTickets:
                 # Its engine died (Ray restarts the actor) or failed a chunk: the queue hands the ticket's
                 # unacknowledged chunks out again when it restarts.
                 log.warning("engine ticket sent again", ticket=ticket[1], error=str(exc).splitlines()[0])
+                _until_restarted(ticket[0])
+                if self._stopping:
+                    continue
                 sends[ticket[1]] += 1
                 out[send(ticket)] = ticket
         return chunks
