@@ -21,4 +21,3 @@ class GatedRestart:
 
     def pid(self) -> int:
         return os.getpid()
-

@@ -232,7 +232,9 @@ def test_a_ticket_is_sent_again_only_once_its_engine_is_restarted(tmp_path):
     first = ray.get(actor.pid.remote())
     ray.kill(actor, no_restart=False)
     with pytest.raises(ray.exceptions.ActorUnavailableError):
-        while True:  # until the kill is seen: then each call fails at once while the restart waits at the gate
+        while (
+            True
+        ):  # until the kill is seen: then each call fails at once while the restart waits at the gate
             ray.get(actor.ready.remote())
     waiter = ThreadPoolExecutor(1).submit(_until_restarted, actor)
     with pytest.raises(ray.exceptions.ActorUnavailableError):
