@@ -32,13 +32,10 @@ from pipeline.adapters import (
     parse_lora_modules,
     smallest_lora_rank_at_least,
 )
-from pipeline.config_flags import Flag
+from pipeline.config_flags import ConfigError, Flag
+from pipeline.datasets.spec import DatasetConfig
 from pipeline.engines.base import BACKEND_NAMES, backend
 from pipeline.server_urls import endpoint_base
-
-
-class ConfigError(ValueError):
-    """A configuration that cannot run; the message says what to change."""
 
 
 class UnreadableConfigFile(ConfigError):
@@ -803,12 +800,13 @@ class ObserveConfig(_Strict):
 class OutputConfig(_Strict):
     """How results are written."""
 
-    format: Annotated[Literal["jsonl", "parquet"], Flag("--format", "Output format: jsonl or parquet.")] = (
-        Field(
-            default="jsonl",
-            description="Output file format: jsonl (OpenAI Batch lines) or parquet (custom_id, status_code, response, "
-            "error, plus flattened content, finish_reason, prompt_tokens, completion_tokens).",
-        )
+    format: Annotated[
+        Literal["jsonl", "parquet"] | None, Flag("--format", "Output format: jsonl or parquet.")
+    ] = Field(
+        default=None,
+        description="Output file format: jsonl (OpenAI Batch lines) or parquet (custom_id, status_code, response, "
+        "error, plus flattened content, finish_reason, prompt_tokens, completion_tokens). Default: jsonl; a dataset "
+        "job's table comes back in its input's format.",
     )
     rows_per_shard: Annotated[int, Flag("--rows-per-shard", "Result rows per output shard.")] = Field(
         default=100_000, ge=1, description="Result rows per shard file (range-partitioned)."
@@ -962,6 +960,11 @@ class JobConfig(_Strict):
     pools: list[PoolConfig] = Field(
         default_factory=list,
         description="Accelerator pools; default: one pool 'default' sized by `resources`.",
+    )
+    dataset: DatasetConfig = Field(
+        default_factory=DatasetConfig,
+        description="Templates over a table's columns (pipeline/datasets/): with `template` set, the input is a "
+        "table and the output the table with answer columns.",
     )
     job_id: str | None = Field(
         default=None,

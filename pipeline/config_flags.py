@@ -23,6 +23,10 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, SecretStr
 
 
+class ConfigError(ValueError):
+    """A configuration that cannot run; the message says what to change (pipeline.config raises it too)."""
+
+
 @dataclass(frozen=True)
 class Flag:
     """Marks a config field as a command-line flag (or, named in capitals, a positional argument)."""

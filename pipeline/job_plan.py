@@ -32,6 +32,8 @@ from pipeline.config import (
     PoolConfig,
     format_validation_error,
 )
+from pipeline.datasets.render import RowRenderer
+from pipeline.datasets.template import TemplateError
 from pipeline.engines.base import EngineSpec, backend, engine_class
 from pipeline.models import ResolvedModel, resolve_models, served_name
 from pipeline.topology import Topology
@@ -125,6 +127,7 @@ class JobPlan:
             )
         plan = cls(config, tuple(planned), dict(probed or {}))
         plan.served  # noqa: B018 - adapter names that clash are refused here, before any work
+        plan.dataset  # noqa: B018 - so are templates that do not compile
         return plan
 
     def resolve(self) -> JobPlan:
@@ -174,6 +177,18 @@ class JobPlan:
             if pool.name == name:
                 return pool
         raise KeyError(name)
+
+    @cached_property
+    def dataset(self) -> RowRenderer | None:
+        """A dataset job's renderer (its templates compiled, its route and id column), None for request lines.
+        A template that does not compile is refused here, before any work."""
+        spec = self.config.dataset
+        if not spec.enabled:
+            return None
+        try:
+            return RowRenderer(spec, self.config.limits.max_json_depth)
+        except TemplateError as exc:
+            raise JobPlanError(str(exc)) from exc
 
     @cached_property
     def served(self) -> ServedNames | None:

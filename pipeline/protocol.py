@@ -42,6 +42,9 @@ class ErrorCode(str, Enum):
     DUPLICATE_CUSTOM_ID = "duplicate_custom_id"  # a later line reuses a custom_id
     CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"  # prompt (+ max_tokens) does not fit the context
     ENGINE_ERROR = "engine_error"  # the engine failed on a request it accepted
+    TEMPLATE_ERROR = (
+        "template_error"  # a dataset row its templates cannot render (a null or missing column, ...)
+    )
 
 
 class BatchRequestLine(BaseModel):

@@ -19,6 +19,7 @@ from pipeline.endpoints.base import (
     FakeAnswer,
     FakeContext,
     Prompt,
+    Templated,
     Text,
     TextPair,
     parses_as_json,
@@ -51,6 +52,10 @@ def endpoint_for(url: str) -> Endpoint | None:
 
 def endpoint_named(name: str) -> Endpoint:
     return _BY_NAME[name]
+
+
+# The routes a dataset job may name (`dataset.route`): those that say how a row's rendered templates make a body.
+TEMPLATED_ROUTES: tuple[str, ...] = tuple(e.name for e in ENDPOINTS if e.templated is not None)
 
 
 def endpoint_answering(body: Any) -> Endpoint | None:
@@ -86,12 +91,14 @@ def urls_for_task(task: str | None) -> list[str]:
 __all__ = [
     "ENDPOINTS",
     "SUPPORTED_URLS",
+    "TEMPLATED_ROUTES",
     "Budget",
     "Chat",
     "Endpoint",
     "FakeAnswer",
     "FakeContext",
     "Prompt",
+    "Templated",
     "Text",
     "TextPair",
     "endpoint_answering",

@@ -154,6 +154,13 @@ class VllmBinding:
     response: str | None = None  # vLLM's response model ("module:name"), for tests that parse bodies with it
 
 
+class Templated(NamedTuple):
+    """What a route takes from a dataset job's templates (pipeline/datasets/spec.py checks a job against it)."""
+
+    system: bool  # a system prompt (--system)
+    pair: bool  # a second text (--pair-template): score's text_2
+
+
 class Endpoint:
     """One URL family. Subclasses set the class attributes and override what differs from the defaults."""
 
@@ -215,6 +222,14 @@ class Endpoint:
     def output_texts(self, body: dict[str, Any]) -> list[str]:
         """The generated texts of one of this route's response bodies (one per choice)."""
         return []
+
+    # A dataset job (pipeline/datasets/) renders templates over a table's row; the route says where the texts go.
+    templated: ClassVar[Templated | None] = None
+
+    def templated_body(self, prompt: str, system: str | None, pair: str | None) -> dict[str, Any]:
+        """The body of a dataset row's request from its rendered templates (the user prompt, the system prompt, the
+        second text of a pair); `templated` says which this route takes."""
+        raise NotImplementedError
 
     def __repr__(self) -> str:
         return f"<endpoint {self.name} {', '.join(self.urls)}>"

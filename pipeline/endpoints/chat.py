@@ -15,6 +15,7 @@ from pipeline.endpoints.base import (
     FakeContext,
     FieldSpec,
     Prompt,
+    Templated,
     VllmBinding,
     asks_json_output,
     canonical,
@@ -80,6 +81,12 @@ class ChatCompletions(Endpoint):
             "use_beam_search user vllm_xargs watermarking"
         ).split()
     )
+
+    templated = Templated(system=True, pair=False)
+
+    def templated_body(self, prompt: str, system: str | None, pair: str | None) -> dict[str, Any]:
+        head = [{"role": "system", "content": system}] if system is not None else []
+        return {"messages": [*head, {"role": "user", "content": prompt}]}
 
     def check(self, body: dict[str, Any]) -> str | None:
         messages = body.get("messages")

@@ -14,6 +14,7 @@ from pipeline.endpoints.base import (
     FakeContext,
     FieldSpec,
     Prompt,
+    Templated,
     Text,
     VllmBinding,
     asks_json_output,
@@ -62,6 +63,11 @@ class Completions(Endpoint):
             "truncate_prompt_tokens truncation_side use_beam_search user vllm_xargs watermarking"
         ).split()
     )
+
+    templated = Templated(system=False, pair=False)
+
+    def templated_body(self, prompt: str, system: str | None, pair: str | None) -> dict[str, Any]:
+        return {"prompt": prompt}
 
     def check(self, body: dict[str, Any]) -> str | None:
         prompt = body.get("prompt")

@@ -13,6 +13,7 @@ from pipeline.endpoints.base import (
     FakeAnswer,
     FakeContext,
     Prompt,
+    Templated,
     VllmBinding,
     canonical,
     fake_list,
@@ -67,6 +68,11 @@ class Embeddings(Endpoint):
             "use_activation user"
         ).split()
     )
+
+    templated = Templated(system=False, pair=False)
+
+    def templated_body(self, prompt: str, system: str | None, pair: str | None) -> dict[str, Any]:
+        return {"input": prompt}
 
     def check(self, body: dict[str, Any]) -> str | None:
         given = body.get("input") if body.get("messages") is None else body.get("messages")

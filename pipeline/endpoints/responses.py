@@ -15,6 +15,7 @@ from pipeline.endpoints.base import (
     FakeContext,
     FieldSpec,
     Prompt,
+    Templated,
     VllmBinding,
     asks_json_output,
     canonical,
@@ -70,6 +71,11 @@ class Responses(Endpoint):
             "vllm_xargs watermarking"
         ).split()
     )
+
+    templated = Templated(system=True, pair=False)
+
+    def templated_body(self, prompt: str, system: str | None, pair: str | None) -> dict[str, Any]:
+        return {"input": prompt, **({"instructions": system} if system is not None else {})}
 
     def check(self, body: dict[str, Any]) -> str | None:
         given = body.get("input")

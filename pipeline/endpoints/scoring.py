@@ -14,6 +14,7 @@ from pipeline.endpoints.base import (
     FakeAnswer,
     FakeContext,
     Prompt,
+    Templated,
     Text,
     TextPair,
     VllmBinding,
@@ -74,6 +75,11 @@ class Score(Endpoint):
             if body.get(first) is not None and body.get(second) is not None:
                 return body[first], body[second]
         return None
+
+    templated = Templated(system=False, pair=True)
+
+    def templated_body(self, prompt: str, system: str | None, pair: str | None) -> dict[str, Any]:
+        return {"text_1": prompt, "text_2": pair}
 
     def check(self, body: dict[str, Any]) -> str | None:
         if self.sides(body) is None:

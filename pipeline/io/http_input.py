@@ -23,7 +23,7 @@ from pipeline.io.locations import (
     redact_url,
     with_retries,
 )
-from pipeline.io.rows import ReadStats, Row
+from pipeline.io.rows import ReadStats, Row, TableRead
 
 
 def download(url: str, storage: StorageConfig, policy: RetryPolicy, dest: BinaryIO) -> dict[str, str]:
@@ -96,7 +96,7 @@ class HttpInput(InputStore):
         return redact_url(self.location.url)
 
     def file_rows(
-        self, file: InputFile, limits: InputLimits, stats: ReadStats
+        self, file: InputFile, limits: InputLimits, stats: ReadStats, table: TableRead | None = None
     ) -> Generator[Row, None, str | None]:
         """Downloads `file` first; returns the fingerprint its headers vouch for (None if they vouch for none)."""
         with tempfile.TemporaryFile(prefix="nightshift-input-") as tmp:
@@ -106,7 +106,7 @@ class HttpInput(InputStore):
             tmp.seek(0)
             fmt = file.declared_format or sniffed_format(tmp.read(4))
             tmp.seek(0)
-            yield from iter_rows(tmp, file, fmt, limits)
+            yield from iter_rows(tmp, file, fmt, limits, table=table)
         stats.size_bytes += size
         stats.file_hashes.append((self.fingerprint_name(file), size, digest))
         return header_fingerprint(headers)

@@ -13,8 +13,8 @@ from typing import Any
 
 from pipeline.config import InputLimits
 from pipeline.io.jsonl import JSONL_SUFFIXES, iter_jsonl, maybe_gunzip
-from pipeline.io.parquet import PARQUET_MAGIC, PARQUET_SUFFIXES, iter_parquet
-from pipeline.io.rows import Row
+from pipeline.io.parquet import PARQUET_MAGIC, PARQUET_SUFFIXES, iter_parquet, iter_table_parquet
+from pipeline.io.rows import Row, TableRead
 
 INPUT_SUFFIXES = JSONL_SUFFIXES + PARQUET_SUFFIXES
 
@@ -53,10 +53,15 @@ def iter_rows(
     limits: InputLimits,
     row_groups: Sequence[int] | None = None,
     first_number: int = 1,
+    table: TableRead | None = None,
 ) -> Iterator[Row]:
     """The rows of `file` in format `fmt`, from `handle`: for Parquet a path or a seekable file object (only
     `row_groups`, the first numbered `first_number`, when given), for JSONL a stream (gunzipped here when the
-    file's name ends in `.gz`)."""
+    file's name ends in `.gz`). `table`: read as a dataset job's table (io/rows.TableRead)."""
+    if fmt == "parquet" and table is not None:
+        return iter_table_parquet(
+            handle, file.name, table.columns, row_groups=row_groups, first_number=first_number
+        )
     if fmt == "parquet":
         return iter_parquet(
             handle,

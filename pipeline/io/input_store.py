@@ -15,7 +15,7 @@ from pipeline.io.fingerprint import content_fingerprint
 from pipeline.io.input_files import InputFile
 from pipeline.io.locations import Location, RetryPolicy
 from pipeline.io.pieces import ByteRange
-from pipeline.io.rows import ReadStats, Row
+from pipeline.io.rows import ReadStats, Row, TableRead
 
 
 class InputStore(ABC):
@@ -69,7 +69,7 @@ class InputStore(ABC):
 
     @abstractmethod
     def file_rows(
-        self, file: InputFile, limits: InputLimits, stats: ReadStats
+        self, file: InputFile, limits: InputLimits, stats: ReadStats, table: TableRead | None = None
     ) -> Generator[Row, None, str | None]:
         """Every row of the whole `file`, in order; `stats` gets its byte count (and its digest when the fingerprint
         is built from the bytes). Returns the fingerprint the file's server vouches for, if any."""

@@ -16,7 +16,7 @@ from pipeline.io.input_files import INPUT_SUFFIXES, InputFile, is_hidden, iter_r
 from pipeline.io.input_store import InputStore
 from pipeline.io.locations import LocationError
 from pipeline.io.pieces import ByteRange
-from pipeline.io.rows import READ_CHUNK, ReadStats, Row
+from pipeline.io.rows import READ_CHUNK, ReadStats, Row, TableRead
 
 
 class LocalInput(InputStore):
@@ -82,17 +82,17 @@ class LocalInput(InputStore):
         return os.path.relpath(file.ref, root) if os.path.isdir(root) else file.ref
 
     def file_rows(
-        self, file: InputFile, limits: InputLimits, stats: ReadStats
+        self, file: InputFile, limits: InputLimits, stats: ReadStats, table: TableRead | None = None
     ) -> Generator[Row, None, str | None]:
         fmt = file.declared_format or sniffed_format(self.head(file, 4))
         if fmt == "parquet":
-            yield from iter_rows(file.ref, file, fmt, limits)
+            yield from iter_rows(file.ref, file, fmt, limits, table=table)
             # Parquet reads jump around (footer first): the fingerprint hashes the file on its own.
             digest, size = file_digest(file.ref)
         else:
             hashing = HashingRaw(io.FileIO(file.ref, "rb"))
             with io.BufferedReader(hashing, buffer_size=1 << 20) as stream:
-                yield from iter_rows(stream, file, fmt, limits)
+                yield from iter_rows(stream, file, fmt, limits, table=table)
                 while stream.read(READ_CHUNK):  # bytes after the last line still belong to the fingerprint
                     pass
                 digest, size = hashing.hash.digest(), hashing.size

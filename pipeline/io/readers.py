@@ -33,7 +33,7 @@ from pipeline.io.local_input import LocalInput
 from pipeline.io.locations import Location, RetryPolicy, parse_location
 from pipeline.io.parquet import check_parquet_schema, open_parquet
 from pipeline.io.pieces import PIECE_ROWS, RANGE_BYTES, ByteRange, InputPiece, file_ranges, row_group_runs
-from pipeline.io.rows import READ_CHUNK, ReadStats, Row
+from pipeline.io.rows import READ_CHUNK, ReadStats, Row, TableRead
 from pipeline.io.s3_input import S3Input
 
 # One entry per kind of location (Location.kind): how its input files are listed, read and fingerprinted.
@@ -56,6 +56,7 @@ class InputSource:
     ) -> None:
         self.files = files
         self.limits = limits or InputLimits()  # bounds on one line, enforced as rows are read
+        self.table: TableRead | None = None  # a dataset job's input: read as a table (io/rows.TableRead)
         self.store = INPUT_STORES[location.kind](location, storage or StorageConfig())
 
     @property
@@ -174,23 +175,43 @@ class InputSource:
         stats = stats if stats is not None else ReadStats()
         file = self.files[piece.file]
         if piece.kind == "http":
-            vouched = yield from self.store.file_rows(file, self.limits, stats)
+            vouched = yield from self.store.file_rows(file, self.limits, stats, self.table)
             stats.fingerprint = self.store.read_fingerprint(self.files, stats, vouched)
             return
         if piece.kind == "parquet":
             groups = list(range(piece.start, piece.end or 0))
             with self.store.parquet_reading(file) as handle:
-                yield from iter_rows(handle, file, "parquet", self.limits, groups, piece.before + 1)
+                yield from iter_rows(
+                    handle, file, "parquet", self.limits, groups, piece.before + 1, self.table
+                )
             return
         with self.store.open(file) as stream:
             if piece.end is None:  # the whole file: gzip, or small enough to be one piece
-                yield from iter_rows(stream, file, "jsonl", self.limits)
+                yield from iter_rows(stream, file, "jsonl", self.limits, table=self.table)
                 return
             if piece.before < 0:
                 raise ValueError(f"piece {piece.index} of {file.name}: its lines were not counted first")
             start, passed = align_to_line(stream, piece.start)
             first = piece.before + passed + 1
             yield from iter_jsonl(stream, file.name, self.limits.max_line_bytes, first, start, piece.end)
+
+    def table_columns(self) -> list[str] | None:
+        """The columns of a table input, from the first Parquet file's footer or the first JSONL object (None: no
+        row to tell from). A dataset job checks its templates against them before any work."""
+        from pipeline import json_codec
+
+        for index, file in enumerate(self.files):
+            if self.file_format(index) == "parquet" and not self.store.downloaded:
+                return list(self._parquet_file(file).schema_arrow.names)
+            for _, _, payload in self.store.file_rows(file, self.limits, ReadStats(), self.table):
+                if isinstance(payload, dict):
+                    return list(payload)
+                try:
+                    first = json_codec.loads(payload) if isinstance(payload, bytes) else None
+                except ValueError:
+                    return None  # its error is the row's
+                return list(first) if isinstance(first, dict) else None
+        return None
 
     # -- rows -------------------------------------------------------------------------------------------------------
     def rows(self, stats: ReadStats | None = None) -> Iterator[Row]:
@@ -199,7 +220,7 @@ class InputSource:
         vouched = None
         for file in self.files:
             stats.files += 1
-            vouched = yield from self.store.file_rows(file, self.limits, stats)
+            vouched = yield from self.store.file_rows(file, self.limits, stats, self.table)
         stats.fingerprint = self.store.read_fingerprint(self.files, stats, vouched)
 
     # -- fingerprint without reading rows (resume) -----------------------------------------------------------------
@@ -220,7 +241,10 @@ def input_source(location: str | Path | Location, storage: StorageConfig | None 
 
 
 def check_parquet_schemas(source: InputSource) -> None:
-    """Read the footers of Parquet inputs (local, S3) so a file of the wrong shape fails before any work."""
+    """Read the footers of Parquet inputs (local, S3) so a file of the wrong shape fails before any work (a dataset
+    job's table has a shape of its own: its renderer checks the columns)."""
+    if source.table is not None:
+        return
     for file in source.files:
         if file.declared_format != "parquet":
             continue

@@ -41,6 +41,15 @@ def too_long(what: str, size: int, max_bytes: int, custom_id: Any = None) -> Bad
     return BadRow(custom_id, message, "line_too_long")
 
 
+@dataclass(frozen=True)
+class TableRead:
+    """An input read as an ordinary table (a dataset job): Parquet rows come as dicts of their columns' values (only
+    `columns`, or all), JSONL lines as their bytes, for the job's renderer to make requests of; no request-line
+    schema is asked of them."""
+
+    columns: tuple[str, ...] | None = None
+
+
 @dataclass
 class ReadStats:
     """Filled in while `InputSource.rows` streams: bytes read and the input fingerprint (set at the end)."""

@@ -23,7 +23,7 @@ from pipeline.io.locations import (
     with_retries,
 )
 from pipeline.io.pieces import ByteRange
-from pipeline.io.rows import READ_CHUNK, ReadStats, Row
+from pipeline.io.rows import READ_CHUNK, ReadStats, Row, TableRead
 
 
 class S3RangeReader(io.RawIOBase):
@@ -155,11 +155,11 @@ class S3Input(InputStore):
         return [ByteRange(index, start, end) for start, end in read_ranges]
 
     def file_rows(
-        self, file: InputFile, limits: InputLimits, stats: ReadStats
+        self, file: InputFile, limits: InputLimits, stats: ReadStats, table: TableRead | None = None
     ) -> Generator[Row, None, str | None]:
         with self.open(file) as stream:
             fmt = file.declared_format or sniffed_format(stream.peek(4))
-            yield from iter_rows(stream, file, fmt, limits)
+            yield from iter_rows(stream, file, fmt, limits, table=table)
         stats.size_bytes += file.size or 0
         return None
 

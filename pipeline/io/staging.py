@@ -326,6 +326,8 @@ class StagingArea:
         self.results_dir = f"{self.root}/results"
         self.errors_dir = f"{self.root}/errors"
         self.ids_dir = f"{self.root}/ids"
+        # A dataset job's input rows (the columns its output keeps), staged at ingest for finalize to join.
+        self.rows_dir = f"{self.root}/rows"
         self.finalize_dir = f"{self.root}/finalize"
         self._writer_id = uuid.uuid4().hex[:8]
         self._seq = 0
@@ -379,6 +381,7 @@ class StagingArea:
             [
                 *self.files.list_parts(self.requests_dir),
                 *(p for p in self.parts("errors") if _name(p).startswith(f"{INGEST_PREFIX}-")),
+                *self.files.list_parts(self.rows_dir),
             ]
         )
         self.files.delete_tree(self.ids_dir)
@@ -497,8 +500,15 @@ class StagingArea:
         for part in self.engine_parts():
             yield from self.read_part(part, ["custom_id"]).column("custom_id").to_pylist()
 
+    def write_kept_rows(self, table: pa.Table, name: str) -> None:
+        """One part of a dataset job's input rows: `custom_id`, `source`, `line` and a struct `row` of the kept
+        columns, as read (types and all). `name` is fixed, so a read task that runs again replaces its part."""
+        if table.num_rows:
+            self.files.makedirs(self.rows_dir)
+            self.files.write_parquet(table, f"{self.rows_dir}/{name}")
+
     def _dir(self, kind: str) -> str:
-        return self.results_dir if kind == "results" else self.errors_dir
+        return {"results": self.results_dir, "errors": self.errors_dir, "rows": self.rows_dir}[kind]
 
     def parts(self, kind: str) -> list[str]:
         return self.files.list_parts(self._dir(kind))

@@ -35,10 +35,12 @@ import structlog
 
 from pipeline import __version__
 from pipeline.config import JobConfig, StorageConfig, merge_overrides
+from pipeline.datasets.render import DatasetError
 from pipeline.engines.base import EngineSpec, engine_class
 from pipeline.fit_record import FitDecision, decision_of
 from pipeline.io.locations import RetryStats
 from pipeline.io.readers import InputSource
+from pipeline.io.rows import TableRead
 from pipeline.io.staging import JobStateError, StagingArea
 from pipeline.io.writers import OutputTarget, output_target
 from pipeline.job_plan import JobPlan, JobPlanError
@@ -107,7 +109,8 @@ class JobOutcome:
 
 def _prepare(config: JobConfig, resume: bool) -> tuple[InputSource, OutputTarget, StagingArea, JobState]:
     """Preflight, then either a fresh job spec or the stored one of the job being resumed."""
-    source = check_input_source(config.input, config.storage)
+    # A dataset job reads a table: no request-line schema is asked of it (its columns are checked in _open_job).
+    source = check_input_source(config.input, config.storage, TableRead() if config.dataset.enabled else None)
     output = check_output_target(config.output, config.overwrite, config.storage, resume=resume)
     staging = output.staging_area()
     if resume and staging.exists():
@@ -221,6 +224,14 @@ def _open_job(config: JobConfig, resume: bool) -> _Job:
         plan = JobPlan.of(config).resolve()
     except JobPlanError as exc:
         raise PreflightError(str(exc)) from exc
+    if plan.dataset is not None:
+        source.table = plan.dataset.table_read()
+        columns = source.table_columns()
+        if columns is not None:  # an input without a row: nothing to render
+            try:
+                plan.dataset.check_columns(columns)
+            except DatasetError as exc:
+                raise PreflightError(f"input {config.input}: {exc}") from exc
     for server in plan.probed.get("servers") or []:
         log.info("server", endpoint=server["endpoint"], kind=server["kind"], version=server["version"])
         for warning in server["warnings"]:
@@ -342,7 +353,13 @@ def _fit_early(job: _Job, engines: _Engines) -> None:
         log.info("engine args fitted to the whole input first: the job runs on warm engines")
         return
     sample = sample_input(
-        job.source, job.plan.validation_map(), job.staging, measure, job.job_id, reserve_cpus=False
+        job.source,
+        job.plan.validation_map(),
+        job.staging,
+        measure,
+        job.job_id,
+        reserve_cpus=False,
+        dataset=config.dataset if job.plan.dataset is not None else None,
     )
     if sample.whole:
         return
@@ -383,6 +400,7 @@ def _ingest(job: _Job, engines: _Engines) -> None:
         on_requests=engines.hand_over if engines.streaming else None,
         adapters=frozenset(served.adapters),
         hold_above=engines.hold_above,
+        dataset=job.config.dataset if job.plan.dataset is not None else None,
     )
     state.input = JobInput(
         location=job.source.describe(),
@@ -497,8 +515,9 @@ def _finalize(
         job.staging,
         config.output_options.rows_per_shard,
         state.input.lines,
-        format=config.output_options.format,
+        format=output_format(config, job.source),
         reserve_cpus=engines.launch is None or engines.launch.warm is None,
+        table_route=config.dataset.route if config.dataset.enabled else None,
     )
     manifest = _manifest(job, fitted, run, work, counters, clock, outputs)
     recorder.stage_ended("finalize")
@@ -507,6 +526,14 @@ def _finalize(
         # Before the manifest: a committed job's report is complete; a report that fails costs the job nothing.
         manifest.report = write_report(output, manifest, recorder.timeline, outputs.usage_histograms)
     return manifest
+
+
+def output_format(config: JobConfig, source: InputSource) -> str:
+    """The format asked for; else JSONL, or for a dataset job its input's format (Parquet when every file is)."""
+    if config.output_options.format is not None:
+        return config.output_options.format
+    formats = {source.file_format(i) for i in range(len(source.files))}
+    return "parquet" if config.dataset.enabled and formats == {"parquet"} else "jsonl"
 
 
 def _manifest(

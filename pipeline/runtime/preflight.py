@@ -16,6 +16,7 @@ from pathlib import Path
 from pipeline.config import StorageConfig
 from pipeline.io.locations import LocationError, parse_location
 from pipeline.io.readers import InputSource, check_parquet_schemas, input_source
+from pipeline.io.rows import TableRead
 from pipeline.io.writers import MANIFEST_NAME, HttpTarget, OutputTarget, S3Target, output_target
 
 
@@ -23,8 +24,11 @@ class PreflightError(ValueError):
     """The job cannot start; the message says what to change."""
 
 
-def check_input_source(location: str | None, storage: StorageConfig | None = None) -> InputSource:
-    """The input, resolved to its files and checked to be readable."""
+def check_input_source(
+    location: str | None, storage: StorageConfig | None = None, table: TableRead | None = None
+) -> InputSource:
+    """The input, resolved to its files and checked to be readable (as request lines, or as a dataset job's
+    table: `table`)."""
     if not location:
         raise PreflightError(
             "no INPUT given: pass an OpenAI Batch JSONL or Parquet file, a directory or glob of shards, "
@@ -32,6 +36,7 @@ def check_input_source(location: str | None, storage: StorageConfig | None = Non
         )
     try:
         source = input_source(location, storage)
+        source.table = table
         check_parquet_schemas(source)
     except LocationError as exc:
         raise PreflightError(str(exc)) from exc

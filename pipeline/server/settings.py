@@ -255,7 +255,7 @@ class ServerConfig(_Strict):
             raise ValueError(
                 "job.input and job.output are each batch's own: remove them from the server config"
             )
-        if job.output_options.format != "jsonl":
+        if job.output_options.format not in (None, "jsonl"):
             raise ValueError("output files are JSONL, as OpenAI's are: remove job.output_options.format")
         if job.observe.metrics_port is not None:
             # Every batch's job would open that port on its driver, answering anyone without a key (and a second

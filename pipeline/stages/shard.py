@@ -24,9 +24,14 @@ from pipeline.io.encoders import HashingSink, JsonlEncoder, ShardEncoder, ShardI
 
 # How finished rows are ordered: results by custom_id (UTF-8 byte order, which is also Python's str order and
 # Arrow's string order), error records by source position.
+# A dataset job's table (answers and errors together) and its kept input rows: by id, then by source position (two
+# rows of one id — a duplicate and the row it repeats — each keep a place of their own).
+_BY_ID_THEN_POSITION = [("custom_id", "ascending"), ("source", "ascending"), ("line", "ascending")]
 SORT_KEYS: dict[str, list[tuple[str, str]]] = {
     "results": [("custom_id", "ascending")],
     "errors": [("source", "ascending"), ("line", "ascending")],
+    "table": _BY_ID_THEN_POSITION,
+    "rows": _BY_ID_THEN_POSITION,
 }
 
 
@@ -44,13 +49,15 @@ def write_shard(
     name: str,
     open_shard: Callable[[str], BinaryIO],
     encoder: Callable[[HashingSink], ShardEncoder] = JsonlEncoder,
+    ids: pa.ChunkedArray | pa.Array | None = None,
 ) -> ShardInfo:
     """Write one sorted table as the shard `name`; its rows, first/last custom_id, sha256 and size come back.
+    `ids`: the rows' custom_ids, when the table written does not carry them (a dataset job's table).
 
     An empty table makes an empty shard (no bytes in JSONL; a Parquet file with the schema and no row groups)."""
     info = ShardInfo(name, rows=table.num_rows)
     if table.num_rows:
-        ids = table.column("custom_id")
+        ids = table.column("custom_id") if ids is None else ids
         info.first_custom_id, info.last_custom_id = ids[0].as_py(), ids[-1].as_py()
     enc = encoder(HashingSink(open_shard(name), info))
     enc.write_table(table)
@@ -148,6 +155,11 @@ def sort_keys(table: pa.Table, kind: str) -> pa.Array:
     flipped = (lines.astype(np.int64).view(np.uint64) ^ np.uint64(1 << 63)).astype(">u8")
     line_bytes = pa.Array.from_buffers(pa.binary(8), len(flipped), [None, pa.py_buffer(flipped.tobytes())])
     keys = pc.binary_join_element_wise(source, line_bytes.cast(pa.binary()), b"\x00")
+    if kind in ("table", "rows"):
+        # The id, a NUL, then the position: ids hold no NUL (a custom_id with control characters is refused), so
+        # an id that is a prefix of another still sorts first.
+        ids = pc.cast(table.column("custom_id"), pa.binary()).fill_null(b"\xff")
+        keys = pc.binary_join_element_wise(ids, keys, b"\x00")
     return keys.combine_chunks() if isinstance(keys, pa.ChunkedArray) else keys
 
 

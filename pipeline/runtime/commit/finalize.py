@@ -44,6 +44,7 @@ import pyarrow.parquet as pq
 import structlog
 
 from pipeline.config import StorageConfig
+from pipeline.io.encoders import ShardInfo
 from pipeline.io.locations import Location
 from pipeline.io.staging import STAGED_SCHEMA, LocalFiles, PartFiles, StagingArea, with_later_columns
 from pipeline.io.writers import MANIFEST_NAME, OutputTarget, output_target, shard_encoder
@@ -73,6 +74,9 @@ __all__ = ["MANIFEST_NAME", "FORMAT_VERSION", "AccountingError", "FinalizeOutput
 FORMAT_VERSION = 1
 PLAN_VERSION = 1
 KINDS = ("results", "errors")
+# A dataset job writes one table instead: its answers and errors together ("table", staged as results and errors),
+# each joined in its shard with its input row's kept columns ("rows", staged at ingest) — routed by the same
+# boundaries, so a row and its answer always meet in one reduce task.
 MAP_TASK_ROWS = 100_000  # staged rows per key / map task (a group of consecutive parts) ...
 MAX_MAP_TASKS = 256  # ... more per task beyond this many, so a shard has at most this many groups' pieces
 ROUTE_ROWS = 65_536  # staged rows routed at once: parts are small, and one Arrow pass over many is cheaper
@@ -80,7 +84,12 @@ SPILL_FLUSH_BYTES = 64 << 20  # rows a map task holds before it writes them out 
 SAMPLE_PARTS = 128  # staged parts the driver reads keys from to place the buckets ...
 SAMPLE_KEYS_PER_BUCKET = 64  # ... and how many keys it takes per bucket (at most MAX_SAMPLE_PER_PART a part)
 MAX_SAMPLE_PER_PART = 4096
-KEY_COLUMNS = {"results": ["custom_id"], "errors": ["source", "line"]}
+KEY_COLUMNS = {
+    "results": ["custom_id"],
+    "errors": ["source", "line"],
+    "table": ["custom_id", "source", "line"],
+    "rows": ["custom_id", "source", "line"],
+}
 # The token columns ride along so each shard's task sums them: the manifest's totals (across resumes too) cost the
 # driver nothing.
 # So do the latency columns: each shard's task histograms its rows' usage (observe/usage.py), and Parquet shards
@@ -98,7 +107,12 @@ READ_COLUMNS = [
     "model",
     "structured_json",
 ]
+ROWS_COLUMNS = ["custom_id", "source", "line", "row"]
 PIECE_OPTIONS = pa.ipc.IpcWriteOptions(compression="lz4")
+
+
+def _columns(kind: str) -> list[str]:
+    return ROWS_COLUMNS if kind == "rows" else READ_COLUMNS
 
 
 class AccountingError(RuntimeError):
@@ -159,6 +173,9 @@ class _Context:
     storage: StorageConfig
     format: str
     driver_host: str | None = None  # the driver's node address, when tasks run on Ray
+    table_route: str | None = (
+        None  # a dataset job's route: its output is the table answered (datasets/output.py)
+    )
     _target: OutputTarget | None = field(default=None, repr=False)
     # Staged parts in a bucket go through the driver's read cache (see staging.ObjectStoreFiles) only on the
     # driver's host, where the commit clears it; a task on another host leaves nothing behind.
@@ -200,8 +217,11 @@ class _Context:
             else:
                 part = pq.ParquetFile(pa.BufferReader(self.files.read_bytes(path)))
             present = [c for c in columns if c in part.schema_arrow.names]
+            read = part.read(columns=present, use_threads=False)
+            if columns is ROWS_COLUMNS:
+                return read.select(columns)
             # A part staged before a column existed (a job resumed across versions) reads it as nulls.
-            return with_later_columns(part.read(columns=present, use_threads=False)).select(columns)
+            return with_later_columns(read).select(columns)
         with pa.ipc.open_stream(pa.py_buffer(self.files.read_bytes(path))) as reader:
             return reader.read_all().select(columns)
 
@@ -270,6 +290,7 @@ class ReduceCall(NamedTuple):
     shard: int
     count: int
     sources: list[str]
+    rows: Sequence[str] = ()  # a dataset job's table: the pieces (or staged parts) of its kept input rows
 
 
 def _key_task(ctx: _Context, call: GroupCall) -> list[int]:
@@ -331,7 +352,7 @@ def _map_task(ctx: _Context, call: GroupCall) -> dict[str, list[tuple[str, int]]
     kind, group, parts, bounds = call
     boundaries = pa.array(bounds, pa.binary())
     pieces = _Pieces(ctx, kind, group)
-    for table in _batches(ctx, parts, READ_COLUMNS):
+    for table in _batches(ctx, parts, _columns(kind)):
         for shard, rows in split_by_shard(table, assign_shards(sort_keys(table, kind), boundaries)).items():
             pieces.add(shard, rows)
     pieces.flush()
@@ -343,7 +364,7 @@ def _map_task(ctx: _Context, call: GroupCall) -> dict[str, list[tuple[str, int]]
 def _reduce_task(ctx: _Context, call: ReduceCall) -> dict[str, Any]:
     """Write one shard: its pieces (or the staged parts), sorted, through the format's encoder; then record its
     ShardInfo. Memory: one shard."""
-    kind, shard, count, sources = call
+    kind, shard, count, sources, rows = call
     tables = [ctx.read(path, READ_COLUMNS) for path in sources]
     table = pa.concat_tables(tables) if tables else STAGED_SCHEMA.empty_table().select(READ_COLUMNS)
     table = sort_table(table, kind)
@@ -352,8 +373,13 @@ def _reduce_task(ctx: _Context, call: ReduceCall) -> dict[str, Any]:
         duplicate = first_duplicate(table.column("custom_id"))
         if duplicate is not None:
             raise AccountingError(f"custom_id {duplicate!r} staged twice as a result")
-    encoder, extension = shard_encoder(ctx.format)
-    info = write_shard(table, shard_name(kind, shard, count, extension), ctx.target().open_write, encoder)
+    if kind == "table":
+        info = _write_table_shard(ctx, table, rows, shard, count)
+        results = table.filter(pc.is_null(table.column("error_code")))
+    else:
+        encoder, extension = shard_encoder(ctx.format)
+        info = write_shard(table, shard_name(kind, shard, count, extension), ctx.target().open_write, encoder)
+        results = table
     record: dict[str, Any] = {
         "shard": info.as_manifest(),
         "tokens": {
@@ -363,15 +389,44 @@ def _reduce_task(ctx: _Context, call: ReduceCall) -> dict[str, Any]:
     }
     from pipeline.observe.usage import rows_by_model, structured_of, usage_of
 
-    if kind == "results":
-        record["usage"] = usage_of(table)
-        record["structured"] = structured_of(table)
-    if kind == "errors":
+    if kind in ("results", "table"):
+        record["usage"] = usage_of(results)
+        record["structured"] = structured_of(results)
+    if kind in ("errors", "table"):
         codes = pc.value_counts(table.column("error_code").drop_null()).to_pylist() if table.num_rows else []
         record["error_codes"] = {c["values"]: c["counts"] for c in codes}
     record["models"] = rows_by_model(table)
     ctx.write_json(ctx.done_record(kind, shard), record)  # after the shard is complete (closed, uploaded)
     return record
+
+
+def _write_table_shard(
+    ctx: _Context, answers: pa.Table, rows: list[str], shard: int, count: int
+) -> ShardInfo:
+    """A dataset job's shard: its answers (sorted) joined row for row with the kept input rows routed to it. Every
+    input row was staged once at ingest and every one has its answer or error record, so the two sides hold the
+    same keys; anything else is an accounting error, and nothing is committed."""
+    from pipeline.datasets.output import answered_table, table_encoder
+
+    kept_parts = [ctx.read(path, ROWS_COLUMNS) for path in rows]
+    kept = (
+        pa.concat_tables(kept_parts, promote_options="permissive")
+        if kept_parts
+        else pa.table({"custom_id": pa.array([], pa.string()), "row": pa.array([], pa.string())})
+    )
+    kept = sort_table(kept, "rows") if kept_parts else kept
+    if kept.num_rows != answers.num_rows or (
+        kept_parts and not sort_keys(kept, "rows").equals(sort_keys(answers, "table"))
+    ):
+        raise AccountingError(
+            f"table shard {shard}: {answers.num_rows} answers for {kept.num_rows} input rows, or rows that do not "
+            "match their answers; output not committed"
+        )
+    assert ctx.table_route is not None
+    joined = answered_table(kept, answers.column("record").to_pylist(), ctx.table_route)
+    encoder, extension = table_encoder(ctx.format)
+    name = shard_name("results", shard, count, extension)
+    return write_shard(joined, name, ctx.target().open_write, encoder, ids=answers.column("custom_id"))
 
 
 # -- where the tasks run ---------------------------------------------------------------------------------------------
@@ -434,10 +489,11 @@ def _make_plan(
     rows_per_shard: int,
 ) -> dict[str, Any]:
     """Exact shard boundaries for both kinds (see the module docstring). Raises AccountingError on a result id
-    staged twice — before anything in OUTPUT is touched."""
+    staged twice — before anything in OUTPUT is touched. A dataset job's kept rows take its table's boundaries."""
     plan: dict[str, Any] = {"version": PLAN_VERSION, "rows_per_shard": rows_per_shard, "format": ctx.format}
+    kinds = [kind for kind in parts if kind != "rows"]
     key_calls, bucket_splitters = [], {}
-    for kind in KINDS:
+    for kind in kinds:
         total = sum(rows[kind])
         groups = [
             [parts[kind][i] for i in g]
@@ -452,7 +508,7 @@ def _make_plan(
     counts = iter(tasks.map(_key_task, ctx, key_calls, tasks_by_node=tasks_by_node))
 
     cut_calls: list[CutCall] = []
-    for kind in KINDS:
+    for kind in kinds:
         entry = plan[kind]
         if bucket_splitters[kind]:
             per_group = [next(counts) for _ in entry["groups"]]
@@ -468,14 +524,21 @@ def _make_plan(
         for bucket, n in enumerate(bucket_rows):
             if n and (check or bucket in cuts):
                 cut_calls.append(CutCall(kind, sources[bucket], cuts.get(bucket, []), check))
-    boundaries: dict[str, list[bytes]] = {kind: [] for kind in KINDS}
+    boundaries: dict[str, list[bytes]] = {kind: [] for kind in kinds}
     cuts_found = tasks.map(_cut_task, ctx, cut_calls, tasks_by_node=tasks_by_node)
     for (kind, *_), (keys, duplicate) in zip(cut_calls, cuts_found, strict=True):
         if duplicate is not None:
             raise AccountingError(f"custom_id {duplicate!r} staged twice as a result")
         boundaries[kind] += keys  # buckets in order, offsets in order: the cuts in order
-    for kind in KINDS:
+    for kind in kinds:
         plan[kind]["boundaries"] = [key.hex() for key in boundaries[kind]]
+    if "rows" in parts:
+        total = sum(rows["rows"])
+        groups = [
+            [parts["rows"][i] for i in g]
+            for g in group_parts(rows["rows"], max(MAP_TASK_ROWS, -(-total // MAX_MAP_TASKS)))
+        ]
+        plan["rows"] = {**plan["table"], "rows": total, "groups": groups}
     return plan
 
 
@@ -488,7 +551,9 @@ def _load_plan(ctx: _Context, parts: dict[str, list[str]], rows_per_shard: int) 
         plan.get("version") == PLAN_VERSION
         and plan.get("rows_per_shard") == rows_per_shard
         and plan.get("format") == ctx.format
-        and all([p for g in plan[kind]["groups"] for p in g] == parts[kind] for kind in KINDS)
+        and all(
+            kind in plan and [p for g in plan[kind]["groups"] for p in g] == parts[kind] for kind in parts
+        )
     )
     if fits:
         return plan
@@ -508,18 +573,29 @@ def write_outputs(
     expected_rows: int,
     format: str = "jsonl",
     reserve_cpus: bool = True,
+    table_route: str | None = None,
 ) -> FinalizeOutputs:
     """Write the shards; returns counts, shard descriptions and the nodes that ran finalize, for the manifest.
-    `reserve_cpus=False`: engines still hold the cluster's CPUs (warm engines), so tasks take none."""
+    `reserve_cpus=False`: engines still hold the cluster's CPUs (warm engines), so tasks take none.
+    `table_route`: a dataset job of that route: one table of every input row with its answer, no error shards."""
     target = _as_target(output)
-    parts = {kind: staging.parts(kind) for kind in KINDS}
-    rows = {kind: _part_rows(staging, parts[kind]) for kind in KINDS}
-    n_results, n_errors = sum(rows["results"]), sum(rows["errors"])
+    staged = {kind: staging.parts(kind) for kind in KINDS}
+    n_results, n_errors = (sum(_part_rows(staging, staged[kind])) for kind in KINDS)
     if n_results + n_errors != expected_rows:
         raise AccountingError(
             f"staging holds {n_results} results + {n_errors} errors = {n_results + n_errors} rows, "
             f"but the input has {expected_rows}; output not committed"
         )
+    if table_route is None:
+        parts = staged
+    else:
+        parts = {"table": staged["results"] + staged["errors"], "rows": staging.parts("rows")}
+    rows = {kind: _part_rows(staging, parts[kind]) for kind in parts}
+    if table_route is not None and sum(rows["rows"]) != expected_rows:
+        raise AccountingError(
+            f"staging holds {sum(rows['rows'])} input rows of a table of {expected_rows}; output not committed"
+        )
+    kinds = [kind for kind in parts if kind != "rows"]  # the kinds written as shards
     shard_encoder(format)  # an unknown format fails here, before anything is written
     tasks = _executor(isinstance(staging.files, LocalFiles) or target.is_local, reserve_cpus)
     tasks_by_node: Counter[str] = Counter()  # Ray node id (or IN_PROCESS) → finalize tasks it ran
@@ -530,6 +606,7 @@ def write_outputs(
         target.storage,
         format,
         tasks.placement.driver_address if tasks.placement is not None else None,
+        table_route=table_route,
         _target=target,
     )
 
@@ -540,19 +617,21 @@ def write_outputs(
         plan = _make_plan(ctx, tasks, tasks_by_node, parts, rows, rows_per_shard)
         target.remove_previous_outputs()
         ctx.write_json(ctx.plan_path(), plan)  # after the removal: its presence means OUTPUT is ours to write
-    counts = {kind: plan[kind]["shards"] for kind in KINDS}
-    done: dict[str, dict[int, dict[str, Any]]] = {kind: {} for kind in KINDS}
+    counts = {kind: plan[kind]["shards"] for kind in parts}
+    done: dict[str, dict[int, dict[str, Any]]] = {kind: {} for kind in parts}
     if resumed:
-        for kind in KINDS:
+        for kind in kinds:
             for shard in range(counts[kind]):
                 if (record := ctx.read_json(ctx.done_record(kind, shard))) is not None:
                     done[kind][shard] = record
-        log.info("finalize resumed", shards_done={kind: len(done[kind]) for kind in KINDS})
+        log.info("finalize resumed", shards_done={kind: len(done[kind]) for kind in kinds})
+    if "rows" in parts:
+        done["rows"] = done["table"]  # the kept rows are written with the table's shards
 
     # Map: the groups of every kind with more than one shard left to write, unless mapped by an earlier attempt.
-    pieces: dict[str, list[dict[str, list]]] = {kind: [] for kind in KINDS}
+    pieces: dict[str, list[dict[str, list]]] = {kind: [] for kind in parts}
     map_calls: list[GroupCall] = []
-    for kind in KINDS:
+    for kind in parts:
         if counts[kind] == 1 or len(done[kind]) == counts[kind]:
             continue
         bounds = [bytes.fromhex(key) for key in plan[kind]["boundaries"]]
@@ -563,30 +642,37 @@ def write_outputs(
                 map_calls.append(GroupCall(kind, g, group, bounds))
     planned = time.monotonic()
     mapped = iter(tasks.map(_map_task, ctx, map_calls, tasks_by_node=tasks_by_node))
-    for kind in KINDS:
+    for kind in parts:
         pieces[kind] = [record if record is not None else next(mapped) for record in pieces[kind]]
+
+    def shard_sources(kind: str, shard: int) -> list[str]:
+        if counts[kind] == 1:
+            return parts[kind]
+        return [path for group in pieces[kind] for path, _ in group.get(str(shard), [])]
 
     # Reduce: every shard not yet recorded.
     routed = time.monotonic()
     reduce_calls: list[ReduceCall] = []
-    for kind in KINDS:
+    for kind in kinds:
         for shard in range(counts[kind]):
             if shard in done[kind]:
                 continue
-            if counts[kind] == 1:
-                sources = parts[kind]
-            else:
-                sources = [path for group in pieces[kind] for path, _ in group.get(str(shard), [])]
-            reduce_calls.append(ReduceCall(kind, shard, counts[kind], sources))
+            kept = shard_sources("rows", shard) if kind == "table" else []
+            reduce_calls.append(ReduceCall(kind, shard, counts[kind], shard_sources(kind, shard), kept))
     written_shards = tasks.map(_reduce_task, ctx, reduce_calls, tasks_by_node=tasks_by_node)
     for call, record in zip(reduce_calls, written_shards, strict=True):
         done[call.kind][call.shard] = record
 
-    shards = {kind: [done[kind][s]["shard"] for s in range(counts[kind])] for kind in KINDS}
-    for kind, total in (("results", n_results), ("errors", n_errors)):
+    shards = {kind: [done[kind][s]["shard"] for s in range(counts[kind])] for kind in kinds}
+    expected = (
+        {"table": expected_rows} if table_route is not None else {"results": n_results, "errors": n_errors}
+    )
+    for kind, total in expected.items():
         written = sum(s["rows"] for s in shards[kind])
         if written != total:
             raise AccountingError(f"{kind}: {total} rows staged, {written} written; output not committed")
+    if table_route is not None:  # the table's shards are the output's result shards; its errors are in it
+        shards = {"results": shards["table"], "errors": []}
     log.info(
         "finalize written",
         plan_s=round(planned - started, 2),
@@ -597,21 +683,23 @@ def write_outputs(
         shards_written=len(reduce_calls),
     )
     by_code: Counter[str] = Counter()
-    for record in done["errors"].values():
-        by_code.update(record.get("error_codes", {}))
+    for kind in kinds:
+        for record in done[kind].values():
+            by_code.update(record.get("error_codes", {}))
     from pipeline.observe.usage import merge, merge_rows_by_model
 
     # Shards recorded by a version that did not histogram usage have none: the percentiles then cover the others.
-    usage = merge([record["usage"] for record in done["results"].values() if "usage" in record])
+    answered = [record for kind in kinds for record in done[kind].values() if "usage" in record]
+    usage = merge([record["usage"] for record in answered])
     by_model = merge_rows_by_model(
-        [record.get("models", {}) for kind in KINDS for record in done[kind].values()]
+        [record.get("models", {}) for kind in kinds for record in done[kind].values()]
     )
     structured = {"requested": 0, "parsed_json": 0}
-    for record in done["results"].values():
+    for record in answered:
         for key in structured:
             structured[key] += record.get("structured", {}).get(key, 0)
     tokens = {"prompt": 0, "completion": 0}
-    for kind in KINDS:
+    for kind in kinds:
         for record in done[kind].values():
             for key in tokens:
                 tokens[key] += record.get("tokens", {}).get(key, 0)

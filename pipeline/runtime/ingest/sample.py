@@ -66,6 +66,7 @@ def measure_sample(job, item: tuple[list[InputPiece], int, bool]) -> Sample:
     validator = LineValidator(job.served, job.job_id, job.limits)
     sample = Sample(whole=every_piece)
     requests: list[ValidRequest] = []
+    renderer = job.renderer()
     for piece in pieces:
         read = 0
         rows = source.piece_rows(piece)
@@ -75,6 +76,8 @@ def measure_sample(job, item: tuple[list[InputPiece], int, bool]) -> Sample:
                     sample.whole = False  # a line was left unread
                     break
                 read += 1
+                if renderer is not None:
+                    payload, _ = renderer.read(payload, number, piece.file)
                 if isinstance(payload, BadRow):
                     continue
                 outcome, _ = validator.check(payload, number, name)

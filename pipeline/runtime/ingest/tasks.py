@@ -38,6 +38,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from pipeline.config import InputLimits, StorageConfig
+from pipeline.datasets.kept import KeptRows, kept_struct
+from pipeline.datasets.render import RowRenderer
+from pipeline.datasets.spec import DatasetConfig
 from pipeline.engines.fitting import tokenizers_loaded
 from pipeline.fit_record import Lengths
 from pipeline.io.fingerprint import HASH_RANGE_BYTES
@@ -135,6 +138,28 @@ class IngestJob:
     # Early fit (streaming with fitting on): a request whose need (prompt + output budget) passes this many tokens
     # is staged in a part of its own (`is_held`), not handed to the engines while ingest runs.
     hold_above: int | None = None
+    # A dataset job (pipeline/datasets/): each table row is rendered into a request, and its kept columns are
+    # staged beside it (`_staging/rows/`) for finalize to join with the answers.
+    dataset: DatasetConfig | None = None
+
+    def renderer(self) -> RowRenderer | None:
+        if self.dataset is None:
+            return None
+        return RowRenderer(self.dataset, self.limits.max_json_depth)
+
+    def kept_rows(self, piece: InputPiece) -> KeptRows | None:
+        """Where a piece's kept rows gather: typed as the table when every input file is Parquet, JSON text when
+        any is JSONL (its objects have no one schema)."""
+        if self.dataset is None:
+            return None
+        source = self.source
+        if (
+            all(source.file_format(i) == "parquet" for i in range(len(source.files)))
+            and piece.kind == "parquet"
+        ):
+            schema = source._parquet_file(source.files[piece.file]).schema_arrow  # noqa: SLF001 - its footer
+            return KeptRows(kept_struct(schema, self.dataset.keep_columns))
+        return KeptRows(None)
 
 
 # --- step 1: scan -----------------------------------------------------------------------------------------------
@@ -182,7 +207,8 @@ class _PieceOutput:
         self.requests: list[tuple[str, str, str, int, str, str | None, str | None, int | None]] = []
         self.held: list[tuple[str, str, str, int, str, str | None, str | None, int | None]] = []
         self.errors: list[StagedRow] = []
-        self._seq = {"part": 0, HELD: 0, INGEST_PREFIX: 0}
+        self.kept = job.kept_rows(piece)
+        self._seq = {"part": 0, HELD: 0, INGEST_PREFIX: 0, "rows": 0}
 
     def _name(self, prefix: str) -> str:
         self._seq[prefix] += 1
@@ -225,6 +251,18 @@ class _PieceOutput:
             self.stats.parts.append(f"{self.job.staging.requests_dir}/{name}")
             rows.clear()
 
+    def keep(self, custom_id: str | None, source: str, line: int, row: dict | None) -> None:
+        """A dataset row's kept columns, staged under the id its answer or error record carries."""
+        assert self.kept is not None
+        self.kept.add(custom_id, source, line, row)
+        if len(self.kept) >= self.job.part_rows:
+            self.flush_kept()
+
+    def flush_kept(self) -> None:
+        if self.kept is not None and len(self.kept):
+            self.job.staging.write_kept_rows(self.kept.table(), self._name("rows"))
+            self.kept.clear()
+
     def flush_errors(self) -> None:
         if self.errors:
             name = self._name(INGEST_PREFIX)
@@ -236,6 +274,7 @@ class _PieceOutput:
         self.flush_requests()
         self._flush(self.held, HELD)
         self.flush_errors()
+        self.flush_kept()
         self.ids.write(self.job.staging)
 
 
@@ -299,12 +338,20 @@ def read_piece(job: IngestJob, piece: InputPiece) -> PieceStats:
     out = _PieceOutput(job, piece, stats)
     measure = _Measure(job.measure, out, job.job_id) if job.measure is not None else None
     read = ReadStats()
+    renderer = job.renderer()
     for name, number, payload in source.piece_rows(piece, read):
         stats.rows += 1
+        if renderer is not None:  # a table's row: made a request here, its kept columns staged beside it
+            payload, values = renderer.read(payload, number, file)
         if isinstance(payload, BadRow):
             outcome, claim = bad_row_check(payload, number, name, job.job_id)
         else:
             outcome, claim = validator.check(payload, number, name)
+        if renderer is not None:
+            staged_id = (
+                outcome.custom_id if isinstance(outcome, ValidRequest) else outcome.record["custom_id"]
+            )
+            out.keep(staged_id, name, number, renderer.kept(values))
         if isinstance(outcome, ValidRequest):
             key = routing_key(outcome.url, outcome.body, job.adapters)
             stats.keyed += key is not None
@@ -453,6 +500,7 @@ def sample_input(
     job_id: str | None = None,
     parallel: bool | None = None,
     reserve_cpus: bool = True,
+    dataset: DatasetConfig | None = None,
 ) -> Sample:
     """A measured sample spread over the input (runtime/ingest/sample.py), as one task: what the early fit decides
     from before ingest reads the whole input."""
@@ -460,7 +508,7 @@ def sample_input(
     size = source.size_bytes or 0
     range_bytes = max(SAMPLE_RANGE_BYTES, size // SAMPLE_PIECES)
     pieces, _ = source.plan_reads(range_bytes, piece_rows=1)
-    job = IngestJob(source, staging, served, job_id, source.limits, measure, 1, 0)
+    job = IngestJob(source, staging, served, job_id, source.limits, measure, 1, 0, dataset=dataset)
     run = _executor(parallel, source, staging, reserve_cpus)
     (sample,) = run.map(measure_sample, job, [sample_pieces(pieces)])
     return sample
@@ -485,6 +533,7 @@ def ingest(
     on_requests: Callable[[list[str]], None] | None = None,
     adapters: frozenset[str] = frozenset(),
     hold_above: int | None = None,
+    dataset: DatasetConfig | None = None,
 ) -> IngestReport:
     """Validate (and, with `measure`, measure) the whole input into staging, as parallel tasks on Ray when it is
     initialized (`parallel` None), else in this process. Staging must hold no earlier ingest (discard_ingest).
@@ -515,7 +564,17 @@ def ingest(
         by_size = math.ceil((source.size_bytes or 0) / BUCKET_BYTES)
         buckets = max(1, min(MAX_BUCKETS, max(by_size, min(len(pieces), run.parallelism))))
     job = IngestJob(
-        source, staging, served, job_id, source.limits, measure, buckets, part_rows, adapters, hold_above
+        source,
+        staging,
+        served,
+        job_id,
+        source.limits,
+        measure,
+        buckets,
+        part_rows,
+        adapters,
+        hold_above,
+        dataset,
     )
     batches = _scan_batches(scans)
     scan_nodes: Counter[str] = Counter()

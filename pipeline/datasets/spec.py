@@ -1,0 +1,175 @@
+"""A dataset job's settings (`dataset:` in the job file, `--template` and its siblings on the command line).
+
+A job that names a template reads an ordinary table — Parquet, or JSONL of objects — instead of request lines: each
+row becomes one request of `route`, its body made from the rendered templates (the route's registry entry says where
+each text goes) and the sampling fields given once, and the output is the table back with answer columns.
+
+Pure: no Ray, no vLLM; config.py embeds it in JobConfig.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Any
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from pipeline.config_flags import ConfigError, Flag
+
+# Body fields a dataset job sets itself: a template's text goes there, the id is the table's.
+_RENDERED_FIELDS = frozenset({"messages", "prompt", "input", "instructions", "text_1", "text_2"})
+
+
+def text_or_file(value: str, flag: str) -> str:
+    """A template flag's value: the text of the file it names, when it names one; else the text itself."""
+    path = Path(value)
+    try:
+        if len(value) < 4096 and "\n" not in value and path.is_file():
+            return path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"{flag} {value}: the file cannot be read as UTF-8 text ({exc})") from exc
+    return value
+
+
+def comma_list(value: str, flag: str) -> list[str]:
+    names = [name.strip() for name in value.split(",") if name.strip()]
+    if not names:
+        raise ConfigError(f"{flag}: give the column names, separated by commas")
+    return names
+
+
+class DatasetConfig(BaseModel):
+    """Templates over a table's columns: set `template` and the input is a table, the output the table answered."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    template: Annotated[
+        str | None,
+        Flag(
+            "--template",
+            "Jinja2 template of each row's prompt over the table's columns (text, or a file holding it): "
+            "the input is then a table (Parquet, or JSONL of objects) and the output the table with answers.",
+            parse=text_or_file,
+        ),
+    ] = Field(
+        default=None,
+        description="Jinja2 template of each row's prompt (the user message for chat), over the row's columns: "
+        "`{{ title }}`, loops over a list column, filters. Setting it makes the job a dataset job.",
+    )
+    system: Annotated[
+        str | None,
+        Flag(
+            "--system",
+            "Jinja2 template of the system prompt (text, or a file holding it).",
+            parse=text_or_file,
+        ),
+    ] = Field(default=None, description="Jinja2 template of the system prompt (chat, responses).")
+    pair_template: Annotated[
+        str | None,
+        Flag(
+            "--pair-template",
+            "Jinja2 template of the second text of a pair (the score route's text_2).",
+            parse=text_or_file,
+        ),
+    ] = Field(default=None, description="Jinja2 template of the second text of a pair (score: text_2).")
+    route: Annotated[
+        str,
+        Flag(
+            "--route", "The route each row's request takes: chat, completions, responses, embeddings, score."
+        ),
+    ] = Field(
+        default="chat", description="The route each row's request takes (a name from the route registry)."
+    )
+    id_column: Annotated[
+        str | None,
+        Flag("--id-column", "The column that identifies a row (unique); the output is sorted by it."),
+    ] = Field(
+        default=None,
+        description="The column that identifies each row (unique, string or integer); the output is sorted by it. "
+        "Default: the row's place in the input (file, row), which resume keeps.",
+    )
+    keep_columns: Annotated[
+        list[str] | None,
+        Flag(
+            "--keep-columns",
+            "The input columns the output keeps (comma-separated); default: all.",
+            parse=comma_list,
+        ),
+    ] = Field(default=None, description="The input columns the output keeps; default: all of them.")
+    max_tokens: Annotated[int | None, Flag("--max-tokens", "Most tokens each row's answer may have.")] = (
+        Field(
+            default=None,
+            ge=1,
+            description="Most tokens each row's answer may generate (the body's max_tokens).",
+        )
+    )
+    temperature: Annotated[float | None, Flag("--temperature", "Sampling temperature of every row.")] = Field(
+        default=None, ge=0, description="Sampling temperature of every row (the body's temperature)."
+    )
+    body: dict[str, Any] = Field(
+        default_factory=dict,
+        description="Any other body field of the route, given once for every row (seed, response_format, stop, "
+        "n, …; `--seed` is vLLM's engine seed, as in vLLM).",
+    )
+    body_columns: dict[str, str] = Field(
+        default_factory=dict,
+        description="Body fields whose value each row carries in a column of its own, e.g. {max_tokens: budget} "
+        "or {model: adapter} (a LoRA adapter per row).",
+    )
+
+    @property
+    def enabled(self) -> bool:
+        return self.template is not None
+
+    @field_validator("route")
+    @classmethod
+    def _a_templated_route(cls, route: str) -> str:
+        from pipeline.endpoints import TEMPLATED_ROUTES
+
+        if route not in TEMPLATED_ROUTES:
+            raise ValueError(
+                f"{route!r} is not a route a template can fill; one of {', '.join(TEMPLATED_ROUTES)}"
+            )
+        return route
+
+    @model_validator(mode="after")
+    def _consistent(self) -> DatasetConfig:
+        from pipeline.endpoints import endpoint_named
+
+        given = [
+            name
+            for name, field in type(self).model_fields.items()
+            if name != "template" and getattr(self, name) != field.get_default(call_default_factory=True)
+        ]
+        if not self.enabled:
+            if given:
+                raise ValueError(
+                    f"{', '.join(sorted(given))} apply to a dataset job: set dataset.template too"
+                )
+            return self
+        takes = endpoint_named(self.route).templated
+        assert takes is not None
+        if self.system is not None and not takes.system:
+            raise ValueError(f"the {self.route} route takes no system prompt: drop dataset.system")
+        if takes.pair and self.pair_template is None:
+            raise ValueError(f"the {self.route} route scores a pair of texts: give dataset.pair_template too")
+        if not takes.pair and self.pair_template is not None:
+            raise ValueError(f"the {self.route} route takes one text: drop dataset.pair_template")
+        rendered = sorted(_RENDERED_FIELDS & (set(self.body) | set(self.body_columns)))
+        if rendered:
+            raise ValueError(
+                f"body field(s) {', '.join(rendered)} come from the templates: drop them from body"
+            )
+        if "custom_id" in self.body_columns:
+            raise ValueError("custom_id is not a body field: name the id column with dataset.id_column")
+        return self
+
+    def sampling(self) -> dict[str, Any]:
+        """The body fields every row's request carries, the named flags over `body`."""
+        named = {"max_tokens": self.max_tokens, "temperature": self.temperature}
+        return {**self.body, **{key: value for key, value in named.items() if value is not None}}
+
+    def columns_read(self, template_columns: set[str]) -> set[str]:
+        """The columns a row's request is made from (the templates', the id, the per-row body fields)."""
+        own = set(self.body_columns.values()) | ({self.id_column} if self.id_column else set())
+        return template_columns | own
