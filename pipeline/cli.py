@@ -460,6 +460,13 @@ def down() -> None:
     "engine.vllm.max_model_len",
     "engine.http.endpoints",
     "storage.s3_endpoint_url",
+    "dataset.template",
+    "dataset.system",
+    "dataset.pair_template",
+    "dataset.route",
+    "dataset.id_column",
+    "dataset.keep_columns",
+    "dataset.max_tokens",
     help={"model": "Model the job would serve (its name is checked)."},
 )
 def validate(
@@ -486,8 +493,12 @@ def validate(
     """Dry run of the job: counts, every error record (JSON lines on stdout), token statistics. No engine is started.
 
     Lines are checked against every name the job serves — each pool's model and its LoRA adapters — as `run` with the
-    same --config and flags would check them."""
+    same --config and flags would check them. A dataset job (--template, or `dataset:` in the job file) renders each
+    row of its table first: rows its templates cannot render are counted by the column to blame, and the token
+    statistics are those of the rendered prompts."""
+    from pipeline.datasets.render import DatasetError
     from pipeline.engines.base import backend
+    from pipeline.io.rows import TableRead
     from pipeline.job_plan import JobPlan, JobPlanError
     from pipeline.models import MissingDependencyError, ModelNotFoundError
     from pipeline.runtime.preflight import PreflightError, check_input_source
@@ -496,12 +507,24 @@ def validate(
     try:
         job = merge_overrides(load_job_config(config), flags.overrides(), flags.labels)
         plan = JobPlan.of(job)
-        source = check_input_source(input, job.storage)
+        source = check_input_source(input, job.storage, TableRead() if plan.dataset else None)
+        if plan.dataset is not None:  # a table: its columns are checked against the templates first
+            source.table = plan.dataset.table_read()
+            columns = source.table_columns()
+            if columns is not None:
+                plan.dataset.check_columns(columns)
         # Tokens are counted with each model's own tokenizer, which needs the models; a backend whose servers
         # count their own (http) has nothing to count with here, and its servers are not contacted.
         tokens = tokens and backend(job.engine.backend).fitting is not None
         report = validate_input(source, plan.resolve() if tokens else plan, tokenize=tokens)
-    except (ConfigError, JobPlanError, PreflightError, ModelNotFoundError, MissingDependencyError) as exc:
+    except (
+        ConfigError,
+        DatasetError,
+        JobPlanError,
+        PreflightError,
+        ModelNotFoundError,
+        MissingDependencyError,
+    ) as exc:
         _fail(str(exc))
     for record in report.error_records:
         sys.stdout.write(json.dumps(record, ensure_ascii=False) + "\n")

@@ -31,6 +31,8 @@ class ValidationReport:
     counted_by: list[str] = field(default_factory=list)  # how each pool's model counts its prompts
     too_long: int = 0  # valid lines longer than the context the job would run them with
     untokenizable: int = 0  # valid lines whose prompt could not be counted (the engine's to report)
+    # A dataset job: its rows that failed to render, by the column to blame ("" when none is).
+    template_errors: Counter = field(default_factory=Counter)
 
     def summary(self) -> str:
         r = self.ingest
@@ -40,6 +42,12 @@ class ValidationReport:
             codes[ErrorCode.CONTEXT_LENGTH_EXCEEDED.value] += self.too_long
         if codes:
             lines.append("errors     " + ", ".join(f"{c} {n}" for c, n in sorted(codes.items())))
+        if self.template_errors:
+            blamed = sorted(self.template_errors.items(), key=lambda item: (-item[1], item[0]))
+            lines.append(
+                "templates  rows not rendered by column: "
+                + ", ".join(f"{column or '(no column)'} {n}" for column, n in blamed)
+            )
         if self.routes:
             lines.append("routes     " + ", ".join(f"{u} {n}" for u, n in sorted(self.routes.items())))
         if self.prompt_tokens:
@@ -98,7 +106,8 @@ def validate_input(location: Any, plan: JobPlan, tokenize: bool = True) -> Valid
                     report.counted_by.append(by_model[pool.served_name].target.counted_by)
         for name in served.validation_map():
             measures[name] = by_model[served.adapters.get(name, name)]
-    for outcome in iter_validated(location, validator, report.ingest):
+    renderer = plan.dataset
+    for outcome in iter_validated(location, validator, report.ingest, renderer):
         if isinstance(outcome, InvalidLine):
             report.error_records.append(outcome.record)
             continue
@@ -123,4 +132,6 @@ def validate_input(location: Any, plan: JobPlan, tokenize: bool = True) -> Valid
             report.error_records.append(
                 failed_request_record(outcome.custom_id, ErrorCode.CONTEXT_LENGTH_EXCEEDED, problem)
             )
+    if renderer is not None:
+        report.template_errors = renderer.failures_by_column
     return report

@@ -17,6 +17,7 @@ Pure: no Ray, no vLLM.
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Iterable
 from typing import Any, NamedTuple
 
@@ -69,6 +70,9 @@ class RowRenderer:
             name: PromptTemplate(text, name) for name, text in named.items() if text is not None
         }
         self.sampling = spec.sampling()
+        # Rows that failed to render, by the column that made them fail ("" when none is to blame): `validate`'s
+        # template errors per column.
+        self.failures_by_column: Counter[str] = Counter()
 
     @property
     def columns(self) -> set[str]:
@@ -95,7 +99,9 @@ class RowRenderer:
             )
         from pipeline.datasets.output import answer_names
 
-        clash = [name for name in answer_names(self.spec.route) if name in (self.spec.keep_columns or present)]
+        clash = [
+            name for name in answer_names(self.spec.route) if name in (self.spec.keep_columns or present)
+        ]
         if clash:
             raise DatasetError(
                 f"the table's column(s) {', '.join(clash)} have the names of answer columns the output adds: keep "
@@ -160,6 +166,7 @@ class RowRenderer:
         try:
             texts = {name: template.render(row) for name, template in self.templates.items()}
         except RenderError as exc:
+            self.failures_by_column.update(exc.columns or ("",))
             return BadRow(custom_id, str(exc), "template_error")
         body = self.endpoint.templated_body(
             texts["dataset.template"], texts.get("dataset.system"), texts.get("dataset.pair_template")

@@ -29,7 +29,12 @@ class TemplateError(ValueError):
 
 
 class RenderError(ValueError):
-    """A row its template cannot render: that row's error."""
+    """A row its template cannot render: that row's error. `columns`: the row's columns that made it fail (missing
+    or null), when known."""
+
+    def __init__(self, message: str, columns: tuple[str, ...] = ()) -> None:
+        super().__init__(message)
+        self.columns = columns
 
 
 class _NullPrinted(Exception):
@@ -97,11 +102,12 @@ class PromptTemplate:
             raise RenderError(
                 f"{self.name}: a null value would be printed as 'None' (null in this row: "
                 f"{', '.join(nulls) or 'a value the template computed'}); a template that allows it says so, "
-                f'e.g. {{{{ {(nulls or ["column"])[0]} or "" }}}}'
+                f'e.g. {{{{ {(nulls or ["column"])[0]} or "" }}}}',
+                tuple(nulls),
             ) from None
         except SecurityError as exc:
             raise RenderError(f"{self.name}: the sandbox refused: {exc}") from exc
         except Exception as exc:  # noqa: BLE001 - whatever a row's values make a template raise is that row's error
             null = f" (null in this row: {', '.join(nulls)})" if nulls else ""
-            raise RenderError(f"{self.name}: {type(exc).__name__}: {exc}{null}") from exc
+            raise RenderError(f"{self.name}: {type(exc).__name__}: {exc}{null}", tuple(nulls)) from exc
         return text

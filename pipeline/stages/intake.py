@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from pipeline.config import StorageConfig
+from pipeline.datasets.render import RowRenderer
 from pipeline.io.readers import InputSource, input_source
 from pipeline.io.rows import BadRow, ReadStats
 from pipeline.protocol import ErrorCode, invalid_line_record
@@ -61,12 +62,15 @@ def as_source(location: InputSource | Path | str, storage: StorageConfig | None 
 
 
 def _validated(
-    source: InputSource, validator: LineValidator, report: InputCounts
+    source: InputSource, validator: LineValidator, report: InputCounts, renderer: RowRenderer | None = None
 ) -> Iterator[tuple[bytes | dict | BadRow, ValidRequest | InvalidLine]]:
     stats = ReadStats()
     source.limits = validator.limits  # the reader enforces the line-length bound, the validator the rest
+    file_index = {file.name: index for index, file in enumerate(source.files)}
     for name, number, payload in source.rows(stats):
         report.lines += 1
+        if renderer is not None:  # a dataset job's table: each row made its request first
+            payload, _ = renderer.read(payload, number, file_index[name])
         if isinstance(payload, BadRow):
             outcome: ValidRequest | InvalidLine = bad_row(validator, payload, number, name)
         else:
@@ -82,8 +86,12 @@ def _validated(
 
 
 def iter_validated(
-    location: InputSource | Path | str, validator: LineValidator, report: InputCounts
+    location: InputSource | Path | str,
+    validator: LineValidator,
+    report: InputCounts,
+    renderer: RowRenderer | None = None,
 ) -> Iterator[ValidRequest | InvalidLine]:
-    """Validate every row of the input in this process, one stream (`nightshift validate`, `plan --input`)."""
-    for _, outcome in _validated(as_source(location), validator, report):
+    """Validate every row of the input in this process, one stream (`nightshift validate`, `plan --input`); a
+    dataset job's rows (`renderer`) are made requests first."""
+    for _, outcome in _validated(as_source(location), validator, report, renderer):
         yield outcome

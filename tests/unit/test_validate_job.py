@@ -136,3 +136,35 @@ def test_an_http_job_is_checked_by_name_without_contacting_its_servers(tmp_path)
     # Without --model the servers would name the model: nothing can be checked before the job runs.
     result, _ = validate(str(path), *args[:-2])
     assert result.exit_code == 2 and "give --model" in result.output
+
+
+def test_a_dataset_job_is_validated_on_its_rendered_prompts(tmp_path):
+    """A table with a template: rows that cannot render are counted by the column to blame, a prompt longer than
+    the context is the record the job would write, and a template naming a missing column fails before reading."""
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"]}))
+    rows = [
+        {"id": 1, "text": "a few words"},
+        {"id": 2, "text": None},
+        {"id": 3, "text": " ".join(["w"] * 40)},
+    ]
+    path = write_lines(tmp_path / "table.jsonl", [json.dumps(row) for row in rows] + ["{broken"])
+    common = [
+        str(path),
+        "--model",
+        str(model),
+        "--engine",
+        "fake",
+        "--max-model-len",
+        "32",
+        "--max-tokens",
+        "4",
+    ]
+    result, records = validate(*common, "--template", "Say {{ text }}", "--id-column", "id")
+    assert result.exit_code == 0, result.output
+    assert [code_of(r) for r in records] == ["template_error", "context_length_exceeded", "invalid_json"]
+    assert "templates  rows not rendered by column: text 1" in result.output
+    assert "lines      4 (2 valid, 2 invalid)" in result.output
+    result, _ = validate(*common, "--template", "Say {{ body }}")
+    assert result.exit_code != 0 and "does not have: body (it has: id, text)" in result.output
