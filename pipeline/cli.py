@@ -347,7 +347,9 @@ def _run(
         # Each shift is a private Ray: when the window closes, the engines must be gone until it opens again.
         _run_in_hours(job, progress, resume, hours, token_file)
         return
-    job = _on_warm_runtime(job, warm)
+    from pipeline.api import on_warm_runtime
+
+    job = on_warm_runtime(job, warm)
     try:
         # The cluster's token (or none) is checked here, in milliseconds, and handed to Ray the way Ray reads it.
         with driver_environment(job.resources.address, token_file) as warnings:
@@ -376,34 +378,6 @@ def _run(
             1,
         )
     print_summary(outcome.manifest, outcome.output)
-
-
-def _on_warm_runtime(job: JobConfig, warm: bool) -> JobConfig:
-    """The job on `nightshift up`'s runtime when it is there and can serve it (runtime/hosting/warm_runtime.py); else as
-    given. A resumed job that began on the runtime chooses again."""
-    import os
-
-    import structlog
-
-    from pipeline.runtime.hosting import warm_runtime
-
-    job = warm_runtime.detach(job)
-    if not warm or job.resources.address is not None or job.engine.warm_engines is not None:
-        return job
-    state = warm_runtime.find_runtime()
-    if state is None:
-        return job
-    why_not = warm_runtime.mismatch(state, os.environ, sys.executable)
-    log = structlog.get_logger("nightshift")
-    if why_not is not None:
-        log.warning(
-            f"not using the warm runtime of `nightshift up`: {why_not}; this run starts its own Ray "
-            "(`nightshift down`, then `nightshift up` from this environment, to share it)"
-        )
-        return job
-    warm_runtime.claim()
-    log.info("on the warm runtime of `nightshift up`", address=state.address)
-    return warm_runtime.attach(job, state)
 
 
 @app.command()
