@@ -42,6 +42,7 @@ from pipeline.topology import Topology, TopologyError, check_topology
 from pipeline.units import GiB, fmt_bytes, parse_memory
 
 if TYPE_CHECKING:
+    from pipeline.datasets.render import RowRenderer
     from pipeline.models import ResolvedModel
     from pipeline.plan_job import PoolTarget
 
@@ -211,7 +212,7 @@ def _plan_job_file(
         )
     try:
         targets = job_pool_targets(config_path, gpu_memory_given=gpu_memory is not None)
-        batch = _JobInput.read(input, targets) if input else None
+        batch = _JobInput.read(input, targets, _dataset_of(config_path)) if input else None
         planned = [_plan_target(target, batch, gpu_memory, gpus_per_node) for target in targets]
     except (PlanError, TopologyError) as exc:
         _fail(str(exc))
@@ -220,6 +221,17 @@ def _plan_job_file(
         typer.echo(json.dumps(record, indent=2))
     else:
         _print_job(planned)
+
+
+def _dataset_of(config_path: str) -> RowRenderer | None:
+    """The job file's dataset renderer, when it names templates: --input is then its table."""
+    from pipeline.config import load_job_config
+    from pipeline.job_plan import JobPlan, JobPlanError
+
+    try:
+        return JobPlan.of(load_job_config(config_path)).dataset
+    except JobPlanError as exc:
+        raise PlanError(str(exc)) from None
 
 
 def _typed(ctx: typer.Context, name: str) -> bool:
@@ -239,19 +251,18 @@ class _JobInput:
     requested: Counter[str]  # valid requests by the served name they go to
     measured: dict[tuple[str, str | None], InputStats] = field(default_factory=dict)
 
-    @classmethod
-    def read(cls, location: str, targets: list[PoolTarget]) -> _JobInput:
-        from pipeline.runtime.preflight import PreflightError, check_input
+    renderer: RowRenderer | None = None  # a dataset job's: its table's rows are made requests first
 
+    @classmethod
+    def read(cls, location: str, targets: list[PoolTarget], renderer: RowRenderer | None = None) -> _JobInput:
         served = {target.model.name: target.model.task for target in targets}
-        try:
-            path = check_input(location)
-        except PreflightError as exc:
-            raise PlanError(str(exc)) from None
+        path = _checked_input(location, renderer)
         # One validating pass, no tokenizer: a model no request names is planned without loading its tokenizer.
         scratch = InputStats(str(path), "")
-        requested = Counter(request.body["model"] for request in _valid_requests(path, served, scratch))
-        return cls(location, served, requested)
+        requested = Counter(
+            request.body["model"] for request in _valid_requests(path, served, scratch, renderer)
+        )
+        return cls(location, served, requested, renderer=renderer)
 
     def stats(self, target: PoolTarget, name: str, model_dir: str) -> InputStats | None:
         """The input's numbers for this pool's model (and chat template); None when no request names it."""
@@ -268,6 +279,7 @@ class _JobInput:
                 target.args.chat_template,
                 self.served,
                 target.args.runner,
+                self.renderer,
             )
         return self.measured[key]
 
@@ -372,19 +384,16 @@ def _measure_input(
     chat_template: str | None = None,
     job_models: dict[str, str | None] | None = None,
     runner: str = "auto",
+    renderer: RowRenderer | None = None,
 ) -> InputStats:
     """Prompt tokens (chat template applied) and prompt + output budget of every valid request in the file.
 
     `job_models` (served name -> task): every model of the job, when the model planned is one of several; the
     requests of the others are valid lines of the job, left out of this model's numbers."""
     from pipeline.models import resolve_model
-    from pipeline.runtime.preflight import PreflightError, check_input
     from pipeline.tokens import PromptCounter
 
-    try:
-        path = check_input(location)
-    except PreflightError as exc:
-        raise PlanError(str(exc)) from None
+    path = _checked_input(location, renderer)
     try:
         # Prompts counted as the engine will count them (chat template applied).
         resolved = resolve_model(model, runner=runner)
@@ -401,7 +410,7 @@ def _measure_input(
         default_max_tokens=chat_default,
         generation_default=generation_max_tokens(model_dir),
     )
-    for request in _valid_requests(path, job_models or {served_name: resolved.task}, stats):
+    for request in _valid_requests(path, job_models or {served_name: resolved.task}, stats, renderer):
         if request.body["model"] != served_name:  # another pool's model: measured with that pool
             continue
         try:
@@ -421,13 +430,42 @@ def _measure_input(
     return stats
 
 
-def _valid_requests(path: Path, served: dict[str, str | None], stats: InputStats):
-    """The requests a job would run: lines that fail validation (including another model's name) are skipped."""
+def _checked_input(location: str, renderer: RowRenderer | None) -> Path:
+    """--input, checked as the job would check it: request lines, or a dataset job's table with the columns its
+    templates name."""
+    from pipeline.datasets.render import DatasetError
+    from pipeline.io.readers import input_source
+    from pipeline.runtime.preflight import PreflightError, check_input
+
+    try:
+        path = check_input(location, table=renderer.table_read() if renderer else None)
+        if renderer is not None:
+            source = input_source(str(path))
+            source.table = renderer.table_read()
+            columns = source.table_columns()
+            if columns is not None:
+                renderer.check_columns(columns)
+    except (PreflightError, DatasetError) as exc:
+        raise PlanError(str(exc)) from None
+    return path
+
+
+def _valid_requests(
+    path: Path, served: dict[str, str | None], stats: InputStats, renderer: RowRenderer | None = None
+):
+    """The requests a job would run: lines that fail validation (including another model's name) are skipped; a
+    dataset job's rows (`renderer`) are made requests first."""
     from pipeline.stages.intake import InputCounts, iter_validated
     from pipeline.stages.validate import LineValidator, ValidRequest
 
+    source = None
+    if renderer is not None:
+        from pipeline.io.readers import input_source
+
+        source = input_source(str(path))
+        source.table = renderer.table_read()
     report = InputCounts(source=str(path))
-    for outcome in iter_validated(path, LineValidator(served), report):
+    for outcome in iter_validated(source or path, LineValidator(served), report, renderer):
         if isinstance(outcome, ValidRequest):
             yield outcome
     stats.invalid_by_code = dict(report.invalid_by_code)

@@ -43,7 +43,9 @@ def check_input_source(
     return source
 
 
-def check_input(location: str | None, storage: StorageConfig | None = None) -> Path:
+def check_input(
+    location: str | None, storage: StorageConfig | None = None, table: TableRead | None = None
+) -> Path:
     """A local input (file, or directory of shards), as a Path. Remote inputs: use check_input_source."""
     if not location:
         raise PreflightError("no INPUT given: pass the path of an OpenAI Batch JSONL file")
@@ -53,7 +55,7 @@ def check_input(location: str | None, storage: StorageConfig | None = None) -> P
         raise PreflightError(str(exc)) from exc
     if loc.kind != "local" or loc.has_glob():
         raise PreflightError(f"input {location}: a local file or directory is expected here")
-    check_input_source(location, storage)
+    check_input_source(location, storage, table)
     return Path(loc.path)
 
 

@@ -43,6 +43,7 @@ ONE_ENGINE = ("--num-engines", "1", "--cpus-per-engine", "1")
 # again: alphabetically, the embedding engine started twice and the chat engine twice more.
 JOIN_ORDER = (
     "tests/e2e/test_hostile_real_engine.py",
+    "tests/e2e/test_dataset_real_engine.py",
     "tests/e2e/test_http_real_server.py",
     "tests/e2e/test_request_fields_real_engine.py",
     "tests/e2e/test_s3_real_engine.py",

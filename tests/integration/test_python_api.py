@@ -101,3 +101,21 @@ def test_a_ray_the_call_started_is_shut_down_when_it_returns(tmp_path):
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.split()[-2:] == ["1", "False"]
+
+
+def test_the_readme_example_answers_every_review():
+    """examples/table.py, the README's Python example, on the fake engine (tests/e2e runs the same API on the real
+    one through the command line)."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "examples" / "table.py"
+    spec = importlib.util.spec_from_file_location("table_example", path)
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    reviews = pd.read_json(path.with_name("reviews.jsonl"), lines=True)
+    answered = example.sentiments(reviews, model=None, engine=FAKE, resources=SMALL)
+    assert list(answered["id"]) == list(reviews["id"])
+    errors = answered[answered["error"].notna()]
+    assert list(errors["id"]) == [104] and errors.iloc[0]["error"]["code"] == "template_error"
+    assert answered.drop(errors.index)["content"].str.len().gt(0).all()

@@ -174,3 +174,24 @@ def test_flags_the_job_file_sets_are_refused_beside_it(job_file, flags):
 def test_a_job_file_that_does_not_exist_is_named(tmp_path):
     result = plan("--config", str(tmp_path / "missing.yaml"))
     assert result.exit_code == 2 and "missing.yaml does not exist" in result.output
+
+
+def test_a_dataset_jobs_table_is_measured_on_its_rendered_prompts(tmp_path, embedded_model):
+    """--input is the job's table: the rows its template renders are measured (the one it cannot render is not),
+    and the context is fitted to the longest rendered prompt plus the job's max_tokens."""
+    rows = [{"id": i, "text": "hello " * (10 * i + 1)} for i in range(5)] + [{"id": 5, "text": None}]
+    table = write_lines(tmp_path / "table.jsonl", [json.dumps(row) for row in rows])
+    job = tmp_path / "job.yaml"
+    job.write_text(
+        yaml.safe_dump(
+            {"pools": [{"name": "only"}], "dataset": {"template": "{{ text }}", "max_tokens": 100}}
+        )
+    )
+    result = plan("--config", str(job), "--input", str(table), "--json")
+    assert result.exit_code == 0, result.output
+    (pool,) = json.loads(result.output)["pools"]
+    assert pool["input"]["sequences"] == 5 and pool["context_source"] == "fitted to --input"
+    missing = tmp_path / "missing.yaml"
+    missing.write_text(yaml.safe_dump({"pools": [{"name": "only"}], "dataset": {"template": "{{ body }}"}}))
+    result = plan("--config", str(missing), "--input", str(table))
+    assert result.exit_code != 0 and "does not have: body (it has: id, text)" in result.output
