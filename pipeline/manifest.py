@@ -281,6 +281,15 @@ class Cost(_Section):
     break_even_rows: int | None = Field(description="break_even_tokens in rows of this job's mix.")
 
 
+class DatasetJob(_Section):
+    """A dataset job's table: how its rows were made requests, and what its shards hold."""
+
+    route: str = Field(description="The route every row's request took.")
+    id_column: str | None = Field(description="The column the table is sorted by (None: input order).")
+    templates: dict[str, str] = Field(description="The templates as the job rendered them, by setting.")
+    answer_columns: list[str] = Field(description="The columns the output added to each row.")
+
+
 class Manifest(_Section):
     """`manifest.json`. Keys in the order they are written."""
 
@@ -337,6 +346,10 @@ class Manifest(_Section):
     )
     report: str | None = Field(
         default=None, description="The job report's file name in OUTPUT (report.html)."
+    )
+    dataset: DatasetJob | None = Field(
+        default=None,
+        description="A dataset job's table (its result shards hold every input row, errors in its `error` column).",
     )
 
     @field_serializer("created_at", "finished_at")

@@ -34,10 +34,11 @@ def summary_lines(manifest: dict[str, Any], output: Path) -> list[str]:
 
     lines += cost_lines(manifest.get("cost"))
     report = f", {manifest['report']}" if manifest.get("report") else ""
-    lines.append(
-        f"output     {output}/ ({len(shards['results'])} result shard(s), {len(shards['errors'])} error shard(s), "
-        f"manifest.json{report})"
-    )
+    if manifest.get("dataset"):  # the table back: every row, its errors in its `error` column
+        held = f"{len(shards['results'])} table shard(s) of every row with its answer or error"
+    else:
+        held = f"{len(shards['results'])} result shard(s), {len(shards['errors'])} error shard(s)"
+    lines.append(f"output     {output}/ ({held}, manifest.json{report})")
     return lines
 
 

@@ -46,6 +46,7 @@ from pipeline.io.writers import OutputTarget, output_target
 from pipeline.job_plan import JobPlan, JobPlanError
 from pipeline.manifest import (
     Cost,
+    DatasetJob,
     DriverCost,
     EngineReport,
     Manifest,
@@ -528,6 +529,21 @@ def _finalize(
     return manifest
 
 
+def _dataset_summary(config: JobConfig) -> DatasetJob | None:
+    spec = config.dataset
+    if not spec.enabled:
+        return None
+    from pipeline.datasets.output import answer_names
+
+    named = {"template": spec.template, "system": spec.system, "pair_template": spec.pair_template}
+    return DatasetJob(
+        route=spec.route,
+        id_column=spec.id_column,
+        templates={name: text for name, text in named.items() if text is not None},
+        answer_columns=answer_names(spec.route),
+    )
+
+
 def output_format(config: JobConfig, source: InputSource) -> str:
     """The format asked for; else JSONL, or for a dataset job its input's format (Parquet when every file is)."""
     if config.output_options.format is not None:
@@ -568,6 +584,7 @@ def _manifest(
         format_version=FORMAT_VERSION,
         nightshift_version=__version__,
         job_id=job.job_id,
+        dataset=_dataset_summary(job.config),
         created_at=clock.started_at,
         finished_at=dt.datetime.now(dt.timezone.utc),
         input=state.input.summary(),

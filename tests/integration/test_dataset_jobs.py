@@ -83,6 +83,7 @@ def test_a_parquet_table_comes_back_with_every_row_its_columns_and_its_answer(pa
     counts = outcome.manifest["counts"]
     assert counts == {**counts, "total": ROWS, "succeeded": ROWS - len(nulls), "failed": len(nulls)}
     assert counts["by_error_code"] == {"template_error": len(nulls)}
+    assert outcome.manifest["dataset"]["id_column"] == "id" and outcome.manifest["dataset"]["route"] == "chat"
 
 
 def test_a_template_naming_a_column_the_table_lacks_fails_before_any_work(parquet_table, tmp_path):
