@@ -1,6 +1,6 @@
 """A dataset job's output: every input row once, its kept columns and its answer, in one table.
 
-    table = answered_table(rows, records, "chat")     # rows: the staged kept rows; records: their output lines
+    table = answered_table(rows, records, TableOutput("chat"))   # rows: the kept rows; records: their output lines
     encoder = table_encoder("parquet")(sink)          # or "jsonl": one JSON object per row
 
 The answer columns depend on the route: `content` and `finish_reason` for the generating routes, `embedding` (a list
@@ -18,12 +18,15 @@ import datetime as dt
 import decimal
 import functools
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 
 from pipeline import json_codec
+from pipeline.datasets.json_columns import answer_schema, arrow_type, parsed_column
+from pipeline.datasets.spec import DatasetConfig
 from pipeline.endpoints import endpoint_answering, endpoint_named
 from pipeline.io.encoders import HashingSink
 
@@ -41,15 +44,36 @@ _COMMON_COLUMNS = [
 ]
 
 
+@dataclass(frozen=True)
+class TableOutput:
+    """What finalize needs to write a dataset job's table: the answer columns of its route, and how a JSON answer
+    is parsed (datasets/json_columns.py)."""
+
+    route: str
+    json_output: str | None = None  # "struct" or "columns"
+    json_schema: dict[str, Any] | None = None
+
+    @classmethod
+    def of(cls, spec: DatasetConfig) -> TableOutput:
+        schema = answer_schema(spec.sampling()) if spec.json_output else None
+        return cls(spec.route, spec.json_output, schema)
+
+    def answer_names(self) -> list[str]:
+        names = [field.name for field in answer_fields(self.route)]
+        if self.json_output == "struct":
+            return [*names, "parsed"]
+        if self.json_output == "columns":
+            kind = arrow_type(self.json_schema)
+            if kind is not None and pa.types.is_struct(kind):
+                return [*names, *(kind.field(i).name for i in range(kind.num_fields))]
+        return names
+
+
 def answer_fields(route: str) -> list[pa.Field]:
     """The columns a dataset job's route adds to each row."""
     endpoint = endpoint_named(route)
     own = _ROUTE_COLUMNS.get(route) or (_ROUTE_COLUMNS["text"] if endpoint.generates else [])
     return [*own, *_COMMON_COLUMNS]
-
-
-def answer_names(route: str) -> list[str]:
-    return [field.name for field in answer_fields(route)]
 
 
 def _error_of(record: dict[str, Any]) -> dict[str, str] | None:
@@ -91,7 +115,15 @@ def answers(records: list[str], route: str) -> pa.Table:
             values["content"] = json_codec.dumps(values["content"])
         for name in columns:
             columns[name].append(values[name])
-    return pa.table(columns, schema=pa.schema(fields))
+    table = pa.table(columns, schema=pa.schema(fields))
+    if "embedding" in columns:
+        # One model's vectors have one size: a fixed-size list is what vector readers (numpy, Lance, FAISS) take.
+        sizes = {len(vector) for vector in columns["embedding"] if vector is not None}
+        if len(sizes) == 1:
+            fixed = pa.list_(pa.float32(), sizes.pop())
+            index = table.schema.get_field_index("embedding")
+            table = table.set_column(index, pa.field("embedding", fixed), table.column(index).cast(fixed))
+    return table
 
 
 def plain(value: Any) -> Any:
@@ -128,11 +160,24 @@ def _kept_columns(rows: pa.ChunkedArray | pa.Array) -> pa.Table:
         return pa.table({"row": rows})
 
 
-def answered_table(rows: pa.Table, records: list[str], route: str) -> pa.Table:
+def _with_parsed(answer: pa.Table, table: TableOutput) -> pa.Table:
+    """The answers with the parsed JSON: one `parsed` column, or its fields as columns."""
+    parsed = parsed_column(answer.column("content").to_pylist(), table.json_schema)
+    if table.json_output == "columns" and pa.types.is_struct(parsed.type):
+        fields = pa.Table.from_struct_array(parsed)
+        return pa.table(
+            [*answer.columns, *fields.columns], names=[*answer.column_names, *fields.column_names]
+        )
+    return answer.append_column("parsed", parsed)
+
+
+def answered_table(rows: pa.Table, records: list[str], table: TableOutput) -> pa.Table:
     """Kept columns then answer columns, row for row (`rows` and `records` in the same order). An answer column
     takes the place of a kept column of the same name."""
     kept = _kept_columns(rows.column("row"))
-    answer = answers(records, route)
+    answer = answers(records, table.route)
+    if table.json_output is not None:
+        answer = _with_parsed(answer, table)
     kept = kept.drop_columns([name for name in answer.column_names if name in kept.column_names])
     if not kept.num_columns:
         return answer

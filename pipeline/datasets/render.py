@@ -97,11 +97,10 @@ class RowRenderer:
                 f"dataset.keep_columns names column(s) the table does not have: {', '.join(kept)} "
                 f"(it has: {', '.join(present)})"
             )
-        from pipeline.datasets.output import answer_names
+        from pipeline.datasets.output import TableOutput
 
-        clash = [
-            name for name in answer_names(self.spec.route) if name in (self.spec.keep_columns or present)
-        ]
+        answers = TableOutput.of(self.spec).answer_names()
+        clash = [name for name in answers if name in (self.spec.keep_columns or present)]
         if clash:
             raise DatasetError(
                 f"the table's column(s) {', '.join(clash)} have the names of answer columns the output adds: keep "

@@ -10,7 +10,7 @@ Pure: no Ray, no vLLM; config.py embeds it in JobConfig.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -111,6 +111,16 @@ class DatasetConfig(BaseModel):
         description="Any other body field of the route, given once for every row (seed, response_format, stop, "
         "n, …; `--seed` is vLLM's engine seed, as in vLLM).",
     )
+    json_output: Annotated[
+        Literal["struct", "columns"] | None,
+        Flag(
+            "--json-output", "A JSON answer parsed into the table: struct (one `parsed` column) or columns."
+        ),
+    ] = Field(
+        default=None,
+        description="For requests that ask for JSON (body.response_format): the parsed answer as a `parsed` struct "
+        "column typed by the JSON schema, or (`columns`) its fields as columns of their own.",
+    )
     body_columns: dict[str, str] = Field(
         default_factory=dict,
         description="Body fields whose value each row carries in a column of its own, e.g. {max_tokens: budget} "
@@ -160,6 +170,18 @@ class DatasetConfig(BaseModel):
             raise ValueError(
                 f"body field(s) {', '.join(rendered)} come from the templates: drop them from body"
             )
+        if self.json_output is not None:
+            from pipeline.datasets.json_columns import asks_json
+
+            if not asks_json(self.sampling()):
+                raise ValueError(
+                    "dataset.json_output parses JSON answers: ask for them with dataset.body.response_format "
+                    "(a json_schema, or json_object)"
+                )
+            if not endpoint_named(self.route).generates:
+                raise ValueError(
+                    f"the {self.route} route generates no text to parse: drop dataset.json_output"
+                )
         if "custom_id" in self.body_columns:
             raise ValueError("custom_id is not a body field: name the id column with dataset.id_column")
         return self

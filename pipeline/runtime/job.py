@@ -35,6 +35,7 @@ import structlog
 
 from pipeline import __version__
 from pipeline.config import JobConfig, StorageConfig, merge_overrides
+from pipeline.datasets.output import TableOutput
 from pipeline.datasets.render import DatasetError
 from pipeline.engines.base import EngineSpec, engine_class
 from pipeline.fit_record import FitDecision, decision_of
@@ -518,7 +519,7 @@ def _finalize(
         state.input.lines,
         format=output_format(config, job.source),
         reserve_cpus=engines.launch is None or engines.launch.warm is None,
-        table_route=config.dataset.route if config.dataset.enabled else None,
+        table=TableOutput.of(config.dataset) if config.dataset.enabled else None,
     )
     manifest = _manifest(job, fitted, run, work, counters, clock, outputs)
     recorder.stage_ended("finalize")
@@ -533,14 +534,12 @@ def _dataset_summary(config: JobConfig) -> DatasetJob | None:
     spec = config.dataset
     if not spec.enabled:
         return None
-    from pipeline.datasets.output import answer_names
-
     named = {"template": spec.template, "system": spec.system, "pair_template": spec.pair_template}
     return DatasetJob(
         route=spec.route,
         id_column=spec.id_column,
         templates={name: text for name, text in named.items() if text is not None},
-        answer_columns=answer_names(spec.route),
+        answer_columns=TableOutput.of(spec).answer_names(),
     )
 
 

@@ -13,7 +13,7 @@ import pytest
 from pydantic import ValidationError
 
 from pipeline.config import JobConfig
-from pipeline.datasets.output import answered_table, answers, table_encoder
+from pipeline.datasets.output import TableOutput, answered_table, answers, table_encoder
 from pipeline.datasets.render import DatasetError, RowRenderer, position_id, sortable_id
 from pipeline.datasets.spec import DatasetConfig, text_or_file
 from pipeline.datasets.template import PromptTemplate, RenderError, TemplateError
@@ -210,7 +210,7 @@ def test_answers_carry_the_text_tokens_and_errors_of_every_kind_of_record():
 
 def test_the_table_keeps_the_inputs_types_and_adds_the_answers(tmp_path: Path):
     kept = pa.table({"row": pa.array([{"id": 1, "when": dt.datetime(2026, 1, 1)}])})
-    table = answered_table(kept, [_chat_result("a", "hi")], "chat")
+    table = answered_table(kept, [_chat_result("a", "hi")], TableOutput("chat"))
     assert table.schema.field("when").type == pa.timestamp("us")
     assert table.column_names == [
         "id",
@@ -222,7 +222,9 @@ def test_the_table_keeps_the_inputs_types_and_adds_the_answers(tmp_path: Path):
         "error",
     ]
     as_json = pa.table({"row": pa.array([json.dumps({"id": "x", "tags": ["a"]})])})
-    assert answered_table(as_json, [_chat_result("a", "hi")], "chat").to_pylist()[0]["tags"] == ["a"]
+    assert answered_table(as_json, [_chat_result("a", "hi")], TableOutput("chat")).to_pylist()[0]["tags"] == [
+        "a"
+    ]
     info = ShardInfo("t.jsonl", rows=1)
     encoder, _ = table_encoder("jsonl")
     out = tmp_path / "t.jsonl"
@@ -298,7 +300,7 @@ def test_a_table_goes_in_and_comes_back_sorted_with_every_row_once(tmp_path: Pat
     assert report.lines == 7 and report.invalid_by_code == {"template_error": 1, "duplicate_custom_id": 1}
     _staged_answers(staging)
     outputs = write_outputs(
-        tmp_path / "out", staging, rows_per_shard, 7, format="parquet", table_route="chat"
+        tmp_path / "out", staging, rows_per_shard, 7, format="parquet", table=TableOutput("chat")
     )
     assert outputs.counts.succeeded == 5 and outputs.counts.failed == 2 and not outputs.shards.errors
     tables = [pq.read_table(tmp_path / "out" / shard.name) for shard in outputs.shards.results]
@@ -310,3 +312,76 @@ def test_a_table_goes_in_and_comes_back_sorted_with_every_row_once(tmp_path: Pat
     assert by_text["four again"]["error"]["code"] == "duplicate_custom_id"
     assert by_text[None]["error"]["code"] == "template_error" and by_text[None]["content"] is None
     assert [shard.rows for shard in outputs.shards.results] == ([7] if rows_per_shard == 100 else [3, 3, 1])
+
+
+# --- structured answers and vectors ----------------------------------------------------------------------------------
+
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "sentiment": {"type": "string", "enum": ["positive", "negative"]},
+        "stars": {"type": "integer"},
+        "tags": {"type": "array", "items": {"type": "string"}},
+        "extra": {},
+    },
+}
+JSON_BODY = {"response_format": {"type": "json_schema", "json_schema": {"name": "review", "schema": SCHEMA}}}
+
+
+def test_a_json_schema_types_the_parsed_column_and_an_answer_that_does_not_fit_is_null():
+    from pipeline.datasets.json_columns import answer_schema, arrow_type, parsed_column
+
+    assert answer_schema(JSON_BODY) == SCHEMA
+    kind = arrow_type(SCHEMA)
+    assert kind == pa.struct(
+        [
+            ("sentiment", pa.string()),
+            ("stars", pa.int64()),
+            ("tags", pa.list_(pa.string())),
+            ("extra", pa.string()),
+        ]
+    )
+    texts = [
+        '{"sentiment": "positive", "stars": 5, "tags": ["fast"], "extra": {"a": 1}}',
+        '{"sentiment": "negative", "stars": "two"}',  # a string where an integer is asked for
+        '{"sentiment": "neg',  # cut at max_tokens
+        None,
+    ]
+    assert parsed_column(texts, SCHEMA).to_pylist() == [
+        {"sentiment": "positive", "stars": 5, "tags": ["fast"], "extra": '{"a":1}'},
+        None,
+        None,
+        None,
+    ]
+
+
+def test_json_output_puts_the_parsed_answer_in_a_struct_or_in_columns():
+    content = '{"sentiment": "positive", "stars": 4, "tags": [], "extra": null}'
+    kept = pa.table({"row": pa.array([{"id": 1}])})
+    spec = DatasetConfig(template="{{ t }}", body=JSON_BODY, json_output="struct")
+    table = answered_table(kept, [_chat_result("a", content)], TableOutput.of(spec))
+    assert table.column("parsed").to_pylist()[0]["stars"] == 4
+    spread = TableOutput.of(spec.model_copy(update={"json_output": "columns"}))
+    table = answered_table(kept, [_chat_result("a", content)], spread)
+    assert table.column_names[-4:] == ["sentiment", "stars", "tags", "extra"] == spread.answer_names()[-4:]
+    assert table.column("sentiment").to_pylist() == ["positive"]
+    with pytest.raises(ValidationError, match="ask for them with dataset.body.response_format"):
+        DatasetConfig(template="{{ t }}", json_output="struct")
+
+
+def test_embeddings_are_a_fixed_size_float32_list():
+    def embedding(vector):
+        body = {
+            "id": "embd-1",
+            "object": "list",
+            "model": MODEL,
+            "data": [{"index": 0, "object": "embedding", "embedding": vector}],
+            "usage": {"prompt_tokens": 3, "total_tokens": 3},
+        }
+        return json.dumps(result_record("e", body, seed="e"))
+
+    refused = json.dumps(invalid_line_record(None, ErrorCode.TEMPLATE_ERROR, "null", 2, "t"))
+    table = answers([embedding([0.5, 0.25, 1.0]), refused, embedding([0.0, 1.0, 0.0])], "embeddings")
+    assert table.schema.field("embedding").type == pa.list_(pa.float32(), 3)
+    assert table.column("embedding").to_pylist() == [[0.5, 0.25, 1.0], None, [0.0, 1.0, 0.0]]
+    assert table.column("prompt_tokens").to_pylist() == [3, None, 3]

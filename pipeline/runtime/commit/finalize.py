@@ -44,6 +44,7 @@ import pyarrow.parquet as pq
 import structlog
 
 from pipeline.config import StorageConfig
+from pipeline.datasets.output import TableOutput
 from pipeline.io.encoders import ShardInfo
 from pipeline.io.locations import Location
 from pipeline.io.staging import STAGED_SCHEMA, LocalFiles, PartFiles, StagingArea, with_later_columns
@@ -173,8 +174,8 @@ class _Context:
     storage: StorageConfig
     format: str
     driver_host: str | None = None  # the driver's node address, when tasks run on Ray
-    table_route: str | None = (
-        None  # a dataset job's route: its output is the table answered (datasets/output.py)
+    table: TableOutput | None = (
+        None  # a dataset job's table (datasets/output.py): its route, how JSON is parsed
     )
     _target: OutputTarget | None = field(default=None, repr=False)
     # Staged parts in a bucket go through the driver's read cache (see staging.ObjectStoreFiles) only on the
@@ -422,8 +423,8 @@ def _write_table_shard(
             f"table shard {shard}: {answers.num_rows} answers for {kept.num_rows} input rows, or rows that do not "
             "match their answers; output not committed"
         )
-    assert ctx.table_route is not None
-    joined = answered_table(kept, answers.column("record").to_pylist(), ctx.table_route)
+    assert ctx.table is not None
+    joined = answered_table(kept, answers.column("record").to_pylist(), ctx.table)
     encoder, extension = table_encoder(ctx.format)
     name = shard_name("results", shard, count, extension)
     return write_shard(joined, name, ctx.target().open_write, encoder, ids=answers.column("custom_id"))
@@ -573,11 +574,12 @@ def write_outputs(
     expected_rows: int,
     format: str = "jsonl",
     reserve_cpus: bool = True,
-    table_route: str | None = None,
+    table: TableOutput | None = None,
 ) -> FinalizeOutputs:
     """Write the shards; returns counts, shard descriptions and the nodes that ran finalize, for the manifest.
     `reserve_cpus=False`: engines still hold the cluster's CPUs (warm engines), so tasks take none.
-    `table_route`: a dataset job of that route: one table of every input row with its answer, no error shards."""
+    `table`: a dataset job's (datasets/output.TableOutput): one table of every input row with its answer, no error
+    shards."""
     target = _as_target(output)
     staged = {kind: staging.parts(kind) for kind in KINDS}
     n_results, n_errors = (sum(_part_rows(staging, staged[kind])) for kind in KINDS)
@@ -586,12 +588,12 @@ def write_outputs(
             f"staging holds {n_results} results + {n_errors} errors = {n_results + n_errors} rows, "
             f"but the input has {expected_rows}; output not committed"
         )
-    if table_route is None:
+    if table is None:
         parts = staged
     else:
         parts = {"table": staged["results"] + staged["errors"], "rows": staging.parts("rows")}
     rows = {kind: _part_rows(staging, parts[kind]) for kind in parts}
-    if table_route is not None and sum(rows["rows"]) != expected_rows:
+    if table is not None and sum(rows["rows"]) != expected_rows:
         raise AccountingError(
             f"staging holds {sum(rows['rows'])} input rows of a table of {expected_rows}; output not committed"
         )
@@ -606,7 +608,7 @@ def write_outputs(
         target.storage,
         format,
         tasks.placement.driver_address if tasks.placement is not None else None,
-        table_route=table_route,
+        table=table,
         _target=target,
     )
 
@@ -664,14 +666,12 @@ def write_outputs(
         done[call.kind][call.shard] = record
 
     shards = {kind: [done[kind][s]["shard"] for s in range(counts[kind])] for kind in kinds}
-    expected = (
-        {"table": expected_rows} if table_route is not None else {"results": n_results, "errors": n_errors}
-    )
+    expected = {"table": expected_rows} if table is not None else {"results": n_results, "errors": n_errors}
     for kind, total in expected.items():
         written = sum(s["rows"] for s in shards[kind])
         if written != total:
             raise AccountingError(f"{kind}: {total} rows staged, {written} written; output not committed")
-    if table_route is not None:  # the table's shards are the output's result shards; its errors are in it
+    if table is not None:  # the table's shards are the output's result shards; its errors are in it
         shards = {"results": shards["table"], "errors": []}
     log.info(
         "finalize written",
