@@ -13,6 +13,8 @@ a small box they would time each other's contention):
   nightshift-jsonl     `python -m pipeline run IN.jsonl OUT --engine fake --no-progress ...`   (local → local)
   pyarrow-parquet      pyarrow.parquet.read_table → sort → sharded Parquet          (unless --skip-parquet)
   nightshift-parquet   nightshift with IN.parquet                                    (unless --skip-parquet)
+  nightshift-table     a dataset job: a Parquet table (id, ~300 B of text, two more columns) with --template "{{ text }}"
+  nightshift-table-lines  the same rows as Batch lines (Parquet), the requests the template makes   (unless --skip-table)
 
 Every path runs as its own subprocess on the same cores (the anchor's ray.init gets num_cpus = the machine's cores,
 what nightshift's local Ray gets). Measured: wall time (process start to exit), the peak RSS of the driver process
@@ -23,7 +25,8 @@ time.process_time() at its end (from process start, imports included; after ray.
 Targets, for nightshift-jsonl: wall ≤ 1.3x raydata-rows; driver peak RSS ≤ 2 GiB (stated at 10M rows, checked at
 every size); the first request reaches an engine within 15 s of the process's start at every size (fitting is on,
 as by default: the engines stream on args fitted early to a sample of the input); wall per row at the largest size within 10% of the smallest (`--rows 1M,10M`); and, kept from before,
-nightshift ≤ 3x the pyarrow floor. Driver CPU seconds per million rows is reported (it should not grow with rows).
+nightshift ≤ 3x the pyarrow floor; a dataset job ≤ 1.1x the same rows as Batch lines. Driver CPU seconds per million
+rows is reported (it should not grow with rows).
 The tables go to stdout, the raw numbers to OUT_DIR/dataplane.json.
 
     python bench/dataplane.py                          # 1M rows
@@ -160,6 +163,79 @@ def generate(work: Path, rows: int, seed: int = 1, parquet: bool = True) -> tupl
     return jsonl, parquet_path if parquet else None
 
 
+TABLE_TEMPLATE = "{{ text }}"
+TABLE_MAX_TOKENS = 32
+
+
+def generate_table(work: Path, rows: int, seed: int = 2) -> tuple[Path, Path]:
+    """A dataset job's input and the same rows as Batch lines, both Parquet, reused when already there:
+    table-N.parquet (`id` in a scrambled order, `text` of ~300 bytes, `topic`, `stars`) and table-N-lines.parquet
+    (`custom_id` = the id, `body` = the request the template makes of the row: its text as the user message, the
+    same max_tokens). Streams 100k rows at a time."""
+    table_path, lines_path = work / f"table-{rows}.parquet", work / f"table-{rows}-lines.parquet"
+    if table_path.exists() and lines_path.exists():
+        return table_path, lines_path
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    work.mkdir(parents=True, exist_ok=True)
+    rng = random.Random(seed)
+    table_schema = pa.schema(
+        [("id", pa.int64()), ("text", pa.string()), ("topic", pa.string()), ("stars", pa.int64())]
+    )
+    lines_schema = pa.schema([(name, pa.string()) for name in ("custom_id", "method", "url", "body")])
+    width = max(7, len(str(rows - 1)))
+    tmp_table, tmp_lines = Path(f"{table_path}.tmp"), Path(f"{lines_path}.tmp")
+    t0 = time.monotonic()
+    with (
+        pq.ParquetWriter(tmp_table, table_schema, compression="zstd") as tables,
+        pq.ParquetWriter(tmp_lines, lines_schema, compression="zstd") as lines,
+    ):
+        batch: dict[str, list] = {name: [] for name in table_schema.names}
+        for n in request_numbers(rows, seed):
+            topic = rng.choice(_TOPICS)
+            text = " ".join(rng.choice(_TEMPLATES).format(t=rng.choice(_TOPICS)) for _ in range(6))[:300]
+            for name, value in zip(table_schema.names, (n, text, topic, rng.randint(1, 5)), strict=True):
+                batch[name].append(value)
+            if len(batch["id"]) >= 100_000:
+                _write_table_batch(tables, lines, batch, table_schema, lines_schema, width)
+        if batch["id"]:
+            _write_table_batch(tables, lines, batch, table_schema, lines_schema, width)
+    tmp_table.rename(table_path)
+    tmp_lines.rename(lines_path)
+    print(f"generated a table of {rows} rows in {time.monotonic() - t0:.1f} s: {table_path}", flush=True)
+    return table_path, lines_path
+
+
+def _write_table_batch(tables, lines, batch, table_schema, lines_schema, width) -> None:
+    import pyarrow as pa
+
+    tables.write_table(pa.table(batch, schema=table_schema))
+    bodies = [
+        json.dumps(
+            {"messages": [{"role": "user", "content": text}], "max_tokens": TABLE_MAX_TOKENS},
+            ensure_ascii=False,
+        )
+        for text in batch["text"]
+    ]
+    count = len(bodies)
+    # The id a dataset job gives an integer id (pipeline/datasets/render.sortable_id): both runs sort alike.
+    ids = [f"#{value + (1 << 63):016x}" for value in batch["id"]]
+    lines.write_table(
+        pa.table(
+            {
+                "custom_id": ids,
+                "method": ["POST"] * count,
+                "url": ["/v1/chat/completions"] * count,
+                "body": bodies,
+            },
+            schema=lines_schema,
+        )
+    )
+    for values in batch.values():
+        values.clear()
+
+
 # -- measurement ------------------------------------------------------------------------------------------------------
 
 
@@ -228,13 +304,19 @@ def _ray_leftovers() -> None:
 
 
 def run_nightshift(
-    name: str, input_path: Path, out: Path, rows_per_shard: int, config: Path, log: Path
+    name: str,
+    input_path: Path,
+    out: Path,
+    rows_per_shard: int,
+    config: Path,
+    log: Path,
+    extra: tuple[str, ...] = (),
 ) -> Run:
     shutil.rmtree(out, ignore_errors=True)
     cmd = [
         sys.executable, "-m", "pipeline", "run", str(input_path), str(out),
         "--engine", "fake", "--no-progress", "--log-format", "json",
-        "--rows-per-shard", str(rows_per_shard), "--config", str(config),
+        "--rows-per-shard", str(rows_per_shard), "--config", str(config), *extra,
     ]  # fmt: skip
     run, output = _measure(cmd, log_path=log)
     run.name = name
@@ -511,6 +593,7 @@ def summarize_profile(raw: Path, top: int = 25) -> None:
 # -- main -------------------------------------------------------------------------------------------------------------
 
 WALL_VS_ANCHOR = 1.3  # nightshift-jsonl wall / raydata-rows wall
+TABLE_VS_LINES = 1.1  # a dataset job's wall / the same rows as Batch lines
 WALL_VS_PYARROW = 3.0
 DRIVER_RSS_LIMIT = 2 * GIB  # the target is stated at 10M rows; it is checked at every size
 SCALING_TOLERANCE = 0.10  # wall per row at the largest size vs the smallest
@@ -584,6 +667,17 @@ def targets(runs_by_size: dict[int, list[Run]]) -> list[dict[str, Any]]:
                 f"{run.peak_driver_rss / GIB:.2f} GiB",
                 "<= 2 GiB (at 10M)",
                 run.peak_driver_rss <= DRIVER_RSS_LIMIT,
+            )
+    for rows, runs in runs_by_size.items():
+        by_name = {run.name: run for run in runs}
+        table, lines = by_name.get("nightshift-table"), by_name.get("nightshift-table-lines")
+        if table and lines and not table.exit_code and not lines.exit_code:
+            ratio = table.wall_s / lines.wall_s
+            check(
+                f"nightshift-table @{_size(rows)} wall / the same rows as Batch lines",
+                f"{ratio:.2f}x",
+                f"<= {TABLE_VS_LINES}x",
+                ratio <= TABLE_VS_LINES,
             )
     sizes = sorted(runs_by_size)
     if len(sizes) >= 2:
@@ -664,6 +758,17 @@ def run_size(
         log = args.out_dir / f"nightshift-{kind}-{rows}.log"
         start = partial(run_nightshift, f"nightshift-{kind}", path, out, args.rows_per_shard, config, log)
         plan.append((f"nightshift-{kind}", out, start))
+    if not args.skip_table:
+        table, lines = generate_table(args.work, rows)
+        template = ("--template", TABLE_TEMPLATE, "--id-column", "id", "--max-tokens", str(TABLE_MAX_TOKENS))
+        for name, path, extra in (
+            ("nightshift-table", table, template),
+            ("nightshift-table-lines", lines, ()),
+        ):
+            out = args.work / f"out-{name}"
+            log = args.out_dir / f"{name}-{rows}.log"
+            start = partial(run_nightshift, name, path, out, args.rows_per_shard, config, log, extra)
+            plan.append((name, out, start))
     runs = []
     for name, out, start in plan:
         print(f"running {name} @{_size(rows)} (load {os.getloadavg()[0]:.1f}) ...", flush=True)
@@ -707,6 +812,11 @@ def main() -> None:
     parser.add_argument("--skip-parquet", action="store_true")
     parser.add_argument("--skip-anchor", action="store_true", help="no Ray Data anchor runs")
     parser.add_argument("--skip-floor", action="store_true", help="no pyarrow floor runs")
+    parser.add_argument(
+        "--skip-table",
+        action="store_true",
+        help="no dataset-job runs (a table with a template, and its lines)",
+    )
     parser.add_argument(
         "--keep-outputs", action="store_true", help="keep every path's output (disk: ~1 GB/M rows)"
     )
