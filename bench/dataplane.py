@@ -194,7 +194,7 @@ def generate_table(work: Path, rows: int, seed: int = 2) -> tuple[Path, Path]:
         batch: dict[str, list] = {name: [] for name in table_schema.names}
         for n in request_numbers(rows, seed):
             topic = rng.choice(_TOPICS)
-            text = " ".join(rng.choice(_TEMPLATES).format(t=rng.choice(_TOPICS)) for _ in range(6))[:300]
+            text = " ".join(rng.choice(_TEMPLATES).format(t=rng.choice(_TOPICS)) for _ in range(10))[:300]
             for name, value in zip(table_schema.names, (n, text, topic, rng.randint(1, 5)), strict=True):
                 batch[name].append(value)
             if len(batch["id"]) >= 100_000:

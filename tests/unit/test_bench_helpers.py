@@ -90,3 +90,23 @@ def test_anchor_response_line_has_the_batch_result_shape():
     body = record["response"]["body"]
     assert len(body["choices"][0]["message"]["content"].split()) == 16
     assert body["usage"] == {"prompt_tokens": 3, "completion_tokens": 16, "total_tokens": 19}
+
+
+def test_the_table_and_its_lines_hold_the_same_rows_as_a_dataset_job_makes_them(tmp_path):
+    """The dataset path's two inputs: each row's Batch line is the request the template makes of it, under the id
+    the job gives it, so both runs do the same work."""
+    import pyarrow.parquet as pq
+
+    from pipeline.datasets.render import RowRenderer
+    from pipeline.datasets.spec import DatasetConfig
+
+    table_path, lines_path = dataplane.generate_table(tmp_path, 500)
+    table, lines = pq.read_table(table_path).to_pylist(), pq.read_table(lines_path).to_pylist()
+    assert sorted(row["id"] for row in table) == list(range(500))
+    assert {len(row["text"]) for row in table} == {300}
+    renderer = RowRenderer(
+        DatasetConfig(template=dataplane.TABLE_TEMPLATE, id_column="id", max_tokens=dataplane.TABLE_MAX_TOKENS)
+    )
+    for row, line in zip(table, lines, strict=True):
+        request = renderer.request(row, 1, 0)
+        assert request["custom_id"] == line["custom_id"] and request["body"] == json.loads(line["body"])
