@@ -257,6 +257,11 @@ class ServerConfig(_Strict):
             )
         if job.output_options.format not in (None, "jsonl"):
             raise ValueError("output files are JSONL, as OpenAI's are: remove job.output_options.format")
+        if job.dataset.enabled:
+            raise ValueError(
+                "a batch's input file is request lines, as OpenAI's are: remove job.dataset (templates over a "
+                "table are for `nightshift run` and pipeline.run_table)"
+            )
         if job.observe.metrics_port is not None:
             # Every batch's job would open that port on its driver, answering anyone without a key (and a second
             # batch running at once could not bind it): the server's own /metrics, behind the keys, has them.

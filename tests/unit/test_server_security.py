@@ -38,6 +38,14 @@ def test_a_per_batch_metrics_port_is_refused_in_the_server_config(tmp_path):
         app_builder({"auth": {"disabled": True}, "job": {"observe": {"metrics_port": 9100}}})
 
 
+def test_a_dataset_section_is_refused_in_the_server_config(tmp_path):
+    """A batch's input is request lines, as OpenAI's are: templates over a table would misread every upload."""
+    config = tmp_path / "server.yaml"
+    config.write_text("job:\n  dataset:\n    template: '{{ text }}'\n")
+    with pytest.raises(ConfigError, match=r"request lines, as OpenAI's are: remove job\.dataset"):
+        load_server_config(config, {})
+
+
 # ------------------------------------------------------------------------------------------ where Serve listens
 
 
