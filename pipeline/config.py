@@ -9,6 +9,7 @@ carries over.
 from __future__ import annotations
 
 import json
+import os
 import re
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -856,10 +857,43 @@ class StorageConfig(_Strict):
     timeout_s: float = Field(
         default=30.0, gt=0, description="Connect and read timeout of one storage request, in seconds."
     )
-    http_headers: dict[str, str] = Field(
+    http_headers: dict[str, SecretStr] = Field(
         default_factory=dict,
-        description="Extra headers on every HTTP(S) input/output request, e.g. {Authorization: Bearer ...}.",
+        description="Extra headers on every HTTP(S) input/output request, e.g. {Authorization: Bearer ...}. "
+        "Secrets: never written to OUTPUT (the checkpoint, the manifest) nor to a child job's file, and dropped "
+        "when a server redirects to another origin; a resumed job reads them from the variable named by "
+        "http_headers_env.",
     )
+    http_headers_env: str | None = Field(
+        default="NIGHTSHIFT_HTTP_HEADERS",
+        description="Environment variable holding the headers as a JSON object, when http_headers is not given "
+        "(a resumed job, a job file without secrets).",
+    )
+
+    @model_validator(mode="after")
+    def _headers_from_the_environment(self) -> StorageConfig:
+        if not self.http_headers and self.http_headers_env and os.environ.get(self.http_headers_env):
+            try:
+                given = json.loads(os.environ[self.http_headers_env])
+            except ValueError as exc:
+                raise ValueError(
+                    f"${self.http_headers_env} is not a JSON object of header names and values"
+                ) from exc
+            if not isinstance(given, dict) or not all(isinstance(v, str) for v in given.values()):
+                raise ValueError(
+                    f"${self.http_headers_env} must be a JSON object of header names and string values"
+                )
+            self.http_headers = {str(name): SecretStr(value) for name, value in given.items()}
+        return self
+
+    @field_serializer("http_headers", when_used="json")
+    def _headers_never_written(self, value: dict[str, SecretStr]) -> dict[str, str]:
+        # The job spec is stored in OUTPUT/_staging/ (with an s3:// output, in the bucket): a token must not go there.
+        return {}
+
+    def header_values(self) -> dict[str, str]:
+        """The headers to send, in clear."""
+        return {name: value.get_secret_value() for name, value in self.http_headers.items()}
 
 
 class InputLimits(_Strict):

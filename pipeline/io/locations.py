@@ -332,6 +332,31 @@ def s3_problem(exc: BaseException, url: str, storage: StorageConfig | None, acti
 # -- HTTP -------------------------------------------------------------------------------------------------------------
 
 
+class _SameOriginRedirects(urllib.request.HTTPRedirectHandler):
+    """Redirects as urllib follows them, but the job's headers (an Authorization) go only to the origin they were
+    given for, and never from https to plain http: a server that redirects elsewhere does not get to hand the
+    token to another host, nor in clear over the network."""
+
+    def redirect_request(self, req, fp, code, msg, headers, newurl):  # noqa: ANN001, ANN201 - urllib's signature
+        old, new = urllib.parse.urlsplit(req.full_url), urllib.parse.urlsplit(newurl)
+        if old.scheme == "https" and new.scheme != "https":
+            raise urllib.error.HTTPError(
+                req.full_url,
+                code,
+                f"refused a redirect from https to {new.scheme}: {redact_url(newurl)}",
+                headers,
+                fp,
+            )
+        redirected = super().redirect_request(req, fp, code, msg, headers, newurl)
+        if redirected is not None and (old.scheme, old.netloc) != (new.scheme, new.netloc):
+            for name in getattr(req, "secret_headers", ()):
+                redirected.remove_header(name.capitalize())
+        return redirected
+
+
+_OPENER = urllib.request.build_opener(_SameOriginRedirects)
+
+
 def http_open(
     method: str,
     url: str,
@@ -339,13 +364,16 @@ def http_open(
     data: Any = None,
     headers: dict[str, str] | None = None,
 ) -> http.client.HTTPResponse:
-    """One HTTP request; an error status raises HttpStatusError (transient for 5xx/429/408)."""
+    """One HTTP request; an error status raises HttpStatusError (transient for 5xx/429/408). The job's own headers
+    (storage.http_headers) follow a redirect only within their origin (_SameOriginRedirects)."""
     storage = storage or StorageConfig()
     request = urllib.request.Request(url, data=data, method=method)
-    for name, value in {**storage.http_headers, **(headers or {})}.items():
+    secret = storage.header_values()
+    for name, value in {**secret, **(headers or {})}.items():
         request.add_header(name, value)
+    request.secret_headers = tuple(secret)  # type: ignore[attr-defined]
     try:
-        return urllib.request.urlopen(request, timeout=storage.timeout_s)  # noqa: S310 - http(s) only
+        return _OPENER.open(request, timeout=storage.timeout_s)
     except urllib.error.HTTPError as exc:
         exc.close()
         raise HttpStatusError(method, url, exc.code, str(exc.reason)) from None

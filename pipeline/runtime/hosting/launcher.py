@@ -11,8 +11,9 @@ background, still staging rows while whatever resumes it lists what is pending.
 What the launcher owns, so both callers do it the same way:
 - the command line: `resume OUTPUT` when the job's checkpoint exists (the checkpoint holds the job), else
   `run --config JOB_FILE`, with the job (its JobConfig as YAML) written to JOB_FILE first, readable by its owner only;
-- secrets: the http engine's api_key reaches the child only through its environment (under `api_key_env`), never
-  on its command line nor in the job file (JobConfig never serializes it);
+- secrets: the http engine's api_key and the storage's http_headers reach the child only through its environment
+  (under `api_key_env`, `http_headers_env`), never on its command line nor in the job file (JobConfig never
+  serializes them);
 - the child's environment: only what a job needs of the launcher's (runtime/hosting/job_env.py), never all of it — the
   server's API keys and credentials stay with the server;
 - the child's process: it stays in the launcher's process group (a Ctrl-C on the terminal reaches both), gets a
@@ -28,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import json
 import os
 import signal
 import subprocess
@@ -101,6 +103,12 @@ def job_environment(
     env.update(extra or {})
     if job.engine.http.api_key is not None:
         env[_api_key_env(job)] = job.engine.http.api_key.get_secret_value()
+    headers_env = job.storage.http_headers_env
+    if headers_env and job.storage.http_headers and headers_env not in withhold:
+        # Never in the job file (StorageConfig does not serialize them): the child reads them from here.
+        env[headers_env] = json.dumps(job.storage.header_values())
+    elif headers_env and headers_env in os.environ and headers_env not in withhold:
+        env[headers_env] = os.environ[headers_env]
     return env
 
 
