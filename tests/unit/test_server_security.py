@@ -231,3 +231,20 @@ def test_readyz_writes_to_the_database_and_says_when_it_cannot(api, monkeypatch)
     assert answer.status_code == 503 and "unable to open database file" in answer.json()["checks"]["database"]
     assert str(service.data.root) not in answer.text
     assert not service.data.database.exists()
+
+
+# ------------------------------------------------------------------------------------------ hostile request bodies
+
+
+@pytest.mark.parametrize("depth", [33, 100_000])
+def test_a_deeply_nested_batch_body_is_the_clients_400_not_a_500(api, depth):
+    client, _ = api
+    body = '{"metadata": ' + "[" * depth + "]" * depth + "}"
+    answer = client.post(
+        "/v1/batches",
+        content=body,
+        headers={"Authorization": "Bearer " + "k" * 20, "Content-Type": "application/json"},
+    )
+    assert answer.status_code == 400, answer.text
+    error = answer.json()["error"]
+    assert error["type"] == "invalid_request_error" and "nest" in error["message"]
