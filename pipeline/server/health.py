@@ -8,17 +8,37 @@ Neither takes a key (probes carry none) and neither tells anything about tenants
 - `/readyz` (readiness): the replica can do its work. The state database takes a write — a committed transaction
   that rewrites its schema version with the value it has, so a read-only, full or locked disk, or a data dir that
   vanished, shows here and not in the next upload — and the Ray cluster the batches run on answers (one call to its
-  GCS). Each check is bounded by READY_TIMEOUT_S; 503 with the reason of each failing check otherwise.
+  GCS). Each check is bounded by READY_TIMEOUT_S; 503 with the reason of each failing check otherwise. Anyone may
+  call it, as often as they like: the write (a sync to disk) runs at most once per READY_WRITE_EVERY_S, one at a
+  time, and a call in between gets the last write's answer.
 """
 
 from __future__ import annotations
 
 import sqlite3
+import threading
+import time
 from pathlib import Path
 
 # A probe's answer must come well within a Kubernetes probe's default timeout (1 s would be tight on a busy disk;
 # give probes timeoutSeconds >= 5, as k8s/rayservice.yaml does).
 READY_TIMEOUT_S = 2.0
+# Probes come every few seconds (k8s/rayservice.yaml: 10 s); a caller hammering /readyz gets this write rate at most.
+READY_WRITE_EVERY_S = 5.0
+_last_writes: dict[Path, tuple[float, str | None]] = {}
+_writing = threading.Lock()
+
+
+def database_readiness(path: Path) -> str | None:
+    """`database_problem`, written at most once per READY_WRITE_EVERY_S (and one at a time): the last answer in
+    between."""
+    with _writing:
+        last = _last_writes.get(path)
+        if last is not None and time.monotonic() - last[0] < READY_WRITE_EVERY_S:
+            return last[1]
+        problem = database_problem(path)
+        _last_writes[path] = (time.monotonic(), problem)
+        return problem
 
 
 def database_problem(path: Path) -> str | None:

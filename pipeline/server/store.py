@@ -151,6 +151,9 @@ class Store:
         self._conn = sqlite3.connect(path, check_same_thread=False, isolation_level=None)
         self._conn.row_factory = sqlite3.Row
         self._conn.execute("PRAGMA journal_mode=WAL")
+        # Pinned, not left to how SQLite was built: a commit (an accepted upload's row, a batch's state) reaches the
+        # disk before the client is answered, power cut or not.
+        self._conn.execute("PRAGMA synchronous=FULL")
         self._lock = threading.Lock()
         with self._lock:
             # 0: the database was created now (whatever else the data dir holds, no row of it names anything yet).

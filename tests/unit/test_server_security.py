@@ -207,6 +207,7 @@ def test_readyz_writes_to_the_database_and_says_when_it_cannot(api, monkeypatch)
 
     monkeypatch.setattr(health, "ray_problem", lambda: None)
     monkeypatch.setattr(health, "READY_TIMEOUT_S", 0.2)
+    monkeypatch.setattr(health, "READY_WRITE_EVERY_S", 0.0)  # every call writes: each change shows at once
     client, service = api
     assert client.get("/readyz").json() == {"status": "ok", "checks": {"database": "ok", "ray": "ok"}}
     # Another writer holds the database: a read would pass, a write cannot.
@@ -248,3 +249,27 @@ def test_a_deeply_nested_batch_body_is_the_clients_400_not_a_500(api, depth):
     assert answer.status_code == 400, answer.text
     error = answer.json()["error"]
     assert error["type"] == "invalid_request_error" and "nest" in error["message"]
+
+
+def test_readyz_writes_at_most_once_per_interval_however_often_it_is_called(api, monkeypatch):
+    """An unauthenticated caller hammering /readyz gets one write (one sync to disk) per READY_WRITE_EVERY_S."""
+    import pipeline.server.health as health
+
+    writes = []
+    real = health.database_problem
+    monkeypatch.setattr(health, "database_problem", lambda path: writes.append(path) or real(path))
+    monkeypatch.setattr(health, "ray_problem", lambda: None)
+    monkeypatch.setattr(health, "READY_WRITE_EVERY_S", 3600.0)
+    client, _ = api
+    assert all(client.get("/readyz").status_code == 200 for _ in range(50))
+    assert len(writes) == 1
+
+
+def test_the_state_database_syncs_every_commit(tmp_path):
+    from pipeline.server.store import Store
+
+    store = Store(tmp_path / "state.db")
+    try:
+        assert store._conn.execute("PRAGMA synchronous").fetchone()[0] == 2  # noqa: SLF001 - FULL
+    finally:
+        store.close()

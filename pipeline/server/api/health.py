@@ -21,7 +21,7 @@ def healthz() -> dict[str, Any]:
 
 @router.get("/readyz", include_in_schema=False)
 def readyz(service: Service) -> JSONResponse:
-    problems = {"database": health.database_problem(service.data.database), "ray": health.ray_problem()}
+    problems = {"database": health.database_readiness(service.data.database), "ray": health.ray_problem()}
     checks = {name: problem or "ok" for name, problem in problems.items()}
     if any(problems.values()):
         return JSONResponse({"status": "unavailable", "checks": checks}, status_code=503)
