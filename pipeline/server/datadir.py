@@ -157,9 +157,11 @@ def in_use_message(root: Path) -> str:
 # -- durable ----------------------------------------------------------------------------------------------------------
 
 
-def publish(tmp: Path, dest: Path) -> None:
-    """Move a finished temporary file into place durably: its data, then the rename, then the directory entry."""
-    fsync_path(tmp)
+def publish(tmp: Path, dest: Path, data_synced: bool = False) -> None:
+    """Move a finished temporary file into place durably: its data (unless the caller synced it already), then the
+    rename, then the directory entry."""
+    if not data_synced:
+        fsync_path(tmp)
     os.replace(tmp, dest)
     fsync_path(dest.parent)
 

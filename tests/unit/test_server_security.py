@@ -273,3 +273,36 @@ def test_the_state_database_syncs_every_commit(tmp_path):
         assert store._conn.execute("PRAGMA synchronous").fetchone()[0] == 2  # noqa: SLF001 - FULL
     finally:
         store.close()
+
+
+# ------------------------------------------------------------------------------------------ the event loop
+
+
+def test_an_uploads_bytes_are_synced_off_the_event_loop(api, monkeypatch, tmp_path):
+    """A large upload's sync to disk takes seconds: it runs in a worker thread, so the server keeps answering every
+    other request meanwhile; only the rename and its directory's sync stay on the loop."""
+    import asyncio
+
+    import pipeline.server.api.files as files
+
+    synced: list[tuple[str, bool]] = []
+
+    def recording(path):
+        try:
+            asyncio.get_running_loop()
+            on_loop = True
+        except RuntimeError:
+            on_loop = False
+        synced.append((str(path), on_loop))
+
+    monkeypatch.setattr(files, "fsync_path", recording)
+    client, _ = api
+    line = b'{"custom_id": "a", "method": "POST", "url": "/v1/chat/completions", "body": {"messages": []}}\n'
+    answer = client.post(
+        "/v1/files",
+        files={"file": ("in.jsonl", line * 1000)},
+        data={"purpose": "batch"},
+        headers={"Authorization": "Bearer " + "k" * 20},
+    )
+    assert answer.status_code == 200, answer.text
+    assert len(synced) == 1 and synced[0][1] is False

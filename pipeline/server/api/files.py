@@ -10,6 +10,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
 from starlette.concurrency import run_in_threadpool
 
+from pipeline.local_files import fsync_path
 from pipeline.server import outputs
 from pipeline.server.api.deps import Owner, Service, list_page, page_limit
 from pipeline.server.api.errors import ApiError, not_found
@@ -60,10 +61,14 @@ async def upload_file(request: Request, who: Owner, service: Service) -> FileObj
         refusal = check.refusal()
         if refusal:
             raise ApiError(400, refusal, param="file", code="invalid_file_format")
+        # The file's bytes reach the disk off the event loop: a 200 MB sync takes seconds, and every other request
+        # of every key would wait for it there.
+        await run_in_threadpool(fsync_path, upload.path)
         # No await from this check to the insert: another upload of this key cannot pass it meanwhile.
         service.quotas.check_upload(service.store, who, upload.size)
         file_id = new_id("file-")
-        publish(upload.path, service.data.upload(file_id))  # durable before the row points at it
+        # Durable before the row points at it: what is left on the loop is a rename and its directory's sync.
+        publish(upload.path, service.data.upload(file_id), data_synced=True)
     except BaseException:
         upload.path.unlink(missing_ok=True)
         raise
