@@ -857,6 +857,17 @@ class StorageConfig(_Strict):
     timeout_s: float = Field(
         default=30.0, gt=0, description="Connect and read timeout of one storage request, in seconds."
     )
+    http_max_download_bytes: int = Field(
+        default=256 << 30,
+        ge=1,
+        description="Most bytes one http(s):// input file may download (it is held on local disk while read): a "
+        "server that never stops sending cannot fill the disk.",
+    )
+    http_max_download_s: float = Field(
+        default=6 * 3600.0,
+        gt=0,
+        description="Longest one http(s):// input file's download may take, retries included.",
+    )
     http_headers: dict[str, SecretStr] = Field(
         default_factory=dict,
         description="Extra headers on every HTTP(S) input/output request, e.g. {Authorization: Bearer ...}. "
@@ -900,6 +911,12 @@ class InputLimits(_Strict):
     """Bounds on one input line. A line past one of them becomes an error record and the job goes on; the limits
     exist so that one hostile line cannot exhaust memory or the decoder's stack."""
 
+    max_decompressed_bytes: int = Field(
+        default=1 << 40,
+        ge=1,
+        description="Most bytes a gzip-compressed (.gz) input file may decompress to: a small file that inflates "
+        "without end fails the job, naming the file, instead of running it for days.",
+    )
     max_line_bytes: int = Field(
         default=64 << 20,
         ge=1024,

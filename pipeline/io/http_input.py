@@ -6,6 +6,7 @@ Fingerprint: ETag / Last-Modified (+ Content-Length) when the server sends them,
 from __future__ import annotations
 
 import tempfile
+import time
 from collections.abc import Generator
 from typing import Any, BinaryIO
 
@@ -26,9 +27,27 @@ from pipeline.io.locations import (
 from pipeline.io.rows import ReadStats, Row, TableRead
 
 
+class DownloadTooLarge(LocationError):
+    """An http(s):// input past storage.http_max_download_bytes or http_max_download_s: never retried."""
+
+
 def download(url: str, storage: StorageConfig, policy: RetryPolicy, dest: BinaryIO) -> dict[str, str]:
-    """GET `url` into `dest`; a broken transfer resumes with a Range request when the server allows it."""
+    """GET `url` into `dest`; a broken transfer resumes with a Range request when the server allows it. Bounded in
+    bytes and in time (storage.http_max_download_bytes, http_max_download_s): the file is held on local disk."""
     state: dict[str, Any] = {"headers": None}
+    deadline = time.monotonic() + storage.http_max_download_s
+
+    def bounded() -> None:
+        if dest.tell() > storage.http_max_download_bytes:
+            raise DownloadTooLarge(
+                f"GET {redact_url(url)}: more than {storage.http_max_download_bytes:,} bytes "
+                "(storage.http_max_download_bytes); raise it if the input is meant to be that large"
+            )
+        if time.monotonic() > deadline:
+            raise DownloadTooLarge(
+                f"GET {redact_url(url)}: still downloading after {storage.http_max_download_s:.0f} s "
+                "(storage.http_max_download_s)"
+            )
 
     def attempt() -> None:
         headers: dict[str, str] = {}
@@ -47,6 +66,7 @@ def download(url: str, storage: StorageConfig, policy: RetryPolicy, dest: Binary
                 state["headers"] = {k: v for k, v in response.headers.items()}
             while chunk := response.read(1 << 20):
                 dest.write(chunk)
+                bounded()
             expected = response.headers.get("Content-Length")
             if response.status == 200 and expected is not None and dest.tell() != int(expected):
                 raise ConnectionError(f"GET {redact_url(url)}: got {dest.tell()} of {expected} bytes")

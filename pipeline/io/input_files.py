@@ -71,4 +71,6 @@ def iter_rows(
             row_groups=row_groups,
             first_number=first_number,
         )
-    return iter_jsonl(maybe_gunzip(handle, file.ref), file.name, limits.max_line_bytes)
+    return iter_jsonl(
+        maybe_gunzip(handle, file.ref, limits.max_decompressed_bytes), file.name, limits.max_line_bytes
+    )

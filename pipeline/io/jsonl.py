@@ -83,7 +83,32 @@ def is_gzip(name: str) -> bool:
     return name.split("?", 1)[0].lower().endswith(".gz")
 
 
-def maybe_gunzip(stream: io.BufferedReader, name: str) -> BinaryIO:
+class _Capped(io.RawIOBase):
+    """A decompressing stream that raises InputFormatError once it has given more than `limit` bytes."""
+
+    def __init__(self, inner: BinaryIO, name: str, limit: int) -> None:
+        self.inner, self.name, self.limit, self.given = inner, name, limit, 0
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer) -> int:  # noqa: ANN001 - a writable buffer
+        count = self.inner.readinto(buffer)  # type: ignore[attr-defined]
+        self.given += count or 0
+        if self.given > self.limit:
+            from pipeline.io.rows import InputFormatError
+
+            raise InputFormatError(
+                f"{self.name} decompresses to more than {self.limit:,} bytes (limits.max_decompressed_bytes): "
+                "refused as a compression bomb; raise the limit if the file is meant to be that large"
+            )
+        return count
+
+
+def maybe_gunzip(stream: io.BufferedReader, name: str, max_bytes: int | None = None) -> BinaryIO:
     if is_gzip(name):
-        return gzip.GzipFile(fileobj=stream, mode="rb")  # type: ignore[return-value]
+        inflated = gzip.GzipFile(fileobj=stream, mode="rb")
+        if max_bytes is None:
+            return inflated  # type: ignore[return-value]
+        return io.BufferedReader(_Capped(inflated, name, max_bytes), 1 << 20)  # type: ignore[return-value]
     return stream

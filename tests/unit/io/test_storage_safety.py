@@ -1,6 +1,7 @@
-"""The storage's HTTP headers (an Authorization for an http(s):// input or output) are secrets: never written with
-the job (its checkpoint, a child job's file), given to a resumed or child job through the environment, sent only to
-the origin they were given for, and never from https to plain http."""
+"""What reading and writing storage may cost and reveal. The storage's HTTP headers (an Authorization for an
+http(s):// input or output) are secrets: never written with the job (its checkpoint, a child job's file), given to a
+resumed or child job through the environment, sent only to the origin they were given for, and never from https to
+plain http. An http(s):// download is bounded in bytes and time, a .gz input in what it inflates to."""
 
 from __future__ import annotations
 
@@ -98,3 +99,42 @@ def test_a_redirect_from_https_to_http_is_refused():
     request = urllib.request.Request("https://files.example/start", headers={"Authorization": TOKEN})
     with pytest.raises(urllib.error.HTTPError, match="refused a redirect from https to http"):
         _SameOriginRedirects().redirect_request(request, None, 302, "Found", {}, "http://files.example/start")
+
+
+# --- bounds on what an input may cost ---------------------------------------------------------------------------------
+
+
+def test_a_download_past_its_byte_bound_stops_and_is_not_retried(tmp_path):
+    import io
+
+    from pipeline.io.http_input import DownloadTooLarge, download
+    from pipeline.io.locations import RetryPolicy
+
+    with _server() as (origin, seen):
+        storage = StorageConfig(http_max_download_bytes=1)
+        with pytest.raises(DownloadTooLarge, match="more than 1 bytes"):
+            download(f"{origin}/big", storage, RetryPolicy(retries=3), io.BytesIO())
+        assert len(seen) == 1  # refused, not retried
+        body = io.BytesIO()
+        download(f"{origin}/big", StorageConfig(), RetryPolicy(), body)
+        assert body.getvalue() == b"ok"
+
+
+def test_a_gzip_input_that_inflates_past_its_bound_fails_naming_the_file(tmp_path):
+    import gzip
+
+    from pipeline.config import InputLimits
+    from pipeline.io.input_files import InputFile, iter_rows
+    from pipeline.io.rows import InputFormatError
+
+    path = tmp_path / "bomb.jsonl.gz"
+    with gzip.open(path, "wb") as out:
+        out.write(b'{"custom_id": "a"}\n' * 100_000)  # 1.9 MB from a few KB
+    file = InputFile(str(path), str(path), path.stat().st_size)
+    with (
+        path.open("rb") as stream,
+        pytest.raises(InputFormatError, match=r"bomb.jsonl.gz decompresses to more than"),
+    ):
+        list(iter_rows(stream, file, "jsonl", InputLimits(max_decompressed_bytes=1 << 20)))
+    with path.open("rb") as stream:
+        assert len(list(iter_rows(stream, file, "jsonl", InputLimits()))) == 100_000
