@@ -33,6 +33,7 @@ The tables go to stdout, the raw numbers to OUT_DIR/dataplane.json.
     python bench/dataplane.py --rows 100k              # quicker
     python bench/dataplane.py --rows 1M,10M --skip-parquet   # the scaling target (10M: ~3 GB input, ~1 h)
     python bench/dataplane.py --profile                # + py-spy profile of the nightshift driver (JSONL)
+    python bench/dataplane.py --table-only             # a dataset job against the same rows as Batch lines
 """
 
 from __future__ import annotations
@@ -744,7 +745,10 @@ def run_size(
 ) -> list[Run]:
     """Every path on one input size, one after the other; each path's output is removed after it is timed."""
     plan: list[tuple[str, Path, Any]] = []
-    for kind, path in [("jsonl", jsonl)] + ([] if parquet is None else [("parquet", parquet)]):
+    kinds = (
+        [] if args.table_only else [("jsonl", jsonl)] + ([] if parquet is None else [("parquet", parquet)])
+    )
+    for kind, path in kinds:
         out = args.work / f"out-pyarrow-{kind}"
         if not args.skip_floor:
             floor = partial(run_baseline, f"pyarrow-{kind}", path, out, args.rows_per_shard)
@@ -818,6 +822,11 @@ def main() -> None:
         help="no dataset-job runs (a table with a template, and its lines)",
     )
     parser.add_argument(
+        "--table-only",
+        action="store_true",
+        help="only the dataset-job runs (the table, and the same rows as lines)",
+    )
+    parser.add_argument(
         "--keep-outputs", action="store_true", help="keep every path's output (disk: ~1 GB/M rows)"
     )
     parser.add_argument(
@@ -853,7 +862,9 @@ def main() -> None:
     runs_by_size: dict[int, list[Run]] = {}
     load_by_run: dict[str, list[float]] = {}
     for rows in args.rows:
-        jsonl, parquet = generate(args.work, rows, parquet=not args.skip_parquet)
+        jsonl, parquet = (
+            (None, None) if args.table_only else generate(args.work, rows, parquet=not args.skip_parquet)
+        )
         config.parent.mkdir(parents=True, exist_ok=True)
         config.write_text(json.dumps(job))  # JSON is YAML
         runs = runs_by_size[rows] = run_size(args, rows, jsonl, parquet, config, load_by_run)
