@@ -939,6 +939,12 @@ class InputLimits(_Strict):
         "OpenAI's bookkeeping fields (metadata, store, service_tier, user, …) pass. An http job whose servers are "
         "not vLLM (llama.cpp, SGLang) and take fields of their own may set it false to pass every field through.",
     )
+    cache_salt: str | None = Field(
+        default=None,
+        min_length=1,
+        description="Every request's cache_salt (vLLM's prefix-cache namespace), replacing any a line gives: the "
+        "Batch API server sets one per API key, so a prompt prefix cached for one key is never a hit for another.",
+    )
     only_url: str | None = Field(
         default=None,
         description="Serve only this route (the Batch API server sets it to a batch's `endpoint`: a batch serves "

@@ -53,6 +53,13 @@ from pipeline.server.store import Store, new_id
 log = structlog.get_logger(__name__)
 
 
+def tenant_cache_salt(owner: str) -> str:
+    """The prefix-cache namespace of an API key's requests (vLLM's cache_salt): a prompt prefix one key's batches
+    put in an engine's cache is never a hit for another key's (a hit is a side channel: its timing and the cached
+    token counts tell one tenant what another asked). `owner` is the key's id, never the key."""
+    return "tenant-" + hashlib.sha256(owner.encode()).hexdigest()[:32]
+
+
 class DataDir:
     """Where everything lives under the data dir; every path is built from server-made ids only."""
 
@@ -299,8 +306,12 @@ class BatchRunner:
             return job.model_copy(update={"output": out, "resources": resources})
         batch = self.store.batch(batch_id)
         assert batch is not None
-        # A batch serves its one endpoint: a line for another route is that line's error record.
-        limits = job.limits.model_copy(update={"only_url": batch.endpoint})
+        # A batch serves its one endpoint: a line for another route is that line's error record. Its requests share
+        # the engines' prefix cache with its own key's batches only (warm engines serve every key).
+        owner = self._running.get(batch_id)
+        limits = job.limits.model_copy(
+            update={"only_url": batch.endpoint, "cache_salt": tenant_cache_salt(owner) if owner else None}
+        )
         engine = job.engine
         if self.keeper is not None:
             engine = engine.model_copy(update={"warm_engines": self.keeper_name})

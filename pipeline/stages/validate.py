@@ -289,7 +289,12 @@ class LineValidator:
             return invalid(ErrorCode.INVALID_REQUEST, problem, custom_id), custom_id
 
         # A body without `model` gets the job's, so vLLM's serving layer sees the name it serves.
-        return ValidRequest(custom_id, request.url, {**body, "model": model}, line, source), custom_id
+        body = {**body, "model": model}
+        salt = self.limits.cache_salt
+        if salt is not None and "cache_salt" in endpoint.body_fields:
+            # The job's, whatever the line gave: a line must not pick another tenant's prefix-cache namespace.
+            body["cache_salt"] = salt
+        return ValidRequest(custom_id, request.url, body, line, source), custom_id
 
     def default_model(self, tasks: frozenset[str]) -> str:
         """The model a body without `model` goes to: the first served model (the job's own comes first) whose task

@@ -178,3 +178,33 @@ def test_the_runner_counts_a_turn_from_its_first_rows_and_then_yields_to_another
     del runner._running["batch_a"]
     runner._queue.append(("batch_a", "a"))
     assert runner._next() == ("batch_b", "b")
+
+
+def test_each_keys_batches_share_the_prefix_cache_with_that_key_only(tmp_path):
+    """A batch's job carries its key's cache_salt, and every line of it is sent with that salt, whatever the line
+    says: warm engines serve every key, and a prefix-cache hit must not tell one key what another asked."""
+    import time
+
+    from pipeline.server.runner import BatchRunner, DataDir, tenant_cache_salt
+    from pipeline.server.settings import ServerConfig
+    from pipeline.server.store import Store
+    from pipeline.stages.validate import LineValidator, ValidRequest
+
+    data = DataDir(tmp_path)
+    data.create()
+    store = Store(data.database)
+    expires = int(time.time()) + 3600
+    for batch_id, owner in (("batch_a1", "a"), ("batch_a2", "a"), ("batch_b", "b")):
+        store.add_batch(batch_id, owner, "/v1/chat/completions", "file-x", "24h", None, 10, expires)
+    runner = BatchRunner(ServerConfig(), store, data, None)
+    runner._running.update({"batch_a1": "a", "batch_a2": "a", "batch_b": "b"})
+    salts = {batch_id: runner._job(batch_id, resume=False).limits.cache_salt for batch_id in runner._running}
+    assert salts["batch_a1"] == salts["batch_a2"] == tenant_cache_salt("a") != salts["batch_b"]
+    line = {
+        "custom_id": "x",
+        "url": "/v1/chat/completions",
+        "body": {"messages": [{"role": "user", "content": "hi"}], "cache_salt": tenant_cache_salt("a")},
+    }
+    job_b = runner._job("batch_b", resume=False)
+    outcome = LineValidator("m", None, job_b.limits)(line, 1, "in.jsonl")
+    assert isinstance(outcome, ValidRequest) and outcome.body["cache_salt"] == salts["batch_b"]
