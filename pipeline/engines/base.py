@@ -12,7 +12,7 @@ import importlib
 import re
 import time
 from abc import ABC, abstractmethod
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Literal
 
 from pipeline.protocol import ErrorCode
@@ -60,6 +60,22 @@ class EngineStats:
     # LoRA adapters loaded into the engine's slots (first loads and swaps); None: it serves no adapters.
     adapter_loads: int | None = None
     extra: dict[str, Any] = field(default_factory=dict)
+
+    def since(self, start: EngineStats | None) -> EngineStats:
+        """These numbers counted from `start` on (the engine's counters when a job took it warm): what this job
+        did, not what the engine did for every job before it. Gauges (KV capacity and usage) are as they are."""
+        if start is None:
+            return self
+        loads = self.adapter_loads
+        if loads is not None and start.adapter_loads is not None:
+            loads -= start.adapter_loads
+        return replace(
+            self,
+            num_preemptions=self.num_preemptions - start.num_preemptions,
+            prefix_cache_queries=self.prefix_cache_queries - start.prefix_cache_queries,
+            prefix_cache_hits=self.prefix_cache_hits - start.prefix_cache_hits,
+            adapter_loads=loads,
+        )
 
 
 @dataclass(frozen=True)

@@ -51,3 +51,41 @@ def test_another_jobs_tickets_are_not_touched_by_a_drop(engine):
         return await engine.serve_job("default/0", "other", 0, "default", {})
 
     assert asyncio.run(go()) == 1
+
+
+def test_a_warm_engines_numbers_in_a_jobs_report_are_that_jobs_own():
+    """A warm engine's counters run across jobs (and API keys): what a job reports is counted from its own start,
+    so a job never shows the prefix-cache traffic or preemptions of the jobs before it."""
+    from pipeline.engines.base import EngineStats
+
+    class Counting:
+        def __init__(self) -> None:
+            self.now = EngineStats(kv_cache_tokens=1000, prefix_cache_queries=500, prefix_cache_hits=400)
+
+        def stats(self) -> EngineStats:
+            return self.now
+
+        def effective_args(self) -> dict:
+            return {}
+
+        def sampling_defaults(self) -> dict:
+            return {}
+
+        def concurrency(self, args: dict) -> int:
+            return 4
+
+    reports: list[dict] = []
+
+    class Monitor:
+        class report:  # noqa: N801 - called as a Ray actor method is
+            @staticmethod
+            def remote(actor_id, info):
+                reports.append(info["stats"])
+
+    warm = WarmEngine(EngineSpec("fake", "m", "m", {"max_model_len": 64}), "default")
+    warm.engine = Counting()  # the engine an earlier job left warm: its counters are the earlier jobs'
+    warm.bind("default", Monitor(), "second", None, None, 8, None)
+    warm.engine.now = EngineStats(kv_cache_tokens=1000, prefix_cache_queries=530, prefix_cache_hits=410)
+    warm._report(force=True)
+    assert (reports[-1]["prefix_cache_queries"], reports[-1]["prefix_cache_hits"]) == (30, 10)
+    assert reports[-1]["kv_cache_tokens"] == 1000  # a gauge: as it is

@@ -274,6 +274,9 @@ class EngineWorker:
         self.activity = Activity()  # when this engine had work: its busy share, for the manifest
         self.actor_id = f"{pool}-{os.getpid()}"
         self._reused = self.engine is not None  # built before this job: its start not paid by it
+        # A warm engine's counters run across jobs: this job's numbers are counted from here (and a warm engine
+        # serving many keys never shows one key what another's jobs did).
+        self._counted_from = self.engine.stats() if self.engine is not None else None
 
     async def _engine(self) -> Engine:
         if self.engine is None or not engine_covers(self._built_spec, self.spec):
@@ -295,6 +298,7 @@ class EngineWorker:
                     await self._or_die(engine.start())  # a rank lost while it starts: the engine is rebuilt
                     self._ready_at = time.time()
                     self.engine, self._built_spec = engine, wanted
+                    self._counted_from = None  # a new engine's counters start at this job
                     self.window = self._max_in_flight_given or in_flight_window(engine)
                     self._report(force=True)
                     if self._reporter is None:
@@ -354,7 +358,7 @@ class EngineWorker:
         now = time.monotonic()
         if force or now - self._last_report > REPORT_EVERY_S:
             self._last_report = now
-            stats = self.engine.stats()
+            stats = self.engine.stats().since(self._counted_from)
             if stats.kv_cache_usage is not None:
                 self._kv_usage_peak = max(self._kv_usage_peak or 0.0, stats.kv_cache_usage)
             info = {
