@@ -44,6 +44,7 @@ ONE_ENGINE = ("--num-engines", "1", "--cpus-per-engine", "1")
 JOIN_ORDER = (
     "tests/e2e/test_hostile_real_engine.py",
     "tests/e2e/test_dataset_real_engine.py",
+    "tests/e2e/test_tenant_cache_real_engine.py",
     "tests/e2e/test_http_real_server.py",
     "tests/e2e/test_request_fields_real_engine.py",
     "tests/e2e/test_s3_real_engine.py",
