@@ -4,7 +4,8 @@
 # Pin BASE_IMAGE to a dated rocm/vllm tag whose vLLM matches cuda.Dockerfile's VLLM_VERSION (ROCm 6.3+ for
 # MI200/MI300 and Radeon RX 7900, ROCm 7 for MI350). Ray requires the same Ray *and* Python version on every
 # node: keep RAY_VERSION and PYTHON_VERSION equal to cuda.Dockerfile's; the last step fails the build otherwise.
-ARG BASE_IMAGE=rocm/vllm:latest
+# No default: a build names its dated tag (`latest` moves, and two builds of one Dockerfile would differ).
+ARG BASE_IMAGE
 FROM ${BASE_IMAGE}
 
 ARG NIGHTSHIFT_VERSION=0.1.0

@@ -13,6 +13,10 @@
   submitter) reach the head;
 - `identity_errors`: every pod runs as a user other than root (`runAsNonRoot: true`, a non-zero `runAsUser`, an
   `fsGroup` for its volumes), and no container — nor the autoscaler — turns that back;
+- `sandbox_errors`: every pod runs under the container runtime's default seccomp profile (`RuntimeDefault`), except
+  a pod of AMD GPUs, which may run `Unconfined` as AMD documents for ROCm containers; no container loosens its pod's
+  profile; and every container bounds what it may write to the node's disk (`ephemeral-storage` requested and
+  limited: Ray's logs and spill, the model cache), so one pod cannot fill a node's disk and evict its neighbours;
 - `service_account_errors`: no pod gets the Kubernetes API token mounted (`automountServiceAccountToken: false`);
   where the in-tree autoscaler runs (the one container that calls the API), the head's projected service-account
   token is mounted into it alone, through `autoscalerOptions.volumeMounts`.
@@ -332,4 +336,39 @@ def service_account_errors(doc: dict) -> list[str]:
                 f"{where}.autoscalerOptions.volumeMounts: the autoscaler calls the Kubernetes API; mount a projected "
                 f"serviceAccountToken volume of the head pod at {SERVICE_ACCOUNT_PATH}"
             )
+    return errors
+
+
+# --------------------------------------------------------------------------------------------- sandbox and disk
+
+
+def _requests_amd_gpus(template: dict) -> bool:
+    return any(
+        "amd.com/gpu" in ((container.get("resources") or {}).get("limits") or {})
+        for _, container in _containers(template)
+    )
+
+
+def sandbox_errors(doc: dict) -> list[str]:
+    errors = []
+    for where, template in pod_templates(doc):
+        spec = template.get("spec") or {}
+        profile = ((spec.get("securityContext") or {}).get("seccompProfile") or {}).get("type")
+        allowed = {"RuntimeDefault", "Unconfined"} if _requests_amd_gpus(template) else {"RuntimeDefault"}
+        if profile not in allowed:
+            errors.append(
+                f"{where}.spec.securityContext.seccompProfile.type is {profile!r}: pods run under the runtime's "
+                "default seccomp profile (RuntimeDefault)"
+            )
+        for container_where, container in _containers(template):
+            own = ((container.get("securityContext") or {}).get("seccompProfile") or {}).get("type")
+            if own is not None and own not in allowed:
+                errors.append(f"{where}.{container_where} sets seccompProfile {own!r}, looser than its pod's")
+            resources = container.get("resources") or {}
+            for kind in ("requests", "limits"):
+                if "ephemeral-storage" not in (resources.get(kind) or {}):
+                    errors.append(
+                        f"{where}.{container_where}.resources.{kind} has no ephemeral-storage: the container's "
+                        "writes to the node's disk must be bounded"
+                    )
     return errors

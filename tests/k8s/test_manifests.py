@@ -37,6 +37,7 @@ from security_rules import (
     identity_errors,
     network_policy_errors,
     pod_templates,
+    sandbox_errors,
     pod_user,
     service_account_errors,
 )
@@ -289,6 +290,7 @@ def security_errors(name: str, doc: dict | None = None, context: list[dict] | No
         + credential_errors([doc] + [d for d in everything if d.get("kind") == "ConfigMap"])
         + network_policy_errors(doc, context)
         + identity_errors(doc)
+        + sandbox_errors(doc)
         + service_account_errors(doc)
     )
 
@@ -728,3 +730,48 @@ def test_rayjob_spec_rules(mutation, problem):
     doc = load("rayjob.yaml")
     doc["spec"].update(mutation)
     assert any(problem in error for error in rayjob_errors(doc)), rayjob_errors(doc)
+
+
+@pytest.mark.parametrize("name, group", RAY_GROUPS)
+@pytest.mark.parametrize(
+    "change, problem",
+    [
+        (lambda p: p["securityContext"].pop("seccompProfile"), "seccompProfile.type is None"),
+        (
+            lambda p: p["containers"][0]["resources"]["limits"].pop("ephemeral-storage"),
+            "resources.limits has no ephemeral-storage",
+        ),
+        (
+            lambda p: p["containers"][0]["resources"]["requests"].pop("ephemeral-storage"),
+            "resources.requests has no ephemeral-storage",
+        ),
+    ],
+)
+def test_a_pod_without_the_default_sandbox_or_a_disk_bound_fails(name, group, change, problem):
+    doc = load(name)
+    change(_pod_spec(doc, group))
+    assert any(problem in error for error in security_errors(name, doc)), (name, group)
+
+
+@pytest.mark.parametrize("name, group", [(n, g) for n, g in RAY_GROUPS if not g.startswith("amd")])
+def test_only_a_pod_of_amd_gpus_may_run_unconfined(name, group):
+    doc = load(name)
+    _pod_spec(doc, group)["securityContext"]["seccompProfile"] = {"type": "Unconfined"}
+    assert any("RuntimeDefault" in error for error in security_errors(name, doc)), (name, group)
+
+
+@pytest.mark.parametrize("dockerfile", sorted((K8S / "images").glob("*.Dockerfile")), ids=lambda p: p.name)
+def test_an_image_builds_from_a_pinned_base_never_latest(dockerfile):
+    """A base image given as `latest` (or with no tag) moves under a build: two builds of one Dockerfile would run
+    different vLLMs. Every FROM and base-image default names a version or has no default at all."""
+    text = dockerfile.read_text()
+    for line in text.splitlines():
+        words = line.split()
+        if not words or words[0] not in ("FROM", "ARG"):
+            continue
+        if words[0] == "ARG" and ("IMAGE" not in words[1] or "=" not in words[1]):
+            continue  # not a base image, or one the build must name
+        value = words[1].split("=", 1)[1] if words[0] == "ARG" else words[1]
+        if value.startswith("$"):
+            continue
+        assert ":" in value and not value.endswith(":latest"), f"{dockerfile.name}: {line!r}"
