@@ -3,8 +3,12 @@
 
 from __future__ import annotations
 
+import contextlib
+import os
+import signal
 import threading
 import time
+from collections.abc import Iterator
 
 import psutil
 
@@ -26,6 +30,21 @@ def engine_with_work_in_flight(job_id: str, job: threading.Thread, timeout_s: fl
             if info["in_flight"] > 0 and engine in engines:
                 return engine, engines[engine]["pid"]
         time.sleep(0.1)
+
+
+@contextlib.contextmanager
+def held(pid: int) -> Iterator[None]:
+    """The process stopped (SIGSTOP) for the block, then continued: none of its threads runs meanwhile, so it does
+    not exit, acknowledge, lease or begin anything either; its children (vLLM's engine core and its ranks) run on. A
+    process already gone fails the test."""
+    try:
+        os.kill(pid, signal.SIGSTOP)
+    except ProcessLookupError:
+        raise AssertionError(f"the engine actor {pid} exited before it could be held") from None
+    try:
+        yield
+    finally:
+        os.kill(pid, signal.SIGCONT)
 
 
 def vllm_process(actor_pid: int, title: str, timeout_s: float = 60) -> psutil.Process:

@@ -18,7 +18,7 @@ import pytest
 
 from pipeline.config import JobConfig
 from pipeline.runtime.job import run_job
-from tests.e2e.engine_victims import engine_with_work_in_flight, vllm_process
+from tests.e2e.engine_victims import engine_with_work_in_flight, held, vllm_process
 from tests.failure_figures import record
 from tests.lines import chat_line, read_jsonl, write_lines
 
@@ -95,11 +95,15 @@ def test_engine_core_killed_under_a_live_actor(private_ray, tmp_path):
     n = 24
     thread, outcome = _start_job(tmp_path, "engine-core-kill", "c", n, max_tokens=16)
 
-    # Once the engine has rows in flight, kill its engine core and nothing else.
+    # Once the engine has rows in flight, kill its engine core and nothing else. The actor is held (SIGSTOP) from the
+    # moment it is seen with rows in flight until its core is dead: meanwhile it acknowledges, leases and begins
+    # nothing, so on a loaded box the job cannot end (nor its rows leave flight) while the core is looked for; once
+    # continued, the actor reads that its engine is dead with its rows still in flight.
     victim, actor_pid = engine_with_work_in_flight("engine-core-kill", thread)
-    core = vllm_process(actor_pid, "EngineCore")
-    core.send_signal(signal.SIGKILL)
-    core.wait(timeout=30)
+    with held(actor_pid):
+        core = vllm_process(actor_pid, "EngineCore")
+        core.send_signal(signal.SIGKILL)
+        core.wait(timeout=30)
 
     thread.join(timeout=900)
     assert not thread.is_alive()

@@ -17,19 +17,17 @@ and death are the subject.
 
 from __future__ import annotations
 
-import contextlib
 import os
 import signal
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from pipeline.config import JobConfig
 from pipeline.runtime.job import run_job
-from tests.e2e.engine_victims import engine_with_work_in_flight, vllm_process
+from tests.e2e.engine_victims import engine_with_work_in_flight, held, vllm_process
 from tests.failure_figures import record
 from tests.lines import read_jsonl, write_lines
 
@@ -68,20 +66,6 @@ def job_config(tmp_path: Path, job_id: str, model: Path, lines: list[str], **set
             **settings,
         }
     )
-
-
-@contextlib.contextmanager
-def held(pid: int) -> Iterator[None]:
-    """The process stopped (SIGSTOP) for the block, then continued: none of its threads runs meanwhile, so it does
-    not exit either; its children (vLLM's engine core and its ranks) run on. A process already gone fails the test."""
-    try:
-        os.kill(pid, signal.SIGSTOP)
-    except ProcessLookupError:
-        raise AssertionError(f"the engine actor {pid} exited before it could be held") from None
-    try:
-        yield
-    finally:
-        os.kill(pid, signal.SIGCONT)
 
 
 def texts(rows: list[dict]) -> dict[str, str]:
