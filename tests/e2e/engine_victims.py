@@ -47,6 +47,20 @@ def held(pid: int) -> Iterator[None]:
         os.kill(pid, signal.SIGCONT)
 
 
+def until_dead(process: psutil.Process, timeout_s: float = 30) -> None:
+    """Returns once `process` is dead: gone, or a zombie its parent has not reaped yet (a parent held by `held`
+    reaps nothing until it is continued)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            if process.status() == psutil.STATUS_ZOMBIE:
+                return
+        except psutil.NoSuchProcess:
+            return
+        assert time.monotonic() < deadline, f"{process.pid} still runs {timeout_s} s after its kill"
+        time.sleep(0.05)
+
+
 def vllm_process(actor_pid: int, title: str, timeout_s: float = 60) -> psutil.Process:
     """The process under an engine actor whose title (vLLM's setproctitle: `VLLM::EngineCore`, `VLLM::Worker_TP1`,
     ...) contains `title`. Waited for: a process takes its title a moment after it starts, later still on a busy box,

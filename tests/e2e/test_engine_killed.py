@@ -18,7 +18,7 @@ import pytest
 
 from pipeline.config import JobConfig
 from pipeline.runtime.job import run_job
-from tests.e2e.engine_victims import engine_with_work_in_flight, held, vllm_process
+from tests.e2e.engine_victims import engine_with_work_in_flight, held, until_dead, vllm_process
 from tests.failure_figures import record
 from tests.lines import chat_line, read_jsonl, write_lines
 
@@ -103,7 +103,7 @@ def test_engine_core_killed_under_a_live_actor(private_ray, tmp_path):
     with held(actor_pid):
         core = vllm_process(actor_pid, "EngineCore")
         core.send_signal(signal.SIGKILL)
-        core.wait(timeout=30)
+        until_dead(core)  # a zombie until the held actor, its parent, is continued and reaps it
 
     thread.join(timeout=900)
     assert not thread.is_alive()

@@ -129,9 +129,11 @@ def test_a_dataset_job_killed_half_way_resumes_exactly_once(tmp_path):
         json.dumps(
             {
                 "job_id": "dataset-resume",
+                # 16 rows at once, 0.2 s each: the second half of the job takes ~12 s, far longer than the kill
+                # takes to land once half is staged (at 64 at once a loaded box once saw the job end first).
                 "engine": {
                     "backend": "fake",
-                    "fake": {"output_tokens": 4, "decode_seconds_per_token": 0.05, "max_concurrency": 64},
+                    "fake": {"output_tokens": 4, "decode_seconds_per_token": 0.05, "max_concurrency": 16},
                 },
                 "resources": {"cpus_per_engine": 0.5, "rows_per_task": 16},
                 "output_options": {"rows_per_shard": 700, "staging_rows": 100},
