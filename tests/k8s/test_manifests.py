@@ -37,8 +37,8 @@ from security_rules import (
     identity_errors,
     network_policy_errors,
     pod_templates,
-    sandbox_errors,
     pod_user,
+    sandbox_errors,
     service_account_errors,
 )
 

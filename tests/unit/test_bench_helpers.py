@@ -105,7 +105,9 @@ def test_the_table_and_its_lines_hold_the_same_rows_as_a_dataset_job_makes_them(
     assert sorted(row["id"] for row in table) == list(range(500))
     assert {len(row["text"]) for row in table} == {300}
     renderer = RowRenderer(
-        DatasetConfig(template=dataplane.TABLE_TEMPLATE, id_column="id", max_tokens=dataplane.TABLE_MAX_TOKENS)
+        DatasetConfig(
+            template=dataplane.TABLE_TEMPLATE, id_column="id", max_tokens=dataplane.TABLE_MAX_TOKENS
+        )
     )
     for row, line in zip(table, lines, strict=True):
         request = renderer.request(row, 1, 0)
