@@ -4,6 +4,7 @@ suite, the priority of the tests beside the real-engine ones, and the figures th
 from __future__ import annotations
 
 import os
+import time
 from pathlib import Path
 
 import pytest
@@ -52,7 +53,43 @@ _BESIDE = ("tests/e2e/test_documented_install.py",)
 _SHARED_BY_FIXTURE = {"server": "server-shared"}
 
 
+def pytest_addoption(parser):
+    parser.addoption(
+        "--timeline",
+        metavar="DIR",
+        default=None,
+        help="Write when each test started and ended (epoch seconds), one file per worker "
+        "(DIR/timeline-<worker>.tsv): where the suite's time goes, and what ran beside what.",
+    )
+
+
+_TIMELINE: dict[str, object] = {"dir": None, "started": {}}
+
+
+def pytest_runtest_logstart(nodeid, location):
+    if _TIMELINE["dir"] is not None:
+        _TIMELINE["started"][nodeid] = time.time()  # type: ignore[index]
+
+
+def pytest_runtest_logfinish(nodeid, location):
+    directory = _TIMELINE["dir"]
+    if directory is None:
+        return
+    started = _TIMELINE["started"].pop(nodeid, None)  # type: ignore[union-attr]
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "main")
+    with open(Path(str(directory)) / f"timeline-{worker}.tsv", "a") as out:
+        out.write(f"{started or 0:.1f}\t{time.time():.1f}\t{nodeid}\n")
+
+
 def pytest_configure(config):
+    # Recorded where the tests run: in each xdist worker, or in the one process without xdist (the controller only
+    # hears of its workers' tests).
+    controller = bool(getattr(config.option, "numprocesses", None)) and not os.environ.get(
+        "PYTEST_XDIST_WORKER"
+    )
+    if config.getoption("--timeline") and not controller:
+        _TIMELINE["dir"] = Path(config.getoption("--timeline"))
+        _TIMELINE["dir"].mkdir(parents=True, exist_ok=True)
     # Read by every raylet the tests start: BESIDE_ENGINES_NICENESS says why.
     os.environ.setdefault("RAY_worker_niceness", "0")
     # A `nightshift up` of the developer's own must not take the suite's runs (tests of it ask for it by name).
