@@ -483,10 +483,7 @@ def validate(
         plan = JobPlan.of(job)
         source = check_input_source(input, job.storage, TableRead() if plan.dataset else None)
         if plan.dataset is not None:  # a table: its columns are checked against the templates first
-            source.table = plan.dataset.table_read()
-            columns = source.table_columns()
-            if columns is not None:
-                plan.dataset.check_columns(columns)
+            plan.dataset.read_table_from(source)
         # Tokens are counted with each model's own tokenizer, which needs the models; a backend whose servers
         # count their own (http) has nothing to count with here, and its servers are not contacted.
         tokens = tokens and backend(job.engine.backend).fitting is not None

@@ -440,11 +440,7 @@ def _checked_input(location: str, renderer: RowRenderer | None) -> Path:
     try:
         path = check_input(location, table=renderer.table_read() if renderer else None)
         if renderer is not None:
-            source = input_source(str(path))
-            source.table = renderer.table_read()
-            columns = source.table_columns()
-            if columns is not None:
-                renderer.check_columns(columns)
+            renderer.read_table_from(input_source(str(path)))
     except (PreflightError, DatasetError) as exc:
         raise PlanError(str(exc)) from None
     return path
@@ -463,7 +459,7 @@ def _valid_requests(
         from pipeline.io.readers import input_source
 
         source = input_source(str(path))
-        source.table = renderer.table_read()
+        source.table = renderer.table_read()  # its columns were checked by _checked_input
     report = InputCounts(source=str(path))
     for outcome in iter_validated(source or path, LineValidator(served), report, renderer):
         if isinstance(outcome, ValidRequest):

@@ -107,6 +107,14 @@ class RowRenderer:
                 "the others only (dataset.keep_columns / --keep-columns), or rename them"
             )
 
+    def read_table_from(self, source: Any) -> None:
+        """Set `source` (an io.readers.InputSource) to read this job's table, and check its columns (from its first
+        file) against the templates: DatasetError before any work. An input without a row has nothing to check."""
+        source.table = self.table_read()
+        columns = source.table_columns()
+        if columns is not None:
+            self.check_columns(columns)
+
     def table_read(self) -> TableRead:
         """How the input is read: the columns requests are made of and the kept ones (all, when not named)."""
         if self.spec.keep_columns is None:

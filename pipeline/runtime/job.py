@@ -227,13 +227,10 @@ def _open_job(config: JobConfig, resume: bool) -> _Job:
     except JobPlanError as exc:
         raise PreflightError(str(exc)) from exc
     if plan.dataset is not None:
-        source.table = plan.dataset.table_read()
-        columns = source.table_columns()
-        if columns is not None:  # an input without a row: nothing to render
-            try:
-                plan.dataset.check_columns(columns)
-            except DatasetError as exc:
-                raise PreflightError(f"input {config.input}: {exc}") from exc
+        try:
+            plan.dataset.read_table_from(source)
+        except DatasetError as exc:
+            raise PreflightError(f"input {config.input}: {exc}") from exc
     for server in plan.probed.get("servers") or []:
         log.info("server", endpoint=server["endpoint"], kind=server["kind"], version=server["version"])
         for warning in server["warnings"]:
