@@ -72,6 +72,21 @@ def kill_driver_half_way(command: list[str], output: Path, rows: int) -> set[str
     return once_settled(lambda: engine_staged_ids(output))
 
 
+def run_command(input_path: Path, output: Path, config: Path) -> list[str]:
+    """`nightshift run INPUT OUTPUT -c CONFIG --no-progress` as a command line (for a driver a test kills)."""
+    return [
+        sys.executable,
+        "-m",
+        "pipeline",
+        "run",
+        str(input_path),
+        str(output),
+        "-c",
+        str(config),
+        "--no-progress",
+    ]
+
+
 def nightshift_ok(*args: str) -> None:
     """Run `python -m pipeline ARGS` to completion; fail with its stderr unless it exits 0."""
     done = subprocess.run(

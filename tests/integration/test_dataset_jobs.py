@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import datetime as dt
 import json
-import sys
 from pathlib import Path
 
 import pyarrow as pa
@@ -17,7 +16,7 @@ from pipeline.config import JobConfig
 from pipeline.runtime.job import run_job
 from pipeline.runtime.preflight import PreflightError
 from tests.lines import read_jsonl
-from tests.runs import kill_driver_half_way, nightshift_ok
+from tests.runs import assert_same_shards, kill_driver_half_way, nightshift_ok, run_command
 
 pytestmark = pytest.mark.usefixtures("local_ray")
 
@@ -142,17 +141,7 @@ def test_a_dataset_job_killed_half_way_resumes_exactly_once(tmp_path):
         )
     )
     output = tmp_path / "out"
-    command = [
-        sys.executable,
-        "-m",
-        "pipeline",
-        "run",
-        str(path),
-        str(output),
-        "-c",
-        str(config),
-        "--no-progress",
-    ]
+    command = run_command(path, output, config)
     staged_before = kill_driver_half_way(command, output, rows)
     assert rows // 2 <= len(staged_before) < rows and not (output / "manifest.json").exists()
     nightshift_ok("resume", str(output), "--no-progress")
@@ -160,7 +149,4 @@ def test_a_dataset_job_killed_half_way_resumes_exactly_once(tmp_path):
     assert [row["id"] for row in resumed] == [f"r{i:05d}" for i in range(rows)]
     clean = tmp_path / "clean"
     nightshift_ok("run", str(path), str(clean), "-c", str(config), "--no-progress")
-    names = sorted(p.name for p in output.glob("results-*.jsonl"))
-    assert names == sorted(p.name for p in clean.glob("results-*.jsonl"))
-    for name in names:
-        assert (output / name).read_bytes() == (clean / name).read_bytes(), name
+    assert_same_shards(clean, output)

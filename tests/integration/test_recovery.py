@@ -25,7 +25,7 @@ from pipeline.runtime.job import run_job
 from tests.failure_figures import record
 from tests.integration.storage_fixtures import moto_s3  # noqa: F401
 from tests.lines import chat_line, read_jsonl, write_lines
-from tests.runs import assert_same_shards, kill_driver_half_way, nightshift_ok, once_settled
+from tests.runs import assert_same_shards, kill_driver_half_way, nightshift_ok, once_settled, run_command
 
 
 def fake_job(input_path, output, **fake_args) -> JobConfig:
@@ -108,17 +108,7 @@ def test_driver_killed_half_way_then_resume(tmp_path):
         )
     )
     output = tmp_path / "out"
-    cmd = [
-        sys.executable,
-        "-m",
-        "pipeline",
-        "run",
-        str(path),
-        str(output),
-        "-c",
-        str(config),
-        "--no-progress",
-    ]
+    cmd = run_command(path, output, config)
     staged_before = kill_driver_half_way(cmd, output, n)
     assert not (output / "manifest.json").exists()
     calls_before = len(calls.read_text().split())

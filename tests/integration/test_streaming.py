@@ -8,7 +8,6 @@ a request longer than its max_model_len)."""
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
@@ -16,7 +15,7 @@ import pytest
 from pipeline.config import JobConfig
 from pipeline.runtime.job import run_job
 from tests.lines import chat_line, read_jsonl, write_lines
-from tests.runs import assert_same_shards, kill_driver_half_way, nightshift_ok
+from tests.runs import assert_same_shards, kill_driver_half_way, nightshift_ok, run_command
 
 pytestmark = pytest.mark.usefixtures("local_ray")
 
@@ -172,17 +171,7 @@ def test_a_streamed_job_killed_half_way_resumes_exactly_once(tmp_path, fit):
         )
     )
     output = tmp_path / "out"
-    run = [
-        sys.executable,
-        "-m",
-        "pipeline",
-        "run",
-        str(path),
-        str(output),
-        "-c",
-        str(config),
-        "--no-progress",
-    ]
+    run = run_command(path, output, config)
     staged_before = kill_driver_half_way(run, output, n)
     assert len(staged_before) < n
 
