@@ -79,6 +79,9 @@ async def create_batch(request: Request, who: Owner, service: Service) -> BatchO
     except FileGone:  # deleted or expired since it was looked up
         service.data.batch(batch_id).rmdir()
         raise not_found("File", wanted.input_file_id, "input_file_id") from None
+    except BaseException:  # e.g. a full disk refused the row: nothing of the refused batch stays
+        service.data.batch(batch_id).rmdir()
+        raise
     service.runner.submit(batch_id, who)
     return batch
 

@@ -1,10 +1,15 @@
 """Every error is OpenAI's body `{"error": {"message", "type", "param", "code"}}` with OpenAI's status: 400 for a
 request that cannot be understood, 401 without a known key, 404 for an object this key does not own (or that does
 not exist — the two are indistinguishable on purpose), 413 for an upload over the limit, 400 or 429 for a request
-over its key's quotas (server/quotas.py)."""
+over its key's quotas (server/quotas.py), 507 when the server's disk is full (the request changed nothing: it may be
+sent again once space returns)."""
 
 from __future__ import annotations
 
+import errno
+import sqlite3
+
+import structlog
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
@@ -12,6 +17,23 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pipeline.server.quotas import QuotaExceeded
 from pipeline.server.schemas import ErrorBody, ErrorDetail
+
+log = structlog.get_logger(__name__)
+
+# What a full disk looks like to the server: the filesystem's ENOSPC (or a quota's EDQUOT) from a write, and
+# SQLite's SQLITE_FULL from the store.
+DISK_FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
+DISK_FULL = ErrorDetail(
+    message="the server's disk is full: nothing of this request was kept; send it again later",
+    type="server_error",
+    code="insufficient_storage",
+)
+
+
+def disk_full(exc: BaseException) -> bool:
+    if isinstance(exc, sqlite3.OperationalError):
+        return getattr(exc, "sqlite_errorcode", None) == sqlite3.SQLITE_FULL
+    return isinstance(exc, OSError) and exc.errno in DISK_FULL_ERRNOS
 
 
 class ApiError(Exception):
@@ -57,8 +79,22 @@ async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
     return error_response(exc.status_code, ErrorDetail(message=str(exc.detail)))
 
 
+async def _storage(request: Request, exc: Exception) -> JSONResponse:
+    """A full disk is the server's condition, not the request's fault: 507, OpenAI's shape, and the server goes on.
+    Any other storage error is a 500 in the same shape; its detail stays in the server's log."""
+    if disk_full(exc):
+        log.warning("request refused: disk full", path=request.url.path, error=str(exc))
+        return error_response(507, DISK_FULL)
+    log.error("storage error", path=request.url.path, error=repr(exc), exc_info=exc)
+    return error_response(
+        500, ErrorDetail(message="the server could not store this request", type="server_error")
+    )
+
+
 def add_error_handlers(app: FastAPI) -> None:
     app.add_exception_handler(ApiError, _api_error)
     app.add_exception_handler(QuotaExceeded, _over_quota)
     app.add_exception_handler(RequestValidationError, _invalid)
     app.add_exception_handler(StarletteHTTPException, _http)
+    app.add_exception_handler(OSError, _storage)
+    app.add_exception_handler(sqlite3.Error, _storage)

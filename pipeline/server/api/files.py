@@ -73,17 +73,22 @@ async def upload_file(request: Request, who: Owner, service: Service) -> FileObj
         upload.path.unlink(missing_ok=True)
         raise
     status, details = check.status()
-    return service.store.add_file(
-        file_id,
-        who,
-        upload.filename,
-        "batch",
-        upload.size,
-        lines=check.lines,
-        expires_seconds=seconds_of(policy, service.config.retention.upload_seconds),
-        status=status,
-        status_details=details,
-    )
+    try:
+        return service.store.add_file(
+            file_id,
+            who,
+            upload.filename,
+            "batch",
+            upload.size,
+            lines=check.lines,
+            expires_seconds=seconds_of(policy, service.config.retention.upload_seconds),
+            status=status,
+            status_details=details,
+        )
+    except BaseException:
+        # No row points at the bytes (a full disk refused the insert): they go now, not at the next sweep.
+        service.data.upload(file_id).unlink(missing_ok=True)
+        raise
 
 
 @router.get("/v1/files")

@@ -1,0 +1,133 @@
+"""A full disk under the Batch API, on a real filesystem: the server's data dir is a 16 MiB tmpfs the test mounts
+(tests/disks.py), filled with a file until writes fail with the kernel's own ENOSPC.
+
+- An upload that meets the full disk is refused with OpenAI's error shape and status 507 (`insufficient_storage`);
+  its partial bytes are gone at once, every file accepted before is listed and reads back whole, and the same upload
+  is accepted once space returns — without a restart.
+- When SQLite itself finds the disk full (its WAL cannot grow), creating a batch is refused the same way, and nothing
+  of the refused batch stays: every batch listed is one the client was told was created, the database passes its
+  integrity check, and the next batch is created once space returns.
+
+The service runs in this process (its runner's scheduler never started: no engine is needed to take requests)."""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+
+import pytest
+from fastapi.testclient import TestClient
+
+from pipeline.server.routes import BatchService, create_app
+from pipeline.server.settings import AuthSettings, ServerConfig
+from tests.disks import fill, free_bytes, make_room, small_filesystem
+
+KEY = "full-disk-key-" + "0" * 16
+AUTH = {"Authorization": f"Bearer {KEY}"}
+
+
+def jsonl(rows: int, prefix: str = "row", pad: int = 0) -> bytes:
+    return b"".join(
+        json.dumps(
+            {
+                "custom_id": f"{prefix}-{i}",
+                "method": "POST",
+                "url": "/v1/chat/completions",
+                "body": {
+                    "messages": [{"role": "user", "content": f"question {i} " + "x" * pad}],
+                    "max_tokens": 4,
+                },
+            }
+        ).encode()
+        + b"\n"
+        for i in range(rows)
+    )
+
+
+@pytest.fixture
+def disk(tmp_path):
+    with small_filesystem(tmp_path / "data") as path:
+        yield path
+
+
+@pytest.fixture
+def api(disk, monkeypatch):
+    monkeypatch.setenv("NIGHTSHIFT_API_KEYS", KEY)
+    config = ServerConfig(data_dir=disk, auth=AuthSettings(), engine_idle_seconds=0, poll_seconds=0.01)
+    service = BatchService(config, None)
+    try:
+        yield service, TestClient(create_app(service))
+    finally:
+        service.stop()
+
+
+def upload(client: TestClient, body: bytes, name: str = "in.jsonl"):
+    return client.post("/v1/files", headers=AUTH, data={"purpose": "batch"}, files={"file": (name, body)})
+
+
+def assert_disk_full(response) -> None:
+    assert response.status_code == 507, response.text
+    error = response.json()["error"]
+    assert error["code"] == "insufficient_storage" and error["type"] == "server_error", error
+    assert "disk is full" in error["message"] and "/" not in error["message"]  # no path of the server's
+
+
+def test_an_upload_that_meets_a_full_disk_is_refused_and_leaves_nothing_behind(api, disk):
+    service, client = api
+    small = jsonl(10, "kept")
+    first = upload(client, small, "first.jsonl")
+    assert first.status_code == 200, first.text
+    big = jsonl(2000, "big", pad=400)  # ~1 MiB
+    fill(disk, leave_bytes=256 * 1024)
+    free_before = free_bytes(disk)
+
+    refused = upload(client, big, "big.jsonl")
+    assert_disk_full(refused)
+    assert list(service.data.scratch.iterdir()) == []  # the partial upload is gone...
+    assert free_bytes(disk) == free_before  # ...and so is the space it took
+    listed = client.get("/v1/files", headers=AUTH).json()["data"]
+    assert [f["id"] for f in listed] == [first.json()["id"]]
+    assert client.get(f"/v1/files/{first.json()['id']}/content", headers=AUTH).content == small
+
+    make_room(disk)
+    accepted = upload(client, big, "big.jsonl")
+    assert accepted.status_code == 200, accepted.text
+    assert client.get(f"/v1/files/{accepted.json()['id']}/content", headers=AUTH).content == big
+    assert len(client.get("/v1/files", headers=AUTH).json()["data"]) == 2
+
+
+def test_a_batch_the_full_store_cannot_record_is_refused_and_nothing_of_it_stays(api, disk):
+    service, client = api
+    file_id = upload(client, jsonl(3)).json()["id"]
+    fill(disk)
+    created, refused = [], None
+    for _ in range(5000):  # each batch is a row in SQLite's WAL, which must grow: the disk refuses it soon
+        response = client.post(
+            "/v1/batches",
+            headers=AUTH,
+            json={"input_file_id": file_id, "endpoint": "/v1/chat/completions", "completion_window": "24h"},
+        )
+        if response.status_code != 200:
+            refused = response
+            break
+        created.append(response.json()["id"])
+    assert refused is not None, "the full disk never refused a batch"
+    assert_disk_full(refused)
+
+    listed = client.get("/v1/batches", headers=AUTH, params={"limit": 100}).json()
+    ids = [b["id"] for b in listed["data"]]
+    while listed["has_more"]:
+        listed = client.get("/v1/batches", headers=AUTH, params={"limit": 100, "after": ids[-1]}).json()
+        ids += [b["id"] for b in listed["data"]]
+    assert sorted(ids) == sorted(created)  # told "created" exactly when it was
+    assert sorted(p.name for p in (disk / "batches").iterdir()) == sorted(created)
+
+    make_room(disk)
+    again = client.post(
+        "/v1/batches",
+        headers=AUTH,
+        json={"input_file_id": file_id, "endpoint": "/v1/chat/completions", "completion_window": "24h"},
+    )
+    assert again.status_code == 200, again.text
+    with sqlite3.connect(service.store.path) as db:
+        assert db.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
