@@ -336,6 +336,7 @@ def _run(
     import structlog
 
     from cluster.auth import AuthError, driver_environment
+    from pipeline.io.full_disk import disk_full_cause
     from pipeline.io.locations import LocationError
     from pipeline.models import MissingDependencyError, ModelNotFoundError
     from pipeline.observe.summary import print_summary
@@ -369,6 +370,9 @@ def _run(
     except KeyboardInterrupt:
         _fail("interrupted; finished rows are kept in OUTPUT/_staging/", code=130)
     except Exception as exc:  # noqa: BLE001 - the job failed: say why in one line, keep the traceback in the log
+        full = disk_full_cause(exc)
+        if full is not None:
+            _stopped_by_a_full_disk(job, full)
         structlog.get_logger("nightshift").exception("job failed")
         root = exc
         while root.__cause__ is not None:
@@ -378,6 +382,22 @@ def _run(
             1,
         )
     print_summary(outcome.manifest, outcome.output)
+
+
+def _stopped_by_a_full_disk(job: JobConfig, full: OSError) -> None:
+    """A full disk stops the job, never its rows: what finished stays staged, and `resume` completes it."""
+    import os
+
+    from pipeline.io.full_disk import EXIT_DISK_FULL
+
+    # The errno's own words: a remote error's text also carries Ray's frame of it.
+    path = full.filename if isinstance(full.filename, str) and "\n" not in full.filename else None
+    where = f" writing {path}" if path else ""
+    _fail(
+        f"no space left on the disk{where} ({os.strerror(full.errno)}): every row finished so far is staged in "
+        f"OUTPUT/_staging/; free space, then `nightshift resume {job.output}` completes the job",
+        EXIT_DISK_FULL,
+    )
 
 
 @app.command()

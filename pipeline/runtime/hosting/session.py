@@ -52,6 +52,9 @@ def start_ray(address: str | None, keep_idle_workers: bool = False) -> None:
     ctx.execution_options.preserve_order = False
     # Without this, engines asking for resources no node has would wait forever in silence.
     ctx.wait_for_min_actors_s = 300
+    # A map's own exception reaches the driver, not Ray Data's generic "UDF failed to process a data block" whose
+    # cause is lost on the way: the driver tells a full disk (pipeline/io/full_disk.py) by what was raised.
+    ctx.raise_original_map_exception = True
 
 
 def end_ray() -> None:

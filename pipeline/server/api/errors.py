@@ -6,7 +6,6 @@ sent again once space returns)."""
 
 from __future__ import annotations
 
-import errno
 import sqlite3
 
 import structlog
@@ -15,14 +14,12 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from pipeline.io.full_disk import disk_full_cause
 from pipeline.server.quotas import QuotaExceeded
 from pipeline.server.schemas import ErrorBody, ErrorDetail
 
 log = structlog.get_logger(__name__)
 
-# What a full disk looks like to the server: the filesystem's ENOSPC (or a quota's EDQUOT) from a write, and
-# SQLite's SQLITE_FULL from the store.
-DISK_FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
 DISK_FULL = ErrorDetail(
     message="the server's disk is full: nothing of this request was kept; send it again later",
     type="server_error",
@@ -31,9 +28,11 @@ DISK_FULL = ErrorDetail(
 
 
 def disk_full(exc: BaseException) -> bool:
+    """What a full disk looks like to the server: the filesystem's ENOSPC (or a quota's EDQUOT) from a write, and
+    SQLite's SQLITE_FULL from the store."""
     if isinstance(exc, sqlite3.OperationalError):
         return getattr(exc, "sqlite_errorcode", None) == sqlite3.SQLITE_FULL
-    return isinstance(exc, OSError) and exc.errno in DISK_FULL_ERRNOS
+    return disk_full_cause(exc) is not None
 
 
 class ApiError(Exception):
