@@ -5,6 +5,7 @@ staged): the CLI says so and exits EXIT_DISK_FULL, the Batch API answers 507."""
 from __future__ import annotations
 
 import errno
+import sqlite3
 
 # The filesystem's "no space left" and a quota's "disk quota exceeded".
 DISK_FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
@@ -31,3 +32,10 @@ def disk_full_cause(exc: BaseException) -> OSError | None:
             cause if isinstance(cause, BaseException) else None,
         ]
     return None
+
+
+def disk_full(exc: BaseException) -> bool:
+    """Whether `exc` says a disk is full: the filesystem's (anywhere in its chain), or SQLite's SQLITE_FULL."""
+    if isinstance(exc, sqlite3.OperationalError):
+        return getattr(exc, "sqlite_errorcode", None) == sqlite3.SQLITE_FULL
+    return disk_full_cause(exc) is not None

@@ -1,7 +1,8 @@
 """The Batch API server's `GET /metrics`: the metric names a job's driver exports (pipeline/observe/metrics.py), one
 set per unfinished batch of the caller's, each sample labelled with its `batch` id; plus the caller's batches by
-status (`nightshift_server_batches`) and the files and bytes it holds on disk, by purpose
-(`nightshift_server_stored_files`, `nightshift_server_stored_bytes`).
+status (`nightshift_server_batches`), the files and bytes it holds on disk, by purpose
+(`nightshift_server_stored_files`, `nightshift_server_stored_bytes`), and how many of its batches wait for room on a
+full disk (`nightshift_server_batches_waiting_for_disk`).
 
 A batch's job runs in a child process; what it has done is read from the job's own timeline
 (`_staging/timeline.json`, which its driver saves every ~2 s), so a scrape never asks a job anything. Owner-scoped
@@ -25,6 +26,7 @@ from pipeline.server.schemas import BatchObject
 BATCHES_METRIC = "nightshift_server_batches"
 STORED_FILES_METRIC = "nightshift_server_stored_files"
 STORED_BYTES_METRIC = "nightshift_server_stored_bytes"
+WAITING_FOR_DISK_METRIC = "nightshift_server_batches_waiting_for_disk"
 # Every purpose is exported, held or not, so a dashboard sees a zero rather than a gap.
 PURPOSES = ("batch", "batch_output")
 
@@ -83,6 +85,17 @@ def storage_families(stored: dict[str, tuple[int, int]]) -> list[Metric]:
         files.add_metric([purpose], n)
         size.add_metric([purpose], held)
     return [files, size]
+
+
+def waiting_families(waiting: int) -> list[Metric]:
+    """How many of the caller's batches wait for room on the server's disk to start or resume."""
+    family = GaugeMetricFamily(
+        WAITING_FOR_DISK_METRIC,
+        "The caller's batches waiting for room on the server's disk (min_free_bytes) to start or resume; their "
+        "finished rows stay staged.",
+    )
+    family.add_metric([], waiting)
+    return [family]
 
 
 class _Collector(Collector):

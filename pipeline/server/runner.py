@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import shutil
 import threading
 import time
 import traceback
@@ -39,6 +40,7 @@ import structlog
 
 from pipeline.clock import SystemClock, clock_from_environment
 from pipeline.config import JobConfig
+from pipeline.io.full_disk import EXIT_DISK_FULL, disk_full
 from pipeline.io.staging import StagingArea
 from pipeline.runtime.hosting.launcher import JobProcess, start_job
 from pipeline.server import outputs, scheduling
@@ -107,6 +109,8 @@ class BatchRunner:
         self._yielding: set[str] = set()  # running batches told to give their slot up
         self._procs: dict[str, JobProcess] = {}
         self._cancel: set[str] = set()
+        # Batches held for room on the data dir's disk (`min_free_bytes`): their owners' /metrics say so.
+        self.waiting_for_room: set[str] = set()
         self._stopping = False
         self.hours = config.window()
         self.clock = clock_from_environment() if self.hours else SystemClock()
@@ -358,10 +362,18 @@ class BatchRunner:
         paused: str | None = None
         pause_began = 0.0
         rc = 0
-        if not outputs.committed(out):
+        while not outputs.committed(
+            out
+        ):  # once, unless a full disk stopped its job: then again once there is room
             resume = (out / "_staging" / "job.json").is_file()
             if not resume and self._fails_validation(batch_id):
                 return False
+            waited = self._wait_for_room(batch_id)
+            if waited == "stopping":
+                return None
+            if waited is not None:
+                cut_short = waited
+                break
             job = start_job(
                 self._job(batch_id, resume),
                 resume=resume,
@@ -429,6 +441,11 @@ class BatchRunner:
             if paused and not cut_short and not outputs.committed(out):
                 self._observe(batch_id, out)  # the counts it keeps while it waits: rows on disk
                 return paused
+            if rc == EXIT_DISK_FULL and not cut_short and not outputs.committed(out):
+                # Its finished rows are staged: the batch waits for room (at the loop's top), then resumes.
+                log.warning("disk full: batch waits for room to resume", batch=batch_id)
+                continue
+            break
         if cut_short and not outputs.committed(out):
             self._finish_cut_short(batch_id, cut_short)
         elif outputs.committed(out):
@@ -453,8 +470,54 @@ class BatchRunner:
         except Exception as exc:  # noqa: BLE001 - the keeper went with a dying server; the next one resumes
             log.warning("warm engines not told the batch ended", batch=batch_id, error=str(exc))
 
+    def _wait_for_room(self, batch_id: str) -> str | None:
+        """Hold the batch until its data dir has `min_free_bytes` free: a job started on a full disk would stop
+        at its first write. None once there is room; else why it will not run: "cancelled", "expired" (it ends
+        with what its checkpoint holds) or "stopping" (the server stops; the next one resumes it)."""
+        try:
+            return self._until_room(batch_id)
+        finally:
+            self.waiting_for_room.discard(batch_id)
+
+    def _until_room(self, batch_id: str) -> str | None:
+        said = False
+        while True:
+            free = shutil.disk_usage(self.data.root).free
+            if free >= self.config.min_free_bytes:
+                if said:
+                    log.info("room on the disk again: batch resumes", batch=batch_id, free_bytes=free)
+                return None
+            # No room: what would end the batch's run ends its wait too.
+            if batch_id in self._cancel:
+                return "cancelled"
+            batch = self.store.batch(batch_id)
+            if batch is not None and batch.expires_at and time.time() >= batch.expires_at:
+                return "expired"
+            if self._stopping:
+                return "stopping"
+            self.waiting_for_room.add(batch_id)
+            if not said:
+                log.warning(
+                    "batch waits for room on the disk",
+                    batch=batch_id,
+                    free_bytes=free,
+                    needed=self.config.min_free_bytes,
+                )
+                said = True
+            with self._lock:
+                self._lock.wait(self.config.poll_seconds)
+
     def _observe(self, batch_id: str, out: Path) -> None:
-        """Live counts and the status they imply, from the checkpoint."""
+        """Live counts and the status they imply, from the checkpoint. Best effort: a store that cannot take
+        them now (a full disk) has them at the next poll."""
+        try:
+            self._count(batch_id, out)
+        except Exception as exc:  # noqa: BLE001 - counting must never end a batch: its rows are on disk
+            if not disk_full(exc):
+                raise
+            log.warning("batch counts not recorded: disk full", batch=batch_id)
+
+    def _count(self, batch_id: str, out: Path) -> None:
         staging = StagingArea(out)
         try:
             state = staging.read_job()

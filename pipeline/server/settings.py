@@ -241,6 +241,13 @@ class ServerConfig(_Strict):
         description="Warm engines: batches of the same model reuse running engines, which stop after this long "
         "without a batch (and when the night window closes). 0: every batch starts its own engines.",
     )
+    min_free_bytes: int = Field(
+        default=256 * 1024 * 1024,
+        ge=0,
+        description="Free space the data dir must have for a batch's job to start or resume: a batch waits for it "
+        "(in_progress, its finished rows staged), also after a full disk stopped its job, until it is cancelled or "
+        "expires.",
+    )
     poll_seconds: float = Field(
         default=1.0,
         gt=0,

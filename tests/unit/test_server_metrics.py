@@ -9,7 +9,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from pipeline.observe.metrics import METRICS
 from pipeline.observe.timeline import TIMELINE_NAME, Timeline
-from pipeline.server.metrics import STORED_BYTES_METRIC, STORED_FILES_METRIC
+from pipeline.server.metrics import STORED_BYTES_METRIC, STORED_FILES_METRIC, WAITING_FOR_DISK_METRIC
 from pipeline.server.routes import BatchService, create_app
 from pipeline.server.settings import AuthSettings, ServerConfig
 from pipeline.server.store import new_id
@@ -72,7 +72,14 @@ def test_metrics_are_the_callers_batches_labelled_by_batch(tmp_path, monkeypatch
     )
     # Only names a job's driver exports, plus the server's own.
     exported = {name.removesuffix("_total") for name in METRICS}
-    assert set(mine) <= exported | {"nightshift_server_batches", STORED_FILES_METRIC, STORED_BYTES_METRIC}
+    server_own = {
+        "nightshift_server_batches",
+        STORED_FILES_METRIC,
+        STORED_BYTES_METRIC,
+        WAITING_FOR_DISK_METRIC,
+    }
+    assert set(mine) <= exported | server_own
+    assert [s.value for s in mine[WAITING_FOR_DISK_METRIC].samples] == [0]  # no batch waits for room
     assert queued.id not in str([s.labels for f in mine.values() for s in f.samples])
     theirs_seen = _scrape(client, KEY_B)
     assert [s.labels["batch"] for s in theirs_seen["nightshift_rows_done"].samples] == [theirs.id]

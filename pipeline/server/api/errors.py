@@ -14,7 +14,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from pipeline.io.full_disk import disk_full_cause
+from pipeline.io.full_disk import disk_full
 from pipeline.server.quotas import QuotaExceeded
 from pipeline.server.schemas import ErrorBody, ErrorDetail
 
@@ -25,14 +25,6 @@ DISK_FULL = ErrorDetail(
     type="server_error",
     code="insufficient_storage",
 )
-
-
-def disk_full(exc: BaseException) -> bool:
-    """What a full disk looks like to the server: the filesystem's ENOSPC (or a quota's EDQUOT) from a write, and
-    SQLite's SQLITE_FULL from the store."""
-    if isinstance(exc, sqlite3.OperationalError):
-        return getattr(exc, "sqlite_errorcode", None) == sqlite3.SQLITE_FULL
-    return disk_full_cause(exc) is not None
 
 
 class ApiError(Exception):
