@@ -43,9 +43,14 @@ def closed_port() -> int:
 
 @pytest.fixture(autouse=True)
 def clean_environment(tmp_path, monkeypatch):
-    """No Ray auth variables, an empty NIGHTSHIFT_HOME, and a HOME whose ~/.ray/auth_token must never be read."""
+    """No Ray auth variables, an empty NIGHTSHIFT_HOME, and a HOME whose ~/.ray/auth_token must never be read.
+    Whatever a test sets of those variables is undone after it: set first, then deleted, each is recorded as it
+    was (monkeypatch records nothing when it deletes a variable that is not set, and a later `delenv` in the test
+    would record the test's own value for "undo"). A RAY_AUTH_MODE left behind would reach a Ray this worker process
+    starts later, whose own configuration was read without it: its GCS would want a token its driver never sends."""
     for name in (AUTH_MODE_ENV, TOKEN_ENV, TOKEN_PATH_ENV, LOOPBACK_ENV):
-        monkeypatch.delenv(name, raising=False)
+        monkeypatch.setenv(name, "")
+        monkeypatch.delenv(name)
     monkeypatch.setenv("NIGHTSHIFT_HOME", str(tmp_path / "home"))
     (tmp_path / "user" / ".ray").mkdir(parents=True)
     (tmp_path / "user" / ".ray" / "auth_token").write_text("a-token-ray-init-left-behind")
