@@ -48,6 +48,10 @@ class Keyring:
         self.disabled = disabled
         self.labels = labels or {}  # owner -> label, for the keys that carry one
 
+    @property
+    def count(self) -> int:
+        return len(self._keys)
+
     @classmethod
     def load(cls, auth: AuthSettings) -> Keyring:
         if auth.disabled:

@@ -10,10 +10,19 @@ from pipeline.server.datadir import DataDirLock, make_private, private_umask
 from pipeline.server.quotas import Quotas
 from pipeline.server.retention import Sweeper
 from pipeline.server.runner import BatchRunner, DataDir
-from pipeline.server.settings import ServerConfig
+from pipeline.server.settings import Quota, ServerConfig
 from pipeline.server.store import Store
 
 log = structlog.get_logger(__name__)
+
+
+def unlimited_shared_quotas(config: ServerConfig, keys: int) -> list[str]:
+    """The quotas no key has while several keys share the server (none when one key, or none, is configured)."""
+    if keys < 2:
+        return []
+    every = [config.quotas, *config.quotas.keys.values()]
+    limits = [name for name in Quota.model_fields if name != "weight"]
+    return [name for name in limits if all(getattr(quota, name, None) is None for quota in every)]
 
 
 class BatchService:
@@ -27,6 +36,13 @@ class BatchService:
         self.config = config
         self.keyring = Keyring.load(config.auth)
         self.quotas = Quotas(config.quotas, self.keyring.labels)
+        if unlimited := unlimited_shared_quotas(config, self.keyring.count):
+            log.warning(
+                f"{self.keyring.count} API keys share this server with no limit on {', '.join(unlimited)} for any "
+                "of them: "
+                "one key's uploads and batches can take the disk and the engines from the others; set them under "
+                "`quotas` in the server config"
+            )
         self.lock = DataDirLock.acquire(config.data_dir, lock_wait)
         try:
             self.data = DataDir(config.data_dir)

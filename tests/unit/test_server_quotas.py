@@ -139,3 +139,27 @@ def test_the_queue_limit_counts_unfinished_batches(tmp_path):
     store.update_batch("batch_2", status="cancelled")
     quotas.check_batch(store, "owner")
     quotas.check_batch(store, "someone-else")
+
+
+def test_serve_warns_at_start_when_several_keys_share_it_without_quotas(tmp_path, monkeypatch):
+    from structlog.testing import capture_logs
+
+    from pipeline.server.service import BatchService
+
+    def warnings_at_start(keys: str, quotas: dict | None = None, name: str = "data") -> list[str]:
+        monkeypatch.setenv("NIGHTSHIFT_API_KEYS", keys)
+        config = ServerConfig.model_validate({"data_dir": str(tmp_path / name), "quotas": quotas or {}})
+        with capture_logs() as logs:
+            BatchService(config, None).stop()
+        return [entry["event"] for entry in logs if entry["log_level"] == "warning"]
+
+    two = "a" * 20 + "," + "b" * 20
+    (said,) = warnings_at_start(two)
+    assert said.startswith("2 API keys share this server with no limit on ")
+    for quota in ("max_stored_bytes", "max_files", "max_queued_batches", "max_running_batches"):
+        assert quota in said
+    (said,) = warnings_at_start(two, {"max_stored_bytes": 10**9, "max_files": 10}, name="partly")
+    assert "max_queued_batches" in said and "max_stored_bytes" not in said
+    every = {"max_stored_bytes": 10**9, "max_files": 10, "max_queued_batches": 5, "max_running_batches": 1}
+    assert warnings_at_start(two, every, name="limited") == []
+    assert warnings_at_start("a" * 20, name="alone") == []  # one key has no one to take from
