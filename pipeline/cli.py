@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 from typing import Annotated
@@ -263,7 +264,8 @@ def serve(
     try:
         settings = load_server_config(config, flags.overrides(), flags.labels)
         # Keys, and the labels quotas.keys names, are checked here, before Ray starts.
-        Quotas(settings.quotas, Keyring.load(settings.auth).labels)
+        keyring = Keyring.load(settings.auth)
+        Quotas(settings.quotas, keyring.labels)
         prepare_data_dir(settings.data_dir)  # private from here on, and refused if another server holds it
     except ConfigError as exc:
         _fail(str(exc))
@@ -273,6 +275,17 @@ def serve(
         )
     from pipeline.server.serving import serve_forever
 
+    if not keyring.disabled:
+        # The server gets the keys' digests, and no process of the Ray started below inherits a key: every Ray
+        # worker, engines reading tenants' lines included, would otherwise hold them in its environment.
+        settings = settings.model_copy(
+            update={
+                "auth": settings.auth.model_copy(
+                    update={"key_digests": keyring.as_digests(), "keys_file": None}
+                )
+            }
+        )
+        os.environ.pop(settings.auth.keys_env, None)
     try:
         serve_forever(settings.model_copy(update={"data_dir": settings.data_dir.resolve()}), token_file)
     except (AuthError, ConfigError) as exc:

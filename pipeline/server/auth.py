@@ -15,7 +15,7 @@ import os
 import re
 
 from pipeline.config import ConfigError
-from pipeline.server.settings import LABEL_PATTERN, AuthSettings
+from pipeline.server.settings import LABEL_PATTERN, AuthSettings, KeyDigest
 
 # The owner of every object when the server runs with --no-auth.
 ANONYMOUS = "anonymous"
@@ -42,15 +42,25 @@ def parse_key(entry: str, where: str) -> tuple[str, str | None]:
     return parts[0], parts[1] if len(parts) == 2 else None
 
 
+def digest_of(key: str | bytes) -> bytes:
+    return hashlib.sha256(key.encode() if isinstance(key, str) else key).digest()
+
+
 class Keyring:
+    """The keys a server accepts, held as their SHA-256 digests only: a request's key is hashed and compared."""
+
     def __init__(self, keys: list[str], disabled: bool, labels: dict[str, str] | None = None) -> None:
-        self._keys = [k.encode() for k in keys]
+        self._digests = [digest_of(k) for k in keys]
         self.disabled = disabled
         self.labels = labels or {}  # owner -> label, for the keys that carry one
 
     @property
     def count(self) -> int:
-        return len(self._keys)
+        return len(self._digests)
+
+    def as_digests(self) -> list[KeyDigest]:
+        """The keyring as configuration that holds no key (AuthSettings.key_digests)."""
+        return [KeyDigest(sha256=d.hex(), label=self.labels.get(_owner_of_digest(d))) for d in self._digests]
 
     @classmethod
     def load(cls, auth: AuthSettings) -> Keyring:
@@ -69,6 +79,8 @@ class Keyring:
                     entries.append(parse_key(line, f"API keys file {auth.keys_file}, line {number}"))
         listed = [k for k in os.environ.get(auth.keys_env, "").split(",") if k.strip()]
         entries += [parse_key(k, f"${auth.keys_env}, entry {i}") for i, k in enumerate(listed, 1)]
+        if not entries and auth.key_digests:
+            return cls._from_digests(auth.key_digests)
         if not entries:
             raise ConfigError(
                 f"no API keys: put them in a file (--api-keys-file) or ${auth.keys_env} (comma-separated), "
@@ -77,7 +89,23 @@ class Keyring:
         short = [k for k, _ in entries if len(k) < 16]
         if short:
             raise ConfigError(f"{len(short)} API key(s) shorter than 16 characters: use long random keys")
-        return cls([k for k, _ in entries], disabled=False, labels=_labels(entries))
+        keyring = cls([k for k, _ in entries], disabled=False, labels=_labels(entries))
+        if auth.key_digests:
+            given = cls._from_digests(auth.key_digests)
+            keyring._digests += [d for d in given._digests if d not in keyring._digests]
+            for owner, label in given.labels.items():
+                if keyring.labels.setdefault(owner, label) != label:
+                    raise ConfigError(
+                        f"one API key carries two labels, {keyring.labels[owner]!r} and {label!r}: keep one"
+                    )
+        return keyring
+
+    @classmethod
+    def _from_digests(cls, digests: list[KeyDigest]) -> Keyring:
+        keyring = cls([], disabled=False)
+        keyring._digests = [bytes.fromhex(d.sha256) for d in digests]
+        keyring.labels = {_owner_of_digest(bytes.fromhex(d.sha256)): d.label for d in digests if d.label}
+        return keyring
 
     def owner(self, authorization: str | None) -> str | None:
         """The owner for an `Authorization` header, or None when it carries no known key."""
@@ -85,13 +113,18 @@ class Keyring:
             return ANONYMOUS
         if not authorization or not authorization.startswith("Bearer "):
             return None
-        given = authorization[len("Bearer ") :].strip().encode()
+        given = digest_of(authorization[len("Bearer ") :].strip())
         # Compare against every key in constant time each, so timing tells nothing about which key is close.
         match = None
-        for key in self._keys:
-            if hmac.compare_digest(given, key):
-                match = key
-        return owner_of(match) if match else None
+        for digest in self._digests:
+            if hmac.compare_digest(given, digest):
+                match = digest
+        return _owner_of_digest(match) if match else None
+
+
+def _owner_of_digest(digest: bytes) -> str:
+    """owner_of(key), from the key's digest."""
+    return digest.hex()[:32]
 
 
 def _labels(entries: list[tuple[str, str | None]]) -> dict[str, str]:

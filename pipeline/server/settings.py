@@ -158,7 +158,20 @@ class QuotaSettings(Quota):
         return base.model_copy(update={name: getattr(given, name) for name in given.model_fields_set})
 
 
+class KeyDigest(_Strict):
+    """One API key as its SHA-256 digest, and its label."""
+
+    sha256: str = Field(pattern=r"^[0-9a-f]{64}$", description="The key's SHA-256, hex.")
+    label: Label | None = Field(default=None, description="The key's label (quotas.keys), if it has one.")
+
+
 class AuthSettings(_Strict):
+    key_digests: list[KeyDigest] = Field(
+        default_factory=list,
+        description="API keys as their SHA-256 digests: what `nightshift serve` hands the server it starts in place "
+        "of the keys it read (from the file or the variable, which it then removes from its environment), so no "
+        "process of its Ray holds a key. A config may give them too.",
+    )
     keys_file: Annotated[
         Path | None,
         Flag(

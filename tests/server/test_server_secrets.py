@@ -6,6 +6,7 @@ stub saw every request with the key and none without it."""
 
 from __future__ import annotations
 
+import os
 import time
 from pathlib import Path
 
@@ -107,3 +108,71 @@ def test_a_job_gets_the_engine_key_and_none_of_the_servers_secrets(guarded, stub
     assert done.status == "completed", done.errors
     assert (done.request_counts.completed, done.request_counts.failed) == (ROWS, 0)
     assert stub.state.unauthorized == 0 and sum(stub.state.answered.values()) == ROWS
+
+
+def session_processes(leader: int) -> dict[int, str]:
+    """pid -> command line of every process of the server's session (it starts as a session leader): its Ray (GCS,
+    raylet, workers, the Serve replica), the batches' jobs and their engines."""
+    found = {}
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit() or int(proc.name) == leader:
+            continue
+        try:
+            if os.getsid(int(proc.name)) != leader:
+                continue
+            found[int(proc.name)] = (
+                (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            )
+        except (OSError, ProcessLookupError):
+            continue
+    return found
+
+
+def test_no_process_of_the_server_and_no_file_it_or_a_job_writes_holds_a_key(guarded, stub, tmp_path):
+    """The server reads its keys, hands its Serve replica their SHA-256 digests and removes the keys' variable
+    before Ray starts: no process of its Ray — raylet, workers, replica, engines — holds a key in its environment. No
+    file under the server's root or its Ray session's logs holds the API key or the engine's key (the server config
+    the operator wrote, which holds the engine's key, aside)."""
+    client = openai.OpenAI(base_url=guarded.base_url, api_key=SERVER_KEY, max_retries=0)
+    source = tmp_path / "requests.jsonl"
+    source.write_text("".join(chat_line(f"grep-{i:02d}", f"question {i}") + "\n" for i in range(ROWS)))
+    uploaded = client.files.create(file=source.open("rb"), purpose="batch")
+    batch = client.batches.create(
+        input_file_id=uploaded.id, endpoint="/v1/chat/completions", completion_window="24h"
+    )
+    job_process(
+        guarded.root / "data" / "batches" / batch.id
+    )  # while its job runs: every kind of process is up
+    processes = session_processes(guarded.proc.pid)
+    assert any("raylet" in argv for argv in processes.values()), processes
+    for pid, argv in processes.items():
+        try:
+            env = environ_of(pid)
+        except OSError:
+            continue  # ended meanwhile
+        assert KEYS_ENV not in env and SERVER_KEY not in "\0".join(env.values()), argv
+        assert SERVER_KEY not in argv
+    sessions = {
+        Path(arg.split("=", 1)[1])
+        for argv in processes.values()
+        for arg in argv.split()
+        if arg.startswith("--session-dir=")
+    }
+    assert sessions, "the server's Ray session directory was not found"
+    done = wait_for(client, batch.id, lambda b: b.status in FINAL)
+    assert done.status == "completed", done.errors
+
+    secrets = [SERVER_KEY.encode(), ENGINE_KEY.encode()]
+    written = [guarded.root, *sessions]
+    checked = 0
+    for top in written:
+        for path in top.rglob("*"):
+            if not path.is_file() or path.is_symlink() or path == guarded.config:
+                continue
+            try:
+                data = path.read_bytes()
+            except OSError:
+                continue  # a socket, or gone meanwhile
+            checked += 1
+            assert not any(secret in data for secret in secrets), f"a key in {path}"
+    assert checked > 20  # the database, the upload, the batch's job file, log and output, Ray's logs

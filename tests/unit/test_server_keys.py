@@ -38,3 +38,19 @@ def test_a_bad_keys_file_says_what_to_change_and_never_quotes_a_key(tmp_path, mo
     with pytest.raises(ConfigError, match=message) as err:
         ring(tmp_path, text, monkeypatch)
     assert KEY_A not in str(err.value) and KEY_B not in str(err.value)
+
+
+def test_a_keyring_handed_on_as_digests_accepts_the_same_keys_with_the_same_owners_and_labels(
+    tmp_path, monkeypatch
+):
+    from pipeline.server.settings import AuthSettings
+
+    keys = ring(tmp_path, f"{KEY_A} team-a\n{KEY_B}\n", monkeypatch)
+    digests = keys.as_digests()
+    assert all(KEY_A not in d.model_dump_json() and KEY_B not in d.model_dump_json() for d in digests)
+    monkeypatch.delenv("NIGHTSHIFT_API_KEYS", raising=False)
+    again = Keyring.load(AuthSettings(key_digests=digests))
+    for key in (KEY_A, KEY_B):
+        assert again.owner(f"Bearer {key}") == keys.owner(f"Bearer {key}") == owner_of(key)
+    assert again.owner(f"Bearer {KEY_C}") is None and again.owner(f"Bearer {KEY_A[:-1]}") is None
+    assert again.labels == keys.labels == {owner_of(KEY_A): "team-a"}
