@@ -35,6 +35,7 @@ import ipaddress
 import os
 import secrets
 import stat
+import sys
 import tempfile
 from collections.abc import Iterator, Mapping, MutableMapping
 from contextlib import contextmanager
@@ -303,7 +304,10 @@ def driver_environment(
     if not address or address == "local":
         if token_file is not None:
             raise AuthError("--token-file needs --address: a local Ray makes its own token")
-        env.setdefault(AUTH_MODE_ENV, "token")
+        if AUTH_MODE_ENV not in env:
+            env[AUTH_MODE_ENV] = "token"
+            if env is os.environ:
+                _ray_rereads_its_auth_mode()
         yield warnings
         return
     before = {key: env.get(key) for key in (AUTH_MODE_ENV, TOKEN_PATH_ENV, TOKEN_ENV, LOOPBACK_ENV)}
@@ -316,6 +320,16 @@ def driver_environment(
                 env.pop(key, None)
             else:
                 env[key] = value
+
+
+def _ray_rereads_its_auth_mode() -> None:
+    """Ray reads RAY_AUTH_MODE into its configuration once per process, when its core library loads. A process
+    that loaded it before the variable was set (a notebook that imported Ray, then runs a job) would start a GCS
+    that wants a token (the GCS reads the variable) and send none itself: Ray's configuration is read again, as
+    Ray does when it turns token authentication on itself."""
+    raylet = sys.modules.get("ray._raylet")
+    if raylet is not None:
+        raylet.Config.initialize("")
 
 
 def _prepare_cluster_driver(

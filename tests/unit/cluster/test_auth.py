@@ -9,6 +9,9 @@ import os
 import shlex
 import socket
 import stat
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 from typer.testing import CliRunner
@@ -30,6 +33,8 @@ from cluster.auth import (
 from cluster.inventory import NodeInventory
 from cluster.node import NO_AUTH_WARNING, NodeAuth, NodeStartError, node_auth, plan_node
 from tests.unit.cluster.fake_gcs import TOKEN, FakeGcs
+
+REPO = Path(__file__).resolve().parents[3]
 
 CPU_NODE = NodeInventory(vendor="cpu", cpu_count=2, source="os")
 
@@ -403,3 +408,26 @@ def test_doctor_checks_the_cluster_only_when_given_an_address(secured, monkeypat
     checked = CliRunner().invoke(app, ["doctor", "--json", "--address", secured.address])
     findings = json.loads(checked.stdout)
     assert checked.exit_code == 1 and findings[-1]["name"] == "ray auth" and findings[-1]["status"] == "fail"
+
+
+def test_a_process_that_loaded_ray_before_a_local_run_starts_it_and_connects(tmp_path):
+    """A notebook imports Ray, then runs a job: Ray read its auth mode (none set: disabled) when it loaded, and the
+    local run turns token auth on. Ray reads its configuration again then, or the GCS it starts would want a token
+    that its driver never sends (ray.init fails after ~20 s of "Authentication token is missing")."""
+    code = (
+        "import ray\n"
+        "from cluster.auth import driver_environment\n"
+        "with driver_environment(None):\n"
+        "    ray.init(num_cpus=1, include_dashboard=False, log_to_driver=False)\n"
+        "    print(ray.get(ray.remote(lambda: 'answered').remote()))\n"
+        "    ray.shutdown()\n"
+    )
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_AUTH_")}
+    proc = subprocess.run(
+        [sys.executable, "-c", code],
+        env={**env, "PYTHONPATH": str(REPO), "HOME": str(tmp_path)},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0 and proc.stdout.strip() == "answered", proc.stderr[-2000:]
