@@ -336,10 +336,16 @@ class BatchRunner:
         try:
             paused = self._drive(batch_id)
         except Exception as exc:  # noqa: BLE001 - one batch's failure must not take the runner down
-            log.exception("batch runner failed", batch=batch_id)
-            self._fail(
-                batch_id, "server_error", f"{type(exc).__name__}: {exc}", detail=traceback.format_exc()
-            )
+            if disk_full(exc):
+                # The store or the disk could not take the batch's end (its status, its files' rows): not the
+                # batch's failure. It goes back in the queue, waits for room and ends then — or resumes.
+                log.warning("batch not ended: disk full; it waits for room", batch=batch_id, error=str(exc))
+                paused = "disk"
+            else:
+                log.exception("batch runner failed", batch=batch_id)
+                self._fail_or_wait(
+                    batch_id, "server_error", f"{type(exc).__name__}: {exc}", detail=traceback.format_exc()
+                )
         finally:
             with self._lock:
                 owner = self._running.pop(batch_id, None)
@@ -362,9 +368,12 @@ class BatchRunner:
         paused: str | None = None
         pause_began = 0.0
         rc = 0
-        while not outputs.committed(
-            out
-        ):  # once, unless a full disk stopped its job: then again once there is room
+        waited = self._wait_for_room(batch_id)  # to start, resume or only record its end
+        if waited == "stopping":
+            return None
+        cut_short = waited
+        # Once, unless a full disk stopped its job: then again once there is room.
+        while cut_short is None and not outputs.committed(out):
             resume = (out / "_staging" / "job.json").is_file()
             if not resume and self._fails_validation(batch_id):
                 return False
@@ -621,6 +630,14 @@ class BatchRunner:
             **self._account(batch_id),
         ):
             log.info("batch cut short", batch=batch_id, status=status, completed=completed, failed=failed)
+
+    def _fail_or_wait(self, batch_id: str, code: str, message: str, detail: str | None = None) -> None:
+        try:
+            self._fail(batch_id, code, message, detail)
+        except Exception as exc:  # noqa: BLE001 - the store is full: the next server start ends it
+            if not disk_full(exc):
+                raise
+            log.warning("batch failure not recorded: disk full", batch=batch_id, code=code)
 
     def _fail(self, batch_id: str, code: str, message: str, detail: str | None = None) -> None:
         """The batch fails with `message` as its owner may read it (server/public_errors.py); the whole text —

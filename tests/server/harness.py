@@ -37,9 +37,16 @@ JOB = {
 
 # What Ray raises when its raylet did not register within its fixed 30 s.
 RAY_START_TIMED_OUT = "The current node timed out during startup"
+# What Serve's proxy says when the port chosen for the server was taken (by another test's process) between
+# free_port() finding it free and the proxy binding it.
+PORT_TAKEN = "Failed to bind to address"
 
 
 class RayStartTimedOut(RuntimeError):
+    pass
+
+
+class PortTaken(RuntimeError):
     pass
 
 
@@ -83,10 +90,14 @@ class Server:
 
     def start(self) -> None:
         """Start the server and wait until it answers. A server whose Ray timed out while starting (Ray waits 30 s
-        for its raylet, which a box running another worker's engine starts can exceed) is started once more."""
+        for its raylet, which a box running another worker's engine starts can exceed) is started once more, and so
+        is one whose port another process took before it bound it (on a new port)."""
         try:
             self._start_once()
         except RayStartTimedOut:
+            self._start_once()
+        except PortTaken:
+            self.port = free_port()
             self._start_once()
 
     def _start_once(self) -> None:
@@ -108,6 +119,8 @@ class Server:
                 self.proc = None
                 if RAY_START_TIMED_OUT in tail:
                     raise RayStartTimedOut(tail)
+                if PORT_TAKEN in tail:
+                    raise PortTaken(tail)
                 raise RuntimeError(f"server exited: {tail}")
             try:
                 if httpx.get(f"{self.base_url}/batches", timeout=2).status_code == 401:

@@ -7,6 +7,7 @@
 - When SQLite itself finds the disk full (its WAL cannot grow), creating a batch is refused the same way, and nothing
   of the refused batch stays: every batch listed is one the client was told was created, the database passes its
   integrity check, and the next batch is created once space returns.
+- A batch whose end SQLite cannot record waits in the runner's queue, in progress, and ends once there is room.
 
 The service runs in this process (its runner's scheduler never started: no engine is needed to take requests)."""
 
@@ -18,8 +19,11 @@ import sqlite3
 import pytest
 from fastapi.testclient import TestClient
 
+from pipeline.server.auth import owner_of
 from pipeline.server.routes import BatchService, create_app
+from pipeline.server.schemas import FINAL_STATUSES
 from pipeline.server.settings import AuthSettings, ServerConfig
+from tests.batch_outputs import commit_output
 from tests.disks import fill, free_bytes, make_room, small_filesystem
 
 KEY = "full-disk-key-" + "0" * 16
@@ -96,22 +100,31 @@ def test_an_upload_that_meets_a_full_disk_is_refused_and_leaves_nothing_behind(a
     assert len(client.get("/v1/files", headers=AUTH).json()["data"]) == 2
 
 
+def create_batch(client: TestClient, file_id: str):
+    return client.post(
+        "/v1/batches",
+        headers=AUTH,
+        json={"input_file_id": file_id, "endpoint": "/v1/chat/completions", "completion_window": "24h"},
+    )
+
+
+def until_the_store_is_full(client: TestClient, file_id: str) -> tuple[list[str], object]:
+    """Create batches until SQLite cannot record one more: each is a row in its WAL, which must grow on a full
+    disk. The ids created, and the refusal."""
+    created = []
+    for _ in range(5000):
+        response = create_batch(client, file_id)
+        if response.status_code != 200:
+            return created, response
+        created.append(response.json()["id"])
+    raise AssertionError("the full disk never refused a batch")
+
+
 def test_a_batch_the_full_store_cannot_record_is_refused_and_nothing_of_it_stays(api, disk):
     service, client = api
     file_id = upload(client, jsonl(3)).json()["id"]
     fill(disk)
-    created, refused = [], None
-    for _ in range(5000):  # each batch is a row in SQLite's WAL, which must grow: the disk refuses it soon
-        response = client.post(
-            "/v1/batches",
-            headers=AUTH,
-            json={"input_file_id": file_id, "endpoint": "/v1/chat/completions", "completion_window": "24h"},
-        )
-        if response.status_code != 200:
-            refused = response
-            break
-        created.append(response.json()["id"])
-    assert refused is not None, "the full disk never refused a batch"
+    created, refused = until_the_store_is_full(client, file_id)
     assert_disk_full(refused)
 
     listed = client.get("/v1/batches", headers=AUTH, params={"limit": 100}).json()
@@ -123,11 +136,44 @@ def test_a_batch_the_full_store_cannot_record_is_refused_and_nothing_of_it_stays
     assert sorted(p.name for p in (disk / "batches").iterdir()) == sorted(created)
 
     make_room(disk)
-    again = client.post(
-        "/v1/batches",
-        headers=AUTH,
-        json={"input_file_id": file_id, "endpoint": "/v1/chat/completions", "completion_window": "24h"},
-    )
+    again = create_batch(client, file_id)
     assert again.status_code == 200, again.text
     with sqlite3.connect(service.store.path) as db:
         assert db.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
+
+
+def test_a_batch_whose_end_the_full_store_cannot_record_waits_and_ends_once_there_is_room(disk, monkeypatch):
+    """Its job committed its output, but SQLite cannot take the batch's end (its status and file rows): the batch
+    is not failed and not lost — it goes back in the runner's queue, in progress, and ends `completed` with its
+    files once there is room. (The runner is driven by hand: no engine is needed for a committed output.)"""
+    monkeypatch.setenv("NIGHTSHIFT_API_KEYS", KEY)
+    config = ServerConfig(
+        data_dir=disk, auth=AuthSettings(), engine_idle_seconds=0, poll_seconds=0.01, min_free_bytes=0
+    )
+    service = BatchService(config, None)
+    try:
+        client = TestClient(create_app(service))
+        file_id = upload(client, jsonl(3)).json()["id"]
+        batch_id = create_batch(client, file_id).json()["id"]
+        runner, owner = service.runner, owner_of(KEY)
+
+        def run_it() -> None:  # what the runner's scheduler does with the batch at the head of its queue
+            runner._queue.remove((batch_id, owner))
+            runner._running[batch_id] = owner
+            runner._run(batch_id)
+
+        commit_output(service.data.output(batch_id))
+        fill(disk)
+        until_the_store_is_full(client, file_id)
+        run_it()
+        waiting = service.store.batch(batch_id)
+        assert waiting.status not in FINAL_STATUSES and not waiting.errors, waiting
+        assert (batch_id, owner) in runner._queue  # back in line, not dropped
+
+        make_room(disk)
+        run_it()
+        done = service.store.batch(batch_id)
+        assert done.status == "completed" and done.output_file_id and done.error_file_id
+        assert (done.request_counts.completed, done.request_counts.failed) == (3, 1)
+    finally:
+        service.stop()

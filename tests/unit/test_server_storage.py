@@ -5,7 +5,6 @@ launcher's seam (start_job), so the runner's decisions are seen without Ray."""
 
 from __future__ import annotations
 
-import json
 import os
 import sqlite3
 import stat
@@ -23,6 +22,7 @@ from pipeline.server.public_errors import public_message
 from pipeline.server.routes import BatchService, create_app
 from pipeline.server.settings import AuthSettings, ServerConfig
 from pipeline.server.store import Store, new_id
+from tests.batch_outputs import commit_output
 
 KEY = "k" * 24
 
@@ -50,20 +50,6 @@ def add_batch(service: BatchService, status: str = "in_progress", expires_in: in
     service.store.update_batch(batch_id, status=status)
     service.data.batch(batch_id).mkdir(parents=True)
     return batch_id
-
-
-def commit_output(out: Path, results: int = 3, errors: int = 1) -> list[Path]:
-    """A committed job output as the job's finalize leaves it: shards, then manifest.json."""
-    out.mkdir(parents=True, exist_ok=True)
-    shards = {"results": [], "errors": []}
-    written = []
-    for kind, rows in (("results", results), ("errors", errors)):
-        name = f"{kind}-00000-of-00001.jsonl"
-        (out / name).write_text("".join(json.dumps({"custom_id": f"{kind}-{i}"}) + "\n" for i in range(rows)))
-        shards[kind].append({"name": name, "rows": rows})
-        written.append(out / name)
-    (out / "manifest.json").write_text(json.dumps({"shards": shards}))
-    return [*written, out / "manifest.json"]
 
 
 def file_rows(store: Store, batch_id: str) -> list[sqlite3.Row]:
