@@ -4,7 +4,10 @@ A key's limits are the server config's `quotas` with the fields its label overri
 label comes from the keys file, server/auth.py). What a key holds is read from the store when a request would add
 to it — `stored_usage` is the one place that says what counts: the rows of the files table not deleted, uploads
 and batch output and error files alike, so anything that deletes a file (a client's DELETE, a retention sweep)
-frees its bytes for the next check. An output file is counted once its batch has ended and registered it.
+frees its bytes for the next check. An output file is counted once its batch has ended and registered it. What a
+key holds on disk beyond its files' rows comes as `pending` bytes (server/disk_use.py): its uploads still arriving
+(their declared size) and its batches' checkpoints and leftovers (running, paused, failed: everything under a batch
+folder that no file row counts), until the batch's folder is purged.
 
 Over a limit, a request is refused with OpenAI's error body and an error that names the limit: 400 for what a key
 stores (as OpenAI refuses an upload past its file storage limit), 429 for batches enqueued (a limit that frees as
@@ -38,10 +41,11 @@ class Usage:
     bytes: int
 
 
-def stored_usage(store: Store, owner: str) -> Usage:
-    """What a key holds: its files not deleted (uploads and batch outputs), counted and summed."""
+def stored_usage(store: Store, owner: str, pending: int = 0) -> Usage:
+    """What a key holds: its files not deleted (uploads and batch outputs), counted and summed, and `pending`
+    bytes it holds outside them (uploads in progress, batches' checkpoints)."""
     files, size = store.owner_files_usage(owner)
-    return Usage(files=files, bytes=size)
+    return Usage(files=files, bytes=size + pending)
 
 
 def unfinished_batches(store: Store, owner: str) -> int:
@@ -70,12 +74,13 @@ class Quotas:
         return self._by_owner.get(owner, self.default)
 
     # -- the checks -------------------------------------------------------------------------------------------
-    def check_upload(self, store: Store, owner: str, size: int) -> None:
-        """Before an upload of `size` bytes is kept (0: before its body is read, only what it cannot pass)."""
+    def check_upload(self, store: Store, owner: str, size: int, pending: int = 0) -> None:
+        """Before an upload of `size` bytes is kept (0: before its body is read, only what it cannot pass);
+        `pending`: what the key holds outside its files' rows (stored_usage)."""
         quota = self.of(owner)
         if quota.max_files is None and quota.max_stored_bytes is None:
             return
-        held = stored_usage(store, owner)
+        held = stored_usage(store, owner, pending)
         if quota.max_files is not None and held.files + 1 > quota.max_files:
             raise QuotaExceeded(
                 400,
@@ -91,7 +96,8 @@ class Quotas:
             raise QuotaExceeded(
                 400,
                 f"This key has exceeded its file storage limit (max_stored_bytes: {quota.max_stored_bytes} bytes); "
-                f"it holds {held.bytes} bytes, batch output files included"
+                f"it holds {held.bytes} bytes, batch output files, running batches' checkpoints and uploads in "
+                "progress included"
                 + (f", and this file is {size} more" if size else "")
                 + ". Delete files it no longer needs or upload a smaller file.",
                 "storage_limit_exceeded",
@@ -99,8 +105,9 @@ class Quotas:
                 "invalid_request_error",
             )
 
-    def check_batch(self, store: Store, owner: str) -> None:
-        """Before a batch is created: room in the key's queue, and room for its output files."""
+    def check_batch(self, store: Store, owner: str, pending: int = 0) -> None:
+        """Before a batch is created: room in the key's queue, and room for its output files; `pending`: what the
+        key holds outside its files' rows (stored_usage)."""
         quota = self.of(owner)
         if quota.max_queued_batches is not None:
             enqueued = unfinished_batches(store, owner)
@@ -115,7 +122,7 @@ class Quotas:
                     "requests",
                 )
         if quota.max_stored_bytes is not None:
-            held = stored_usage(store, owner)
+            held = stored_usage(store, owner, pending)
             if held.bytes >= quota.max_stored_bytes:
                 raise QuotaExceeded(
                     400,

@@ -7,6 +7,7 @@ import structlog
 
 from pipeline.server.auth import Keyring
 from pipeline.server.datadir import DataDirLock, make_private, private_umask
+from pipeline.server.disk_use import UploadsInFlight, batch_folders_bytes
 from pipeline.server.quotas import Quotas
 from pipeline.server.retention import Sweeper
 from pipeline.server.runner import BatchRunner, DataDir
@@ -36,6 +37,7 @@ class BatchService:
         self.config = config
         self.keyring = Keyring.load(config.auth)
         self.quotas = Quotas(config.quotas, self.keyring.labels)
+        self.uploads = UploadsInFlight(config.limits.max_concurrent_uploads_per_key)
         if unlimited := unlimited_shared_quotas(config, self.keyring.count):
             log.warning(
                 f"{self.keyring.count} API keys share this server with no limit on {', '.join(unlimited)} for any "
@@ -58,6 +60,13 @@ class BatchService:
         except BaseException:
             self.lock.release()
             raise
+
+    def pending_bytes(self, owner: str, besides: int = 0) -> int:
+        """What the owner holds on disk outside its files' rows (server/disk_use.py): its uploads arriving, less
+        `besides` (the caller's own upload), and its batch folders' checkpoints and leftovers."""
+        return (
+            self.uploads.reserved(owner) - besides + batch_folders_bytes(self.store, self.data.batch, owner)
+        )
 
     def start(self) -> None:
         private_umask()  # the runner's job processes inherit it

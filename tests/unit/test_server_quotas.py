@@ -102,7 +102,11 @@ def test_the_checks_count_uploads_and_outputs_and_a_delete_frees(tmp_path):
     store.add_file("file-3", "other", "in.jsonl", "batch", 900, lines=3)
     assert (stored_usage(store, "owner").files, stored_usage(store, "owner").bytes) == (2, 900)
     quotas.check_upload(store, "owner", 100)
-    with pytest.raises(QuotaExceeded, match="it holds 900 bytes, batch output files included, and this file"):
+    with pytest.raises(
+        QuotaExceeded,
+        match="it holds 900 bytes, batch output files, running batches' checkpoints and uploads in progress "
+        "included, and this file",
+    ):
         quotas.check_upload(store, "owner", 101)
     store.add_file("file-4", "owner", "c.jsonl", "batch", 100, lines=1)
     with pytest.raises(QuotaExceeded) as over:  # 3 files: no fourth, whatever its size

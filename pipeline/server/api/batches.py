@@ -61,7 +61,8 @@ async def create_batch(request: Request, who: Owner, service: Service) -> BatchO
             "input_file_id",
             "too_many_requests",
         )
-    service.quotas.check_batch(service.store, who)  # no await from here to the insert, as for uploads
+    # No await from here to the insert, as for uploads.
+    service.quotas.check_batch(service.store, who, service.pending_bytes(who))
     batch_id = new_id("batch_")
     service.data.batch(batch_id).mkdir(parents=True)
     try:

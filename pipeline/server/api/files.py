@@ -15,9 +15,12 @@ from pipeline.server import outputs
 from pipeline.server.api.deps import Owner, Service, list_page, page_limit
 from pipeline.server.api.errors import ApiError, not_found
 from pipeline.server.datadir import publish
+from pipeline.server.disk_use import TooManyUploads
 from pipeline.server.expiry import ExpiryError, form_policy, seconds_of
 from pipeline.server.linecheck import check_upload
+from pipeline.server.quotas import QuotaExceeded
 from pipeline.server.schemas import FileDeleted, FileObject, ListPage
+from pipeline.server.service import BatchService
 from pipeline.server.store import file_object, new_id
 from pipeline.server.uploads import FORM_OVERHEAD_BYTES, UploadError, receive_upload
 
@@ -35,8 +38,21 @@ async def upload_file(request: Request, who: Owner, service: Service) -> FileObj
             "file",
             "file_too_large",
         )
+    # While it arrives, the upload counts against its key's storage at the size it declares.
+    reserved = (
+        int(declared) if declared and declared.isdigit() else limits.max_file_bytes + FORM_OVERHEAD_BYTES
+    )
+    try:
+        with service.uploads.slot(who, reserved):
+            return await _receive_and_keep(request, who, service, reserved)
+    except TooManyUploads as exc:
+        raise QuotaExceeded(429, str(exc), "concurrent_uploads_limit_exceeded", "file", "requests") from None
+
+
+async def _receive_and_keep(request: Request, who: str, service: BatchService, reserved: int) -> FileObject:
+    limits = service.config.limits
     # A key already at a limit is refused before its body is read.
-    service.quotas.check_upload(service.store, who, 0)
+    service.quotas.check_upload(service.store, who, 0, service.pending_bytes(who, besides=reserved))
     try:
         upload = await receive_upload(
             request.headers.get("content-type"),
@@ -65,7 +81,9 @@ async def upload_file(request: Request, who: Owner, service: Service) -> FileObj
         # of every key would wait for it there.
         await run_in_threadpool(fsync_path, upload.path)
         # No await from this check to the insert: another upload of this key cannot pass it meanwhile.
-        service.quotas.check_upload(service.store, who, upload.size)
+        service.quotas.check_upload(
+            service.store, who, upload.size, service.pending_bytes(who, besides=reserved)
+        )
         file_id = new_id("file-")
         # Durable before the row points at it: what is left on the loop is a rename and its directory's sync.
         publish(upload.path, service.data.upload(file_id), data_synced=True)
