@@ -46,6 +46,7 @@ from pipeline.runtime.hosting.launcher import JobProcess, start_job
 from pipeline.server import outputs, scheduling
 from pipeline.server.accounting import account
 from pipeline.server.datadir import fsync_tree, make_private
+from pipeline.server.disk_use import tree_bytes
 from pipeline.server.public_errors import public_message
 from pipeline.server.quotas import Quotas
 from pipeline.server.schemas import FINAL_STATUSES, BatchError, BatchObject
@@ -53,6 +54,9 @@ from pipeline.server.settings import ServerConfig
 from pipeline.server.store import Store, new_id
 
 log = structlog.get_logger(__name__)
+
+# Why a running batch was stopped when its output grew past limits.max_output_bytes_per_batch: it ends `failed`.
+OUTPUT_TOO_LARGE = "output_too_large"
 
 
 def tenant_cache_salt(owner: str) -> str:
@@ -406,6 +410,8 @@ class BatchRunner:
                     cut_short = "cancelled"
                 if cut_short is None and batch and batch.expires_at and time.time() >= batch.expires_at:
                     cut_short = "expired"
+                if cut_short is None and self._output_too_large(out):
+                    cut_short = OUTPUT_TOO_LARGE
                 if (
                     cut_short is None
                     and not paused
@@ -455,7 +461,16 @@ class BatchRunner:
                 log.warning("disk full: batch waits for room to resume", batch=batch_id)
                 continue
             break
-        if cut_short and not outputs.committed(out):
+        if cut_short == OUTPUT_TOO_LARGE:
+            limit = self.config.limits.max_output_bytes_per_batch
+            self._fail(
+                batch_id,
+                "output_too_large",
+                f"the batch's output passed this server's limit of {limit} bytes per batch "
+                "(limits.max_output_bytes_per_batch): ask for fewer or shorter answers (max_tokens, n, logprobs), "
+                "or split the input",
+            )
+        elif cut_short and not outputs.committed(out):
             self._finish_cut_short(batch_id, cut_short)
         elif outputs.committed(out):
             # Committed after all: the status is still why it was cut short (an expired batch stays expired).
@@ -478,6 +493,11 @@ class BatchRunner:
                 ray.get(self.keeper.stop_idle.remote(), timeout=60)
         except Exception as exc:  # noqa: BLE001 - the keeper went with a dying server; the next one resumes
             log.warning("warm engines not told the batch ended", batch=batch_id, error=str(exc))
+
+    def _output_too_large(self, out: Path) -> bool:
+        """Whether a running batch's output (its checkpoint, then its shards) passed limits.max_output_bytes_per_batch."""
+        limit = self.config.limits.max_output_bytes_per_batch
+        return limit is not None and tree_bytes(out) > limit
 
     def _wait_for_room(self, batch_id: str) -> str | None:
         """Hold the batch until its data dir has `min_free_bytes` free: a job started on a full disk would stop

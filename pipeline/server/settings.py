@@ -40,6 +40,13 @@ class ServerLimits(_Strict):
         description="Uploads one key may send at once; one more is refused (429) until one of them ends. Each "
         "counts against the key's max_stored_bytes at its declared size while it arrives.",
     )
+    max_output_bytes_per_batch: int | None = Field(
+        default=10 * 1024**3,
+        ge=1,
+        description="Bytes one batch's output may take on disk (its checkpoint, then its shards): a batch past it "
+        "is stopped and ends `failed` (code output_too_large). Long answers, n and logprobs make an output many "
+        "times its input. null: no limit.",
+    )
     max_concurrent_batches: int = Field(
         default=1,
         ge=1,

@@ -93,3 +93,70 @@ def test_a_slot_is_given_back_whatever_ends_the_upload():
     assert slots.reserved("owner") == 0
     with slots.slot("owner", 7):
         assert slots.reserved("owner") == 7
+
+
+class GrowingJob:
+    """A batch's job whose checkpoint grows by `step` bytes at each of the runner's polls until it is told to stop
+    (then it exits as an interrupted job does, uncommitted)."""
+
+    def __init__(self, out, step: int) -> None:  # noqa: ANN001
+        self.staged = out / "_staging" / "results"
+        self.staged.mkdir(parents=True, exist_ok=True)
+        self.step, self.parts, self.interrupted = step, 0, False
+
+    def wait(self, timeout: float | None = None) -> int | None:
+        if self.interrupted:
+            return 130
+        if self.parts == 100:  # never stopped: it ends on its own, failed
+            return 1
+        (self.staged / f"part-{self.parts:05d}.parquet").write_bytes(b"\0" * self.step)
+        self.parts += 1
+        return None
+
+    def interrupt(self) -> None:
+        self.interrupted = True
+
+    def stop(self) -> int:
+        self.interrupt()
+        return 130
+
+
+def test_a_batch_whose_output_passes_the_limit_is_stopped_and_fails_naming_it(tmp_path, monkeypatch):
+    monkeypatch.setenv("NIGHTSHIFT_API_KEYS", KEY)
+    limit = 256 * 1024
+    config = ServerConfig.model_validate(
+        {
+            "data_dir": str(tmp_path / "data"),
+            "limits": {"max_output_bytes_per_batch": limit},
+            "min_free_bytes": 0,
+            "poll_seconds": 0.01,
+        }
+    )
+    service = BatchService(config, None)
+    try:
+        client = TestClient(create_app(service))
+        file_id = upload(client, body(4096)).json()["id"]
+        batch_id = client.post(
+            "/v1/batches",
+            headers=AUTH,
+            json={"input_file_id": file_id, "endpoint": "/v1/chat/completions", "completion_window": "24h"},
+        ).json()["id"]
+        jobs: list[GrowingJob] = []
+        monkeypatch.setattr(
+            "pipeline.server.runner.start_job",
+            lambda *a, **k: jobs.append(GrowingJob(service.data.output(batch_id), 64 * 1024)) or jobs[-1],
+        )
+        service.runner._queue.remove((batch_id, owner_of(KEY)))
+        service.runner._running[batch_id] = owner_of(KEY)
+        service.runner._run(batch_id)
+
+        (job,) = jobs
+        assert (
+            job.interrupted and job.parts == limit // job.step + 1
+        )  # stopped at the first poll past the limit
+        failed = client.get(f"/v1/batches/{batch_id}", headers=AUTH).json()
+        assert failed["status"] == "failed", failed
+        (error,) = failed["errors"]["data"]
+        assert error["code"] == "output_too_large" and str(limit) in error["message"]
+    finally:
+        service.stop()
