@@ -950,6 +950,12 @@ class InputLimits(_Strict):
         description="Serve only this route (the Batch API server sets it to a batch's `endpoint`: a batch serves "
         "one): a line whose url names another route is an unsupported_url error record.",
     )
+    refused_fields: list[str] = Field(
+        default_factory=list,
+        description="Body fields a line may not carry: such a line is an invalid_request error record. The Batch "
+        "API server refuses vLLM's per-request media options (media_io_kwargs, mm_processor_kwargs): how media is "
+        "fetched and decoded is the operator's to set, not a tenant's.",
+    )
 
     @field_validator("only_url")
     @classmethod

@@ -39,7 +39,7 @@ from typing import Any
 import structlog
 
 from pipeline.clock import SystemClock, clock_from_environment
-from pipeline.config import JobConfig
+from pipeline.config import InputLimits, JobConfig
 from pipeline.io.full_disk import EXIT_DISK_FULL, disk_full
 from pipeline.io.staging import StagingArea
 from pipeline.runtime.hosting.launcher import JobProcess, start_job
@@ -55,6 +55,9 @@ from pipeline.server.store import Store, new_id
 
 log = structlog.get_logger(__name__)
 
+# vLLM's per-request options for fetching and decoding media: a tenant's line could raise a fetch's timeout and size,
+# or a processor's limits, on engines that other keys share.
+TENANT_REFUSED_FIELDS = ("media_io_kwargs", "mm_processor_kwargs")
 # Why a running batch was stopped when its output grew past limits.max_output_bytes_per_batch: it ends `failed`.
 OUTPUT_TOO_LARGE = "output_too_large"
 
@@ -317,8 +320,8 @@ class BatchRunner:
         # A batch serves its one endpoint: a line for another route is that line's error record. Its requests share
         # the engines' prefix cache with its own key's batches only (warm engines serve every key).
         owner = self._running.get(batch_id)
-        limits = job.limits.model_copy(
-            update={"only_url": batch.endpoint, "cache_salt": tenant_cache_salt(owner) if owner else None}
+        limits = self._batch_limits(batch).model_copy(
+            update={"cache_salt": tenant_cache_salt(owner) if owner else None}
         )
         engine = job.engine
         if self.keeper is not None:
@@ -493,6 +496,12 @@ class BatchRunner:
                 ray.get(self.keeper.stop_idle.remote(), timeout=60)
         except Exception as exc:  # noqa: BLE001 - the keeper went with a dying server; the next one resumes
             log.warning("warm engines not told the batch ended", batch=batch_id, error=str(exc))
+
+    def _batch_limits(self, batch: BatchObject) -> InputLimits:
+        """The job's limits for one batch: its one endpoint, and no line may set how media is fetched or decoded."""
+        limits = self.config.job.limits
+        refused = sorted({*limits.refused_fields, *TENANT_REFUSED_FIELDS})
+        return limits.model_copy(update={"only_url": batch.endpoint, "refused_fields": refused})
 
     def _output_too_large(self, out: Path) -> bool:
         """Whether a running batch's output (its checkpoint, then its shards) passed limits.max_output_bytes_per_batch."""
@@ -697,7 +706,7 @@ class BatchRunner:
 
         batch = self.store.batch(batch_id)
         assert batch is not None
-        limits = self.config.job.limits.model_copy(update={"only_url": batch.endpoint})
+        limits = self._batch_limits(batch)
         path = self.data.upload(batch.input_file_id)
         errors, invalid, lines = invalid_lines(path, served_before_run(self.config.job), limits)
         if not invalid:

@@ -250,6 +250,13 @@ class LineValidator:
                 f"url {request.url!r} is not this batch's endpoint {only!r}; a batch serves one endpoint",
                 custom_id,
             ), custom_id
+        refused = [name for name in self.limits.refused_fields if name in request.body]
+        if refused:
+            return invalid(
+                ErrorCode.INVALID_REQUEST,
+                f"body.{refused[0]} is not accepted here: the server sets how requests are processed",
+                custom_id,
+            ), custom_id
         problem = self.limits.refuse_unknown_fields and unknown_fields_problem(endpoint, request.body)
         if problem:
             return invalid(ErrorCode.INVALID_REQUEST, problem, custom_id), custom_id

@@ -138,6 +138,7 @@ def test_a_batchs_job_is_the_servers_job_with_the_batchs_own_input_output_and_cl
     expected.update(input=str(data.upload("file-x")), output=str(data.output("batch_x")), job_id="batch_x")
     expected.update(overwrite=True)
     expected["limits"]["only_url"] = "/v1/embeddings"
+    expected["limits"]["refused_fields"] = ["media_io_kwargs", "mm_processor_kwargs"]
     expected["engine"]["warm_engines"] = runner.keeper_name
     expected["engine"]["http"]["api_key_env"] = "NIGHTSHIFT_API_KEY"
     expected["resources"]["address"] = "10.0.0.1:6379"

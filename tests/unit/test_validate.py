@@ -344,6 +344,19 @@ def test_a_batch_serves_only_its_endpoint():
     assert COMPLETIONS in record["error"]["message"] and CHAT in record["error"]["message"]
 
 
+@pytest.mark.parametrize("field", ["media_io_kwargs", "mm_processor_kwargs"])
+def test_a_server_batch_refuses_lines_that_set_how_media_is_fetched(field):
+    """vLLM takes these per request (a fetch's timeout, a processor's limits); the Batch API server's batches
+    (limits.refused_fields) make such a line its own invalid_request, naming the field. A CLI job passes them."""
+    from pipeline.config import InputLimits
+
+    given = line(body=chat_body(**{field: {"image": {"timeout": 600}}}))
+    assert isinstance(LineValidator(MODEL)(given, 1, SOURCE), ValidRequest)
+    validate = LineValidator(MODEL, limits=InputLimits(refused_fields=[field]))
+    record = assert_invalid(validate(given, 1, SOURCE), ErrorCode.INVALID_REQUEST)
+    assert f"body.{field}" in record["error"]["message"] and record["custom_id"] == "req-1"
+
+
 def test_only_url_must_be_a_served_route():
     from pydantic import ValidationError
 
