@@ -46,10 +46,12 @@ chromium:
 		(apt-get update >/dev/null 2>&1 && apt-get install -y chromium >/dev/null 2>&1) || \
 		echo "chromium could not be installed: the report screenshot test will be skipped")
 
-# The inner loop: the unit tier (pure stages, the CLI, the Batch API's handlers, configs) and the k8s manifests, in
-# two workers; no Ray cluster, no engine, no server process. Under 5 minutes on a 2-core box.
+# The inner loop: the unit tier (pure stages, the CLI, the Batch API's handlers, configs), the Batch API server's
+# tests (a real `nightshift serve` and the `openai` client, the fake engine) but the minutes-long ones (marker
+# `long`: soak, load, windows, turns, a disk filling), and the k8s manifests, in two workers. Under 5 minutes on a
+# 2-core box.
 test-fast: install
-	$(PY) -m pytest -q -n 2 tests/unit tests/k8s
+	$(PY) -m pytest -q -n 2 --dist loadgroup -m "not long" tests/unit tests/server tests/k8s
 
 lint: install
 	$(VENV)/bin/ruff check pipeline cluster tests bench

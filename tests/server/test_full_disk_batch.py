@@ -14,7 +14,7 @@ from tests.lines import chat_line, write_lines
 from tests.server.batches import lines_of, until, wait_for
 from tests.server.harness import KEY_A, Server
 
-pytestmark = pytest.mark.timeout(600)
+pytestmark = [pytest.mark.timeout(600), pytest.mark.long]
 
 ROWS = 1500
 # Long answers and no time model: the job writes ~8 MiB of shards and a few MiB of checkpoint in seconds.

@@ -18,7 +18,7 @@ from tests.failure_figures import note
 from tests.lines import chat_line
 from tests.server.harness import KEY_A, KEY_B
 
-pytestmark = pytest.mark.timeout(600)
+pytestmark = [pytest.mark.timeout(600), pytest.mark.long]
 
 CLIENTS = 3
 BATCHES_PER_CLIENT = 2

@@ -17,7 +17,7 @@ from tests.lines import chat_line
 from tests.server.batches import FINAL, lines_of, wait_for, write_input
 from tests.server.harness import JOB, KEY_A, KEY_B, MAX_FILE_BYTES, Server
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.timeout(300), pytest.mark.long]
 
 KEY_TIGHT = "key-t-" + "2" * 20
 KEY_SMALL = "key-s-" + "3" * 20

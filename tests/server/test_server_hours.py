@@ -15,7 +15,7 @@ from tests.lines import chat_line
 from tests.server.batches import FINAL, lines_of
 from tests.server.harness import JOB, KEY_A, Server
 
-pytestmark = pytest.mark.timeout(240)
+pytestmark = [pytest.mark.timeout(240), pytest.mark.long]
 
 
 @pytest.fixture(scope="module")

@@ -36,7 +36,7 @@ from tests.lines import chat_line
 from tests.server.batches import FINAL, stored, until
 from tests.server.harness import JOB, KEY_A, KEY_B, MAX_FILE_BYTES, Server
 
-pytestmark = pytest.mark.timeout(900)
+pytestmark = [pytest.mark.timeout(900), pytest.mark.long]
 
 SHORT = 10  # seconds uploads and outputs live unless a request asks for longer
 # A sweep every 4 s gathers a few seconds of the burst's expired uploads (tens to a couple of hundred): a sweep with
