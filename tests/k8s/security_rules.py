@@ -11,6 +11,10 @@
 - `network_policy_errors`: a NetworkPolicy selects each cluster's head and admits its GCS, dashboard and Ray Client
   ports only from that cluster's own pods and the KubeRay operator, and lets every pod of the cluster (workers, job
   submitter) reach the head;
+- `egress_errors`: a NetworkPolicy also limits what each cluster's pods reach: every pod of the cluster is selected by
+  a policy with Egress, which lets them reach each other and DNS, and no egress rule reaches link-local addresses
+  (169.254.0.0/16: the cloud's instance metadata and its credentials) — no rule without destinations, no ipBlock
+  holding 169.254.169.254 without excepting it;
 - `identity_errors`: every pod runs as a user other than root (`runAsNonRoot: true`, a non-zero `runAsUser`, an
   `fsGroup` for its volumes), and no container — nor the autoscaler — turns that back;
 - `sandbox_errors`: every pod runs under the container runtime's default seccomp profile (`RuntimeDefault`), except
@@ -24,6 +28,7 @@
 
 from __future__ import annotations
 
+import ipaddress
 from collections.abc import Iterator
 
 from kuberay_rules import cluster_specs, groups
@@ -248,6 +253,72 @@ def network_policy_errors(doc: dict, documents: list[dict]) -> list[str]:
         if not all(reachable):
             missing = [labels for labels, ok in zip(own, reachable, strict=True) if not ok]
             errors.append(f"{where}: pods labelled {missing} of this cluster could not reach its head")
+    return errors
+
+
+# --------------------------------------------------------------------------------------------- egress
+
+METADATA_ADDRESS = ipaddress.ip_address("169.254.169.254")
+
+
+def _reaches_metadata(rule: dict) -> bool:
+    peers = rule.get("to")
+    if not peers:
+        return True  # every destination
+    for peer in peers:
+        block = peer.get("ipBlock")
+        if block is None:
+            continue
+        if METADATA_ADDRESS in ipaddress.ip_network(block["cidr"]) and not any(
+            METADATA_ADDRESS in ipaddress.ip_network(cidr) for cidr in block.get("except") or []
+        ):
+            return True
+    return False
+
+
+def egress_errors(doc: dict, documents: list[dict]) -> list[str]:
+    """`doc` is a Ray document; `documents` every document of the manifests."""
+    policies = [
+        d
+        for d in documents
+        if d.get("kind") == "NetworkPolicy" and "Egress" in ((d.get("spec") or {}).get("policyTypes") or [])
+    ]
+    errors = []
+    for where, spec in cluster_specs(doc):
+        for group_where, _, group in groups(spec):
+            labels = _labels(group.get("template") or {})
+            selecting = [
+                p for p in policies if _matches((p.get("spec") or {}).get("podSelector") or {}, labels)
+            ]
+            if not selecting:
+                errors.append(
+                    f"{where}.{group_where}: no NetworkPolicy limits the egress of its pods ({labels})"
+                )
+                continue
+            rules = [rule for policy in selecting for rule in (policy.get("spec") or {}).get("egress") or []]
+            for index, rule in enumerate(rules):
+                if _reaches_metadata(rule):
+                    errors.append(
+                        f"{where}.{group_where}: egress rule {index} reaches 169.254.169.254 (instance metadata); "
+                        "except 169.254.0.0/16"
+                    )
+            if not any(
+                not rule.get("ports")
+                and any(
+                    _matches(peer.get("podSelector") or {"x": "x"}, labels) for peer in rule.get("to") or []
+                )
+                for rule in rules
+            ):
+                errors.append(f"{where}.{group_where}: its pods may not reach the cluster's other pods")
+            if not any(
+                {53} <= {port.get("port") for port in rule.get("ports") or []}
+                and any(
+                    (peer.get("podSelector") or {}).get("matchLabels", {}).get("k8s-app") == "kube-dns"
+                    for peer in rule.get("to") or []
+                )
+                for rule in rules
+            ):
+                errors.append(f"{where}.{group_where}: its pods may not reach DNS (kube-dns, port 53)")
     return errors
 
 

@@ -34,6 +34,7 @@ from security_rules import (
     auth_errors,
     container_errors,
     credential_errors,
+    egress_errors,
     identity_errors,
     network_policy_errors,
     pod_templates,
@@ -289,6 +290,7 @@ def security_errors(name: str, doc: dict | None = None, context: list[dict] | No
         + container_errors(doc)
         + credential_errors([doc] + [d for d in everything if d.get("kind") == "ConfigMap"])
         + network_policy_errors(doc, context)
+        + egress_errors(doc, context)
         + identity_errors(doc)
         + sandbox_errors(doc)
         + service_account_errors(doc)
@@ -549,6 +551,46 @@ def test_a_policy_that_opens_the_head_fails(name, rule, problem):
     policy["spec"]["ingress"].append(rule)
     errors = security_errors(name, load(name), context)
     assert any(problem in error for error in errors), errors
+
+
+@pytest.mark.parametrize("name", RAY_FILES)
+@pytest.mark.parametrize(
+    "rule, problem",
+    [
+        ({}, "reaches 169.254.169.254"),  # every destination
+        ({"to": [{"ipBlock": {"cidr": "0.0.0.0/0"}}], "ports": [{"port": 80}]}, "reaches 169.254.169.254"),
+        ({"to": [{"ipBlock": {"cidr": "169.254.169.254/32"}}]}, "reaches 169.254.169.254"),
+    ],
+)
+def test_an_egress_rule_that_reaches_instance_metadata_fails(name, rule, problem):
+    policy, context = _policy_and_context(name)
+    policy["spec"]["egress"].append(rule)
+    errors = security_errors(name, load(name), context)
+    assert any(problem in error for error in errors), errors
+
+
+@pytest.mark.parametrize("name", RAY_FILES)
+def test_a_cluster_whose_egress_no_policy_limits_fails(name):
+    policy, context = _policy_and_context(name)
+    policy["spec"]["policyTypes"] = ["Ingress"]
+    errors = security_errors(name, load(name), context)
+    assert any("no NetworkPolicy limits the egress" in error for error in errors), errors
+
+
+@pytest.mark.parametrize("name", RAY_FILES)
+def test_an_egress_policy_without_dns_or_the_clusters_own_pods_fails(name):
+    policy, context = _policy_and_context(name)
+    rules = policy["spec"]["egress"]
+    policy["spec"]["egress"] = [
+        rule for rule in rules if "ports" in rule
+    ]  # no rule to the cluster's own pods
+    errors = security_errors(name, load(name), context)
+    assert any("may not reach the cluster's other pods" in error for error in errors), errors
+    policy["spec"]["egress"] = [
+        rule for rule in rules if 53 not in {p["port"] for p in rule.get("ports", [])}
+    ]
+    errors = security_errors(name, load(name), context)
+    assert any("may not reach DNS" in error for error in errors), errors
 
 
 @pytest.mark.parametrize("name, group", RAY_WORKER_GROUPS)
