@@ -15,6 +15,10 @@
   a policy with Egress, which lets them reach each other and DNS, and no egress rule reaches link-local addresses
   (169.254.0.0/16: the cloud's instance metadata and its credentials) — no rule without destinations, no ipBlock
   holding 169.254.169.254 without excepting it;
+- `read_only_errors`: every container of a cluster and every job submitter runs on a read-only root filesystem
+  (`readOnlyRootFilesystem: true`), with the places it writes on volumes of its pod: `/tmp` (Ray's session dir, temp
+  files) and its `HOME` (the engines' caches) on emptyDirs, so a process cannot alter the image it runs. (The
+  autoscaler the operator adds is the operator's image and keeps its own settings.)
 - `identity_errors`: every pod runs as a user other than root (`runAsNonRoot: true`, a non-zero `runAsUser`, an
   `fsGroup` for its volumes), and no container — nor the autoscaler — turns that back;
 - `sandbox_errors`: every pod runs under the container runtime's default seccomp profile (`RuntimeDefault`), except
@@ -253,6 +257,32 @@ def network_policy_errors(doc: dict, documents: list[dict]) -> list[str]:
         if not all(reachable):
             missing = [labels for labels, ok in zip(own, reachable, strict=True) if not ok]
             errors.append(f"{where}: pods labelled {missing} of this cluster could not reach its head")
+    return errors
+
+
+# --------------------------------------------------------------------------------------------- read-only root
+
+
+def read_only_errors(doc: dict) -> list[str]:
+    errors = []
+    for where, template in pod_templates(doc):
+        spec = template.get("spec") or {}
+        scratch = {v["name"] for v in spec.get("volumes") or [] if "emptyDir" in v}
+        for at, container in _containers(template):
+            here = f"{where}.{at}"
+            if ((container.get("securityContext") or {}).get("readOnlyRootFilesystem")) is not True:
+                errors.append(f"{here}: securityContext.readOnlyRootFilesystem must be true")
+                continue
+            writable = {m["mountPath"] for m in container.get("volumeMounts") or [] if m["name"] in scratch}
+            if "/tmp" not in writable:
+                errors.append(
+                    f"{here}: a read-only root needs an emptyDir mounted at /tmp (Ray's session dir)"
+                )
+            home = {e["name"]: e.get("value") for e in container.get("env") or []}.get("HOME")
+            if home is None or home not in writable:
+                errors.append(
+                    f"{here}: a read-only root needs HOME set to an emptyDir's mountPath (the caches)"
+                )
     return errors
 
 

@@ -39,6 +39,7 @@ from security_rules import (
     network_policy_errors,
     pod_templates,
     pod_user,
+    read_only_errors,
     sandbox_errors,
     service_account_errors,
 )
@@ -291,6 +292,7 @@ def security_errors(name: str, doc: dict | None = None, context: list[dict] | No
         + credential_errors([doc] + [d for d in everything if d.get("kind") == "ConfigMap"])
         + network_policy_errors(doc, context)
         + egress_errors(doc, context)
+        + read_only_errors(doc)
         + identity_errors(doc)
         + sandbox_errors(doc)
         + service_account_errors(doc)
@@ -566,6 +568,25 @@ def test_an_egress_rule_that_reaches_instance_metadata_fails(name, rule, problem
     policy, context = _policy_and_context(name)
     policy["spec"]["egress"].append(rule)
     errors = security_errors(name, load(name), context)
+    assert any(problem in error for error in errors), errors
+
+
+@pytest.mark.parametrize("name", RAY_FILES)
+@pytest.mark.parametrize("change", ["writable root", "no /tmp", "no HOME"])
+def test_a_container_that_may_write_its_image_or_has_nowhere_to_write_fails(name, change):
+    doc = load(name)
+    (_, template), *_ = pod_templates(doc)
+    container = template["spec"]["containers"][0]
+    if change == "writable root":
+        container["securityContext"]["readOnlyRootFilesystem"] = False
+        problem = "readOnlyRootFilesystem must be true"
+    elif change == "no /tmp":
+        container["volumeMounts"] = [m for m in container["volumeMounts"] if m["mountPath"] != "/tmp"]
+        problem = "emptyDir mounted at /tmp"
+    else:
+        container["env"] = [e for e in container["env"] if e["name"] != "HOME"]
+        problem = "HOME set to an emptyDir"
+    errors = security_errors(name, doc)
     assert any(problem in error for error in errors), errors
 
 
