@@ -1,4 +1,4 @@
-"""A dataset job on the real engine: a table of 80 rows (nulls, missing values, unicode, one row too long for the
+"""A dataset job on the real engine: a table of 200 rows (nulls, missing values, unicode, one row too long for the
 context) through `--template` gives every row the text the same requests get when written by hand as Batch lines
 through `nightshift run`, keeps every input column, one row per input row, and puts the rows that could not run in
 the `error` column."""
@@ -14,10 +14,7 @@ from tests.lines import read_jsonl, write_lines
 
 pytestmark = pytest.mark.slow
 
-ROWS = 80
-# Every 20 rows, one null and one missing `text`: four of each.
-EVERY = 20
-TOO_LONG = 53
+ROWS = 200
 SYSTEM = "You are terse."
 TEMPLATE = "Title: {{ title }}\n{{ text }}"
 MAX_TOKENS = 6
@@ -32,11 +29,11 @@ def _rows() -> list[dict]:
             "text": f"Say something about the number {i}.",
             "tag": i % 3,
         }
-        if i % EVERY == 7:
+        if i % 50 == 7:
             row["text"] = None  # null: the template would print "None"
-        if i % EVERY == 9:
+        if i % 50 == 9:
             del row["text"]  # missing
-        if i == TOO_LONG:
+        if i == 123:
             row["text"] = "word " * 900  # past the 512-token context of the warm engines
         rows.append(row)
     return rows
@@ -117,7 +114,7 @@ def test_every_row_gets_the_text_the_same_request_gets_as_a_batch_line(both_runs
         assert row["finish_reason"] in ("length", "stop") and 0 < row["completion_tokens"] <= MAX_TOKENS
     errors = {row["id"]: row["error"]["code"] for row in table if row["error"] is not None}
     assert errors == {
-        **{i: "template_error" for i in range(ROWS) if i % EVERY in (7, 9)},
-        TOO_LONG: "context_length_exceeded",
+        **{i: "template_error" for i in range(ROWS) if i % 50 in (7, 9)},
+        123: "context_length_exceeded",
     }
-    assert list(refused) == [f"row-{TOO_LONG:03d}"]
+    assert list(refused) == ["row-123"]
