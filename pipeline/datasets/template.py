@@ -20,7 +20,7 @@ import decimal
 from typing import Any
 
 import jinja2
-from jinja2 import meta
+from jinja2 import meta, nodes
 from jinja2.sandbox import ImmutableSandboxedEnvironment, SecurityError
 
 
@@ -73,6 +73,23 @@ def _shown(value: Any) -> Any:
     return value
 
 
+def _plain_parts(parsed: nodes.Template) -> list[tuple[bool, str]] | None:
+    """A template made of text and `{{ column }}` only, as (is_column, text or column name) in order; None for any
+    other (filters, tests, loops, attributes...). Most prompt templates are plain, and a million rows rendered by
+    joining strings instead of running Jinja's compiled code saves most of a core-second per ten thousand."""
+    if len(parsed.body) != 1 or not isinstance(parsed.body[0], nodes.Output):
+        return None if parsed.body else []
+    parts: list[tuple[bool, str]] = []
+    for node in parsed.body[0].nodes:
+        if isinstance(node, nodes.TemplateData):
+            parts.append((False, node.data))
+        elif isinstance(node, nodes.Name) and node.ctx == "load":
+            parts.append((True, node.name))
+        else:
+            return None
+    return parts
+
+
 class PromptTemplate:
     def __init__(self, text: str, name: str) -> None:
         self.name, self.text = name, text
@@ -83,8 +100,45 @@ class PromptTemplate:
             raise TemplateError(f"{name}: line {exc.lineno}: {exc.message}") from exc
         # The names the template reads from the row (loop variables and `set` names are its own).
         self.columns: frozenset[str] = frozenset(meta.find_undeclared_variables(parsed))
+        self._plain = _plain_parts(parsed)
+        # Text only (a system prompt that names no column): the same for every row.
+        self._constant = (
+            "".join(text for _, text in self._plain) if self._plain is not None and not self.columns else None
+        )
 
     def render(self, row: dict[str, Any]) -> str:
+        if self._constant is not None:
+            return self._constant
+        if self._plain is not None:
+            return self._render_plain(row)
+        return self._render(row)
+
+    def _render_plain(self, row: dict[str, Any]) -> str:
+        """What Jinja renders for a plain template (text and `{{ column }}`), and the same errors: the first
+        problem in the template's order decides, a column the row lacks or a null one."""
+        out = []
+        for is_column, text in self._plain:
+            if not is_column:
+                out.append(text)
+                continue
+            if text not in row:
+                missing = sorted(c for c in self.columns if c not in row)
+                raise RenderError(f"{self.name}: the row has no column {', '.join(missing)}")
+            value = row[text]
+            if value is None:
+                raise self._null_printed(sorted(c for c in self.columns if c in row and row[c] is None))
+            out.append(str(_shown(value)))
+        return "".join(out)
+
+    def _null_printed(self, nulls: list[str]) -> RenderError:
+        return RenderError(
+            f"{self.name}: a null value would be printed as 'None' (null in this row: "
+            f"{', '.join(nulls) or 'a value the template computed'}); a template that allows it says so, "
+            f'e.g. {{{{ {(nulls or ["column"])[0]} or "" }}}}',
+            tuple(nulls),
+        )
+
+    def _render(self, row: dict[str, Any]) -> str:
         values = {column: _shown(row[column]) for column in self.columns if column in row}
         nulls = sorted(c for c in self.columns if c in row and row[c] is None)
         try:
@@ -99,12 +153,7 @@ class PromptTemplate:
                 ) from exc
             raise RenderError(f"{self.name}: {exc.message}") from exc
         except _NullPrinted:
-            raise RenderError(
-                f"{self.name}: a null value would be printed as 'None' (null in this row: "
-                f"{', '.join(nulls) or 'a value the template computed'}); a template that allows it says so, "
-                f'e.g. {{{{ {(nulls or ["column"])[0]} or "" }}}}',
-                tuple(nulls),
-            ) from None
+            raise self._null_printed(nulls) from None
         except SecurityError as exc:
             raise RenderError(f"{self.name}: the sandbox refused: {exc}") from exc
         except Exception as exc:  # noqa: BLE001 - whatever a row's values make a template raise is that row's error

@@ -385,3 +385,31 @@ def test_embeddings_are_a_fixed_size_float32_list():
     assert table.schema.field("embedding").type == pa.list_(pa.float32(), 3)
     assert table.column("embedding").to_pylist() == [[0.5, 0.25, 1.0], None, [0.0, 1.0, 0.0]]
     assert table.column("prompt_tokens").to_pylist() == [3, None, 3]
+
+
+@pytest.mark.parametrize(
+    "text",
+    ["Title: {{ title }}\n{{ text }}", "{{ title }}", "{{ text }}{{ title }} and {{ text }}.", "Only words."],
+)
+def test_a_plain_template_renders_what_jinja_renders_and_fails_as_it_fails(text):
+    """Text and `{{ column }}` only: rendered by joining strings, with Jinja's own text and errors for every kind of
+    value a table holds (the sandboxed Jinja render is the reference)."""
+    import decimal
+    import itertools
+
+    template = PromptTemplate(text, "dataset.template")
+    assert template._plain is not None
+    values = [
+        "x", "", "ünï ✓ \n{{ not a template }}", 5, 0, -3, 1.5, float("nan"), True, False, None, [1, "a", None],
+        {"k": [b"\xff"]}, b"bytes", b"\xff\xfe", dt.date(2026, 12, 7), decimal.Decimal("1.50"), "MISSING",
+    ]  # fmt: skip
+    for title, body in itertools.product(values, repeat=2):
+        row = {name: value for name, value in (("title", title), ("text", body)) if value != "MISSING"}
+        try:
+            want = template._render(row)
+        except RenderError as exc:
+            with pytest.raises(RenderError) as got:
+                template.render(row)
+            assert (str(got.value), got.value.columns) == (str(exc), exc.columns), row
+            continue
+        assert template.render(row) == want, row
