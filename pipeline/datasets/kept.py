@@ -16,6 +16,7 @@ from typing import Any
 import pyarrow as pa
 
 from pipeline import json_codec
+from pipeline.io.rows import TableRow
 
 KEY_FIELDS = [
     pa.field("custom_id", pa.string()),
@@ -30,11 +31,23 @@ def kept_struct(schema: pa.Schema, keep: list[str] | None) -> pa.DataType:
     return pa.struct([schema.field(name) for name in names])
 
 
+def _values(row: Any, names: list[str] | None) -> Any:
+    """A row's kept values (`names`, or all) as Python: a TableRow's from its batch (it holds only the rendered
+    ones itself)."""
+    if isinstance(row, TableRow):
+        row = row.batch.slice(row.index, 1).to_pylist()[0]
+    if row is None or names is None:
+        return row
+    return {name: row.get(name) for name in names}
+
+
 class KeptRows:
     """The kept rows one read task stages, a part at a time."""
 
-    def __init__(self, row_type: pa.DataType | None) -> None:
+    def __init__(self, row_type: pa.DataType | None, keep: list[str] | None = None) -> None:
         self.row_type = row_type  # None: JSON text (a JSONL input)
+        # The kept columns (None: all): a struct type names them; JSON text keeps these of each row.
+        self.keep = [field.name for field in row_type] if row_type is not None else keep
         self.rows: list[tuple[str | None, str, int, Any]] = []
 
     def __len__(self) -> int:
@@ -42,7 +55,7 @@ class KeptRows:
 
     def add(self, custom_id: str | None, source: str, line: int, row: dict[str, Any] | None) -> None:
         if self.row_type is None and row is not None:
-            row = json_codec.dumps(row)
+            row = json_codec.dumps(_values(row, self.keep))
         self.rows.append((custom_id, source, line, row))
 
     def table(self) -> pa.Table:
@@ -50,8 +63,32 @@ class KeptRows:
         row_type = self.row_type or pa.string()
         schema = pa.schema([*KEY_FIELDS, pa.field("row", row_type)])
         return pa.table(
-            [list(ids), list(sources), list(lines), pa.array(list(rows), row_type)], schema=schema
+            [list(ids), list(sources), list(lines), self._row_array(rows, row_type)], schema=schema
         )
+
+    def _row_array(self, rows: tuple, row_type: pa.DataType) -> pa.Array:
+        """The kept rows as one array: Parquet rows (TableRow) sliced from their Arrow batches, run by run, without
+        a Python value in between; any other row converted from its values."""
+        if not rows or not all(isinstance(row, TableRow) for row in rows):
+            return pa.array([_values(row, self.keep) for row in rows], row_type)
+        names = self.keep
+        structs: dict[int, pa.StructArray] = {}
+        pieces = []
+        start = 0
+        for end in range(1, len(rows) + 1):
+            first, last = rows[start], rows[end - 1]
+            if end < len(rows):
+                nxt = rows[end]
+                if nxt.batch is last.batch and nxt.index == last.index + 1:
+                    continue
+            batch = first.batch
+            if id(batch) not in structs:
+                structs[id(batch)] = pa.StructArray.from_arrays(
+                    [batch.column(name) for name in names], fields=list(row_type)
+                )
+            pieces.append(structs[id(batch)].slice(first.index, last.index - first.index + 1))
+            start = end
+        return pa.concat_arrays(pieces)
 
     def clear(self) -> None:
         self.rows = []

@@ -25,7 +25,7 @@ from pipeline import json_codec
 from pipeline.datasets.spec import DatasetConfig
 from pipeline.datasets.template import PromptTemplate, RenderError
 from pipeline.endpoints import endpoint_named
-from pipeline.io.rows import BadRow, TableRead
+from pipeline.io.rows import BadRow, TableRead, TableRow
 
 _INT_OFFSET = 1 << 63  # int64 ids shifted to unsigned: their fixed-width hex sorts as the numbers do
 
@@ -116,10 +116,12 @@ class RowRenderer:
             self.check_columns(columns)
 
     def table_read(self) -> TableRead:
-        """How the input is read: the columns requests are made of and the kept ones (all, when not named)."""
+        """How the input is read: the columns requests are made of and the kept ones (all, when not named); only
+        the first as Python values (a Parquet input's kept columns stay in Arrow)."""
+        rendered = tuple(sorted(self.columns))
         if self.spec.keep_columns is None:
-            return TableRead(None)
-        return TableRead(tuple(sorted(self.columns | set(self.spec.keep_columns))))
+            return TableRead(None, rendered)
+        return TableRead(tuple(sorted(self.columns | set(self.spec.keep_columns))), rendered)
 
     def row_id(self, row: dict[str, Any], number: int, file_index: int) -> str | None:
         if self.spec.id_column is None:
@@ -147,8 +149,9 @@ class RowRenderer:
         return Rendered(request, row if isinstance(row, dict) else None)
 
     def kept(self, row: dict[str, Any] | None) -> dict[str, Any] | None:
-        """The columns of `row` the output keeps."""
-        if row is None or self.spec.keep_columns is None:
+        """The columns of `row` the output keeps (a Parquet TableRow as it is: its batch holds them, and KeptRows
+        takes them from there)."""
+        if row is None or self.spec.keep_columns is None or isinstance(row, TableRow):
             return row
         return {column: row.get(column) for column in self.spec.keep_columns}
 

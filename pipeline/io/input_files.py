@@ -60,7 +60,12 @@ def iter_rows(
     file's name ends in `.gz`). `table`: read as a dataset job's table (io/rows.TableRead)."""
     if fmt == "parquet" and table is not None:
         return iter_table_parquet(
-            handle, file.name, table.columns, row_groups=row_groups, first_number=first_number
+            handle,
+            file.name,
+            table.columns,
+            row_groups=row_groups,
+            first_number=first_number,
+            rendered=table.rendered,
         )
     if fmt == "parquet":
         return iter_parquet(

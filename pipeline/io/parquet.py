@@ -7,7 +7,7 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 from pipeline import json_codec
-from pipeline.io.rows import DEFAULT_MAX_LINE_BYTES, BadRow, InputFormatError, Row, too_long
+from pipeline.io.rows import DEFAULT_MAX_LINE_BYTES, BadRow, InputFormatError, Row, TableRow, too_long
 
 PARQUET_SUFFIXES = (".parquet", ".pq", ".parq")
 PARQUET_MAGIC = b"PAR1"
@@ -163,14 +163,20 @@ def iter_table_parquet(
     batch_rows: int = 8192,
     row_groups: Sequence[int] | None = None,
     first_number: int = 1,
+    rendered: Sequence[str] | None = None,
 ) -> Iterator[Row]:
-    """Rows of a Parquet table (a dataset job's input) as dicts of `columns` (all when None), values as Arrow
-    gives them to Python: a timestamp a datetime, binary bytes, a struct a dict."""
+    """Rows of a Parquet table (a dataset job's input), read as `columns` (all when None): each a TableRow of the
+    `rendered` columns (all read, when None) as Arrow gives them to Python — a timestamp a datetime, binary bytes, a
+    struct a dict — that knows its place in its Arrow batch, which holds the rest."""
     pf = open_parquet(handle, source)
     names = pf.schema_arrow.names
     wanted = [c for c in names if columns is None or c in columns]
+    python = [c for c in wanted if rendered is None or c in rendered]
     number = first_number - 1
     for batch in pf.iter_batches(batch_size=batch_rows, row_groups=row_groups, columns=wanted):
-        for row in batch.to_pylist():
+        values = [batch.column(name).to_pylist() for name in python]
+        for index, row_values in enumerate(zip(*values, strict=True) if values else [()] * batch.num_rows):
             number += 1
+            row = TableRow(zip(python, row_values, strict=True))
+            row.batch, row.index = batch, index
             yield Row(source, number, row)

@@ -48,6 +48,16 @@ class TableRead:
     schema is asked of them."""
 
     columns: tuple[str, ...] | None = None
+    # The columns a request is made of, given as Python values; the others read stay in Arrow (TableRow.batch) for
+    # the output to keep as they are. None: every column read.
+    rendered: tuple[str, ...] | None = None
+
+
+class TableRow(dict):
+    """A Parquet table's row: its `rendered` columns as Python values, and where it sits in the Arrow batch it was
+    read from (`batch`, `index`), whose other columns reach the output without passing through Python."""
+
+    __slots__ = ("batch", "index")
 
 
 @dataclass

@@ -413,3 +413,40 @@ def test_a_plain_template_renders_what_jinja_renders_and_fails_as_it_fails(text)
             assert (str(got.value), got.value.columns) == (str(exc), exc.columns), row
             continue
         assert template.render(row) == want, row
+
+
+def test_kept_parquet_rows_are_sliced_from_their_batches_with_their_types(tmp_path):
+    """A Parquet row's kept columns go from its Arrow batch to the staged part without passing through Python, run
+    by run across batches: the same table as building it from the rows' values, types kept."""
+    from pipeline.datasets.kept import KeptRows, kept_struct
+    from pipeline.io.parquet import iter_table_parquet
+
+    table = pa.table(
+        {
+            "id": pa.array(range(10), pa.int64()),
+            "text": [f"t{i}" for i in range(10)],
+            "when": pa.array([dt.datetime(2026, 12, 7, 0, i) for i in range(10)], pa.timestamp("us")),
+            "tags": [[f"a{i}", None] for i in range(10)],
+            "raw": [bytes([i, 255]) for i in range(10)],
+        }
+    )
+    path = tmp_path / "t.parquet"
+    pq.write_table(table, path)
+    keep = ["when", "tags", "raw", "id"]
+    with open(path, "rb") as handle:
+        rows = [
+            row.payload
+            for row in iter_table_parquet(handle, "t.parquet", None, batch_rows=4, rendered=["text"])
+        ]
+    assert {tuple(r) for r in rows} == {("text",)}  # only the rendered column is a Python value
+    kept = KeptRows(kept_struct(table.schema, keep))
+    chosen = [0, 1, 2, 3, 4, 6, 7, 9]  # runs across three batches, with gaps
+    for i in chosen:
+        kept.add(f"id-{i}", "t.parquet", i + 1, rows[i])
+    expected = pa.array(
+        [{name: table.column(name)[i].as_py() for name in keep} for i in chosen],
+        kept_struct(table.schema, keep),
+    )
+    got = kept.table()
+    assert got.column("row").combine_chunks().equals(expected)
+    assert got.column("custom_id").to_pylist() == [f"id-{i}" for i in chosen]

@@ -159,7 +159,7 @@ class IngestJob:
         ):
             schema = source._parquet_file(source.files[piece.file]).schema_arrow  # noqa: SLF001 - its footer
             return KeptRows(kept_struct(schema, self.dataset.keep_columns))
-        return KeptRows(None)
+        return KeptRows(None, self.dataset.keep_columns)
 
 
 # --- step 1: scan -----------------------------------------------------------------------------------------------
