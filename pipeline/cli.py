@@ -379,6 +379,8 @@ def _run(
         ConfigError,
         ValueError,
     ) as exc:
+        if (full := disk_full_cause(exc)) is not None:  # a full disk met while reading or checking
+            _stopped_by_a_full_disk(job, full)
         _fail(str(exc))
     except KeyboardInterrupt:
         _fail("interrupted; finished rows are kept in OUTPUT/_staging/", code=130)

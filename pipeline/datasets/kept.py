@@ -72,6 +72,8 @@ class KeptRows:
         if not rows or not all(isinstance(row, TableRow) for row in rows):
             return pa.array([_values(row, self.keep) for row in rows], row_type)
         names = self.keep
+        if not names:  # no column kept: an empty struct per row
+            return pa.array([{}] * len(rows), row_type)
         structs: dict[int, pa.StructArray] = {}
         pieces = []
         start = 0

@@ -9,6 +9,7 @@ import sqlite3
 
 # The filesystem's "no space left" and a quota's "disk quota exceeded".
 DISK_FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
+_SQLITE_FULL = getattr(sqlite3, "SQLITE_FULL", 13)
 # sysexits.h's EX_TEMPFAIL: the job can be completed later (`nightshift resume`) once space returns.
 EXIT_DISK_FULL = 75
 
@@ -37,5 +38,6 @@ def disk_full_cause(exc: BaseException) -> OSError | None:
 def disk_full(exc: BaseException) -> bool:
     """Whether `exc` says a disk is full: the filesystem's (anywhere in its chain), or SQLite's SQLITE_FULL."""
     if isinstance(exc, sqlite3.OperationalError):
-        return getattr(exc, "sqlite_errorcode", None) == sqlite3.SQLITE_FULL
+        code = getattr(exc, "sqlite_errorcode", None)  # Python 3.11+; 3.10 has the message only
+        return code == _SQLITE_FULL if code is not None else "database or disk is full" in str(exc)
     return disk_full_cause(exc) is not None

@@ -58,6 +58,9 @@ log = structlog.get_logger(__name__)
 # vLLM's per-request options for fetching and decoding media: a tenant's line could raise a fetch's timeout and size,
 # or a processor's limits, on engines that other keys share.
 TENANT_REFUSED_FIELDS = ("media_io_kwargs", "mm_processor_kwargs")
+# A batch a full disk stopped is tried again after 5 s, then 10, 20, ... up to 5 min.
+DISK_RETRY_FIRST_S = 5.0
+DISK_RETRY_MAX_S = 300.0
 # Why a running batch was stopped when its output grew past limits.max_output_bytes_per_batch: it ends `failed`.
 OUTPUT_TOO_LARGE = "output_too_large"
 
@@ -118,6 +121,7 @@ class BatchRunner:
         self._cancel: set[str] = set()
         # Batches held for room on the data dir's disk (`min_free_bytes`): their owners' /metrics say so.
         self.waiting_for_room: set[str] = set()
+        self._disk_tries: dict[str, int] = {}  # batch -> times a full disk stopped it (its pause grows)
         self._stopping = False
         self.hours = config.window()
         self.clock = clock_from_environment() if self.hours else SystemClock()
@@ -177,7 +181,17 @@ class BatchRunner:
         if job is not None:
             job.interrupt()
         elif queued:
-            self._finish_cut_short(batch_id, "cancelled")
+            try:
+                self._finish_cut_short(batch_id, "cancelled")
+            except Exception as exc:
+                if not disk_full(exc):
+                    raise
+                # The store cannot take its end now: back in the queue, where the runner ends it (cancelled)
+                # once there is room; the client's request is answered 507 and may be sent again.
+                with self._lock:
+                    self._queue.extend(queued)
+                    self._lock.notify_all()
+                raise
 
     # -- scheduling -------------------------------------------------------------------------------------------
     def _next(self) -> tuple[str, str] | None:
@@ -263,8 +277,14 @@ class BatchRunner:
         for batch_id, owner in list(self._queue):
             batch = self.store.batch(batch_id)
             if batch is not None and batch.expires_at and now >= batch.expires_at:
+                try:
+                    self._finish_cut_short(batch_id, "expired")
+                except Exception as exc:  # the scheduler must outlive a full store: it tries again later
+                    if not disk_full(exc):
+                        raise
+                    log.warning("expired batch not ended: disk full", batch=batch_id)
+                    continue
                 self._queue.remove((batch_id, owner))
-                self._finish_cut_short(batch_id, "expired")
 
     def _schedule(self) -> None:
         announced = None
@@ -345,14 +365,23 @@ class BatchRunner:
         except Exception as exc:  # noqa: BLE001 - one batch's failure must not take the runner down
             if disk_full(exc):
                 # The store or the disk could not take the batch's end (its status, its files' rows): not the
-                # batch's failure. It goes back in the queue, waits for room and ends then — or resumes.
+                # batch's failure. It goes back in the queue after a pause, waits for room and ends then — or
+                # resumes.
                 log.warning("batch not ended: disk full; it waits for room", batch=batch_id, error=str(exc))
-                paused = "disk"
+                paused = self._disk_pause(batch_id)
             else:
                 log.exception("batch runner failed", batch=batch_id)
-                self._fail_or_wait(
-                    batch_id, "server_error", f"{type(exc).__name__}: {exc}", detail=traceback.format_exc()
-                )
+                try:
+                    self._fail(
+                        batch_id,
+                        "server_error",
+                        f"{type(exc).__name__}: {exc}",
+                        detail=traceback.format_exc(),
+                    )
+                except Exception as again:  # noqa: BLE001 - the store is full: its failure is recorded later
+                    if not disk_full(again):
+                        raise
+                    paused = self._disk_pause(batch_id)
         finally:
             with self._lock:
                 owner = self._running.pop(batch_id, None)
@@ -379,6 +408,8 @@ class BatchRunner:
         if waited == "stopping":
             return None
         cut_short = waited
+        if cut_short is None and batch_id in self._cancel:  # cancelled while queued, its end not yet recorded
+            cut_short = "cancelled"
         # Once, unless a full disk stopped its job: then again once there is room.
         while cut_short is None and not outputs.committed(out):
             resume = (out / "_staging" / "job.json").is_file()
@@ -413,7 +444,12 @@ class BatchRunner:
                     cut_short = "cancelled"
                 if cut_short is None and batch and batch.expires_at and time.time() >= batch.expires_at:
                     cut_short = "expired"
-                if cut_short is None and self._output_too_large(out):
+                if (
+                    cut_short is None
+                    and batch is not None
+                    and batch.status != "finalizing"  # its shards and checkpoint are both there a moment
+                    and self._output_too_large(out)
+                ):
                     cut_short = OUTPUT_TOO_LARGE
                 if (
                     cut_short is None
@@ -460,11 +496,12 @@ class BatchRunner:
                 self._observe(batch_id, out)  # the counts it keeps while it waits: rows on disk
                 return paused
             if rc == EXIT_DISK_FULL and not cut_short and not outputs.committed(out):
-                # Its finished rows are staged: the batch waits for room (at the loop's top), then resumes.
+                # Its finished rows are staged: the batch pauses, waits for room (at the loop's top), then resumes.
                 log.warning("disk full: batch waits for room to resume", batch=batch_id)
+                self._disk_pause(batch_id)
                 continue
             break
-        if cut_short == OUTPUT_TOO_LARGE:
+        if cut_short == OUTPUT_TOO_LARGE and not outputs.committed(out):
             limit = self.config.limits.max_output_bytes_per_batch
             self._fail(
                 batch_id,
@@ -477,7 +514,7 @@ class BatchRunner:
             self._finish_cut_short(batch_id, cut_short)
         elif outputs.committed(out):
             # Committed after all: the status is still why it was cut short (an expired batch stays expired).
-            self._finish(batch_id, cut_short or "completed")
+            self._finish(batch_id, "completed" if cut_short in (None, OUTPUT_TOO_LARGE) else cut_short)
         else:
             self._fail(batch_id, "job_failed", _last_error(self.data.batch(batch_id) / "job.log", rc))
         return None
@@ -504,9 +541,13 @@ class BatchRunner:
         return limits.model_copy(update={"only_url": batch.endpoint, "refused_fields": refused})
 
     def _output_too_large(self, out: Path) -> bool:
-        """Whether a running batch's output (its checkpoint, then its shards) passed limits.max_output_bytes_per_batch."""
+        """Whether a running batch's output — its staged results and errors — passed
+        limits.max_output_bytes_per_batch (the staged copy of its input is not output)."""
         limit = self.config.limits.max_output_bytes_per_batch
-        return limit is not None and tree_bytes(out) > limit
+        if limit is None:
+            return False
+        staged = out / "_staging"
+        return tree_bytes(staged / "results") + tree_bytes(staged / "errors") > limit
 
     def _wait_for_room(self, batch_id: str) -> str | None:
         """Hold the batch until its data dir has `min_free_bytes` free: a job started on a full disk would stop
@@ -660,13 +701,16 @@ class BatchRunner:
         ):
             log.info("batch cut short", batch=batch_id, status=status, completed=completed, failed=failed)
 
-    def _fail_or_wait(self, batch_id: str, code: str, message: str, detail: str | None = None) -> None:
-        try:
-            self._fail(batch_id, code, message, detail)
-        except Exception as exc:  # noqa: BLE001 - the store is full: the next server start ends it
-            if not disk_full(exc):
-                raise
-            log.warning("batch failure not recorded: disk full", batch=batch_id, code=code)
+    def _disk_pause(self, batch_id: str) -> str:
+        """A batch a full disk stopped waits before it is tried again, longer each time (5 s doubling to 5 min):
+        free space above `min_free_bytes` does not prove its next write fits (a quota, inodes, a bigger
+        finalize), and the queue would hand it over again at once. Returns the pause's reason, "disk"."""
+        tries = self._disk_tries.get(batch_id, 0)
+        self._disk_tries[batch_id] = tries + 1
+        with self._lock:
+            if not self._stopping:
+                self._lock.wait(min(DISK_RETRY_FIRST_S * 2**tries, DISK_RETRY_MAX_S))
+        return "disk"
 
     def _fail(self, batch_id: str, code: str, message: str, detail: str | None = None) -> None:
         """The batch fails with `message` as its owner may read it (server/public_errors.py); the whole text —
