@@ -25,12 +25,25 @@ def tree_bytes(root: Path) -> int:
     return total
 
 
-def batch_folders_bytes(store: Store, folder_of, owner: str) -> int:  # noqa: ANN001 - DataDir.batch
-    """Bytes under the owner's unpurged batch folders that no file row counts already."""
-    total = 0
-    for batch_id, registered in store.unpurged_batches_of(owner):
-        total += max(0, tree_bytes(folder_of(batch_id)) - registered)
-    return total
+class BatchFolders:
+    """Bytes under an owner's unpurged batch folders that no file row counts already. An ended batch's folder no
+    longer changes until it is purged: it is measured once, not at every upload."""
+
+    def __init__(self, store: Store, folder_of) -> None:  # noqa: ANN001 - DataDir.batch
+        self.store, self.folder_of = store, folder_of
+        self._ended: dict[str, int] = {}
+
+    def bytes_of(self, owner: str) -> int:
+        total = 0
+        for batch_id, registered, ended in self.store.unpurged_batches_of(owner):
+            if ended and batch_id in self._ended:
+                total += self._ended[batch_id]
+                continue
+            held = max(0, tree_bytes(self.folder_of(batch_id)) - registered)
+            if ended:
+                self._ended[batch_id] = held
+            total += held
+        return total
 
 
 class UploadsInFlight:

@@ -7,7 +7,7 @@ import structlog
 
 from pipeline.server.auth import Keyring
 from pipeline.server.datadir import DataDirLock, make_private, private_umask
-from pipeline.server.disk_use import UploadsInFlight, batch_folders_bytes
+from pipeline.server.disk_use import BatchFolders, UploadsInFlight
 from pipeline.server.quotas import Quotas
 from pipeline.server.retention import Sweeper
 from pipeline.server.runner import BatchRunner, DataDir
@@ -54,6 +54,7 @@ class BatchService:
             if changed := make_private(config.data_dir):
                 log.info("data dir made private", data_dir=str(config.data_dir), entries=changed)
             self.runner = BatchRunner(config, self.store, self.data, ray_address, self.quotas)
+            self.batch_folders = BatchFolders(self.store, self.data.batch)
             self.sweeper = Sweeper(self.store, self.data, config.retention.sweep_seconds)
             # Before any request: what a killed predecessor left mid-request, and nothing in flight now.
             self.sweeper.clear_leftovers()
@@ -64,9 +65,7 @@ class BatchService:
     def pending_bytes(self, owner: str, besides: int = 0) -> int:
         """What the owner holds on disk outside its files' rows (server/disk_use.py): its uploads arriving, less
         `besides` (the caller's own upload), and its batch folders' checkpoints and leftovers."""
-        return (
-            self.uploads.reserved(owner) - besides + batch_folders_bytes(self.store, self.data.batch, owner)
-        )
+        return self.uploads.reserved(owner) - besides + self.batch_folders.bytes_of(owner)
 
     def start(self) -> None:
         private_umask()  # the runner's job processes inherit it

@@ -257,16 +257,16 @@ class Store:
         assert row is not None
         return row["n"], row["size"]
 
-    def unpurged_batches_of(self, owner: str) -> list[tuple[str, int]]:
-        """(batch id, bytes of its output files on disk) for each of the owner's batches whose folder is still
-        there and is not just a completed batch's registered output (server/disk_use.py)."""
+    def unpurged_batches_of(self, owner: str) -> list[tuple[str, int, bool]]:
+        """(batch id, bytes of its output files on disk, whether it has ended) for each of the owner's batches
+        whose folder is still there and is not just a completed batch's registered output (server/disk_use.py)."""
         rows = self._all(
             "SELECT b.id AS id, COALESCE((SELECT SUM(f.bytes) FROM files f WHERE f.batch_id = b.id"
-            " AND f.stored = 1), 0) AS registered FROM batches b WHERE b.owner = ? AND b.purged = 0"
-            " AND b.status != 'completed'",
+            f" AND f.stored = 1), 0) AS registered, b.status IN {_FINAL} AS ended FROM batches b"
+            " WHERE b.owner = ? AND b.purged = 0 AND b.status != 'completed'",
             (owner,),
         )
-        return [(r["id"], r["registered"]) for r in rows]
+        return [(r["id"], r["registered"], bool(r["ended"])) for r in rows]
 
     def file_in_use(self, file_id: str) -> bool:
         """Whether an unfinished batch reads this upload (its content must outlive a delete until then)."""
