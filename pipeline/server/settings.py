@@ -35,7 +35,7 @@ class ServerLimits(_Strict):
         description="Bytes one uploaded file may hold (OpenAI batch input: 200 MB).",
     )
     max_concurrent_uploads_per_key: int = Field(
-        default=4,
+        default=8,
         ge=1,
         description="Uploads one key may send at once; one more is refused (429) until one of them ends. Each "
         "counts against the key's max_stored_bytes at its declared size while it arrives.",
