@@ -69,6 +69,8 @@ class KeptRows:
     def _row_array(self, rows: tuple, row_type: pa.DataType) -> pa.Array:
         """The kept rows as one array: Parquet rows (TableRow) sliced from their Arrow batches, run by run, without
         a Python value in between; any other row converted from its values."""
+        if self.row_type is None:  # JSON text, made as each row was added
+            return pa.array(list(rows), row_type)
         if not rows or not all(isinstance(row, TableRow) for row in rows):
             return pa.array([_values(row, self.keep) for row in rows], row_type)
         names = self.keep
