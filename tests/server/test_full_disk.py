@@ -58,7 +58,10 @@ def disk(tmp_path):
 @pytest.fixture
 def api(disk, monkeypatch):
     monkeypatch.setenv("NIGHTSHIFT_API_KEYS", KEY)
-    config = ServerConfig(data_dir=disk, auth=AuthSettings(), engine_idle_seconds=0, poll_seconds=0.01)
+    # No free-space floor: the runner, when a test drives it, acts at once on the filled disk.
+    config = ServerConfig(
+        data_dir=disk, auth=AuthSettings(), engine_idle_seconds=0, poll_seconds=0.01, min_free_bytes=0
+    )
     service = BatchService(config, None)
     try:
         yield service, TestClient(create_app(service))
@@ -143,76 +146,62 @@ def test_a_batch_the_full_store_cannot_record_is_refused_and_nothing_of_it_stays
         assert db.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
 
 
-def test_a_batch_whose_end_the_full_store_cannot_record_waits_and_ends_once_there_is_room(disk, monkeypatch):
+def test_a_batch_whose_end_the_full_store_cannot_record_waits_and_ends_once_there_is_room(
+    api, disk, monkeypatch
+):
     """Its job committed its output, but SQLite cannot take the batch's end (its status and file rows): the batch
     is not failed and not lost — it goes back in the runner's queue, in progress, after a pause, and ends
     `completed` with its files once there is room. (The runner is driven by hand: no engine is needed for a
     committed output.)"""
     monkeypatch.setattr("pipeline.server.runner.DISK_RETRY_FIRST_S", 0.01)
-    monkeypatch.setenv("NIGHTSHIFT_API_KEYS", KEY)
-    config = ServerConfig(
-        data_dir=disk, auth=AuthSettings(), engine_idle_seconds=0, poll_seconds=0.01, min_free_bytes=0
-    )
-    service = BatchService(config, None)
-    try:
-        client = TestClient(create_app(service))
-        file_id = upload(client, jsonl(3)).json()["id"]
-        batch_id = create_batch(client, file_id).json()["id"]
-        runner, owner = service.runner, owner_of(KEY)
+    service, client = api
+    file_id = upload(client, jsonl(3)).json()["id"]
+    batch_id = create_batch(client, file_id).json()["id"]
+    runner, owner = service.runner, owner_of(KEY)
 
-        def run_it() -> None:  # what the runner's scheduler does with the batch at the head of its queue
-            runner._queue.remove((batch_id, owner))
-            runner._running[batch_id] = owner
-            runner._run(batch_id)
+    def run_it() -> None:  # what the runner's scheduler does with the batch at the head of its queue
+        runner._queue.remove((batch_id, owner))
+        runner._running[batch_id] = owner
+        runner._run(batch_id)
 
-        commit_output(service.data.output(batch_id))
-        fill(disk)
-        until_the_store_is_full(client, file_id)
-        run_it()
-        waiting = service.store.batch(batch_id)
-        assert waiting.status not in FINAL_STATUSES and not waiting.errors, waiting
-        assert (batch_id, owner) in runner._queue  # back in line, not dropped
+    commit_output(service.data.output(batch_id))
+    fill(disk)
+    until_the_store_is_full(client, file_id)
+    run_it()
+    waiting = service.store.batch(batch_id)
+    assert waiting.status not in FINAL_STATUSES and not waiting.errors, waiting
+    assert (batch_id, owner) in runner._queue  # back in line, not dropped
 
-        make_room(disk)
-        run_it()
-        done = service.store.batch(batch_id)
-        assert done.status == "completed" and done.output_file_id and done.error_file_id
-        assert (done.request_counts.completed, done.request_counts.failed) == (3, 1)
-    finally:
-        service.stop()
+    make_room(disk)
+    run_it()
+    done = service.store.batch(batch_id)
+    assert done.status == "completed" and done.output_file_id and done.error_file_id
+    assert (done.request_counts.completed, done.request_counts.failed) == (3, 1)
 
 
-def test_a_queued_batch_cancelled_or_expired_on_a_full_store_ends_once_there_is_room(disk, monkeypatch):
+def test_a_queued_batch_cancelled_or_expired_on_a_full_store_ends_once_there_is_room(api, disk):
     """A cancel the store cannot record is a 507 that changed nothing: the batch is still queued, and the same
     cancel once there is room ends it `cancelled`. A queued batch whose window passed while the store is full stays
     queued — the scheduler that expires it goes on, it does not die — and expires once there is room."""
-    monkeypatch.setenv("NIGHTSHIFT_API_KEYS", KEY)
-    config = ServerConfig(
-        data_dir=disk, auth=AuthSettings(), engine_idle_seconds=0, poll_seconds=0.01, min_free_bytes=0
-    )
-    service = BatchService(config, None)
-    try:
-        client = TestClient(create_app(service))
-        file_id = upload(client, jsonl(3)).json()["id"]
-        cancelled, expiring = (create_batch(client, file_id).json()["id"] for _ in range(2))
-        runner, owner = service.runner, owner_of(KEY)
-        service.store.update_batch(expiring, expires_at=int(time.time()) - 1)
-        fill(disk)
-        until_the_store_is_full(client, file_id)
+    service, client = api
+    file_id = upload(client, jsonl(3)).json()["id"]
+    cancelled, expiring = (create_batch(client, file_id).json()["id"] for _ in range(2))
+    runner, owner = service.runner, owner_of(KEY)
+    service.store.update_batch(expiring, expires_at=int(time.time()) - 1)
+    fill(disk)
+    until_the_store_is_full(client, file_id)
 
-        refused = client.post(f"/v1/batches/{cancelled}/cancel", headers=AUTH)
-        assert_disk_full(refused)
-        runner._expire_queued()  # the scheduler's step: it must not raise
-        assert (cancelled, owner) in runner._queue and (expiring, owner) in runner._queue
-        assert service.store.batch(expiring).status not in FINAL_STATUSES
+    refused = client.post(f"/v1/batches/{cancelled}/cancel", headers=AUTH)
+    assert_disk_full(refused)
+    runner._expire_queued()  # the scheduler's step: it must not raise
+    assert (cancelled, owner) in runner._queue and (expiring, owner) in runner._queue
+    assert service.store.batch(expiring).status not in FINAL_STATUSES
 
-        assert service.store.batch(cancelled).status not in FINAL_STATUSES
+    assert service.store.batch(cancelled).status not in FINAL_STATUSES
 
-        make_room(disk)
-        runner._expire_queued()
-        assert service.store.batch(expiring).status == "expired" and (expiring, owner) not in runner._queue
-        again = client.post(f"/v1/batches/{cancelled}/cancel", headers=AUTH)
-        assert again.status_code == 200 and again.json()["status"] == "cancelled", again.text
-        assert (cancelled, owner) not in runner._queue
-    finally:
-        service.stop()
+    make_room(disk)
+    runner._expire_queued()
+    assert service.store.batch(expiring).status == "expired" and (expiring, owner) not in runner._queue
+    again = client.post(f"/v1/batches/{cancelled}/cancel", headers=AUTH)
+    assert again.status_code == 200 and again.json()["status"] == "cancelled", again.text
+    assert (cancelled, owner) not in runner._queue
