@@ -507,7 +507,6 @@ def validate(
     statistics are those of the rendered prompts."""
     from pipeline.datasets.render import DatasetError
     from pipeline.engines.base import backend
-    from pipeline.io.rows import TableRead
     from pipeline.job_plan import JobPlan, JobPlanError
     from pipeline.models import MissingDependencyError, ModelNotFoundError
     from pipeline.runtime.preflight import PreflightError, check_input_source
@@ -516,9 +515,9 @@ def validate(
     try:
         job = merge_overrides(load_job_config(config), flags.overrides(), flags.labels)
         plan = JobPlan.of(job)
-        source = check_input_source(input, job.storage, TableRead() if plan.dataset else None)
+        source = check_input_source(input, job.storage, plan.table_read)
         if plan.dataset is not None:  # a table: its columns are checked against the templates first
-            plan.dataset.read_table_from(source)
+            plan.dataset.check_table(source)
         # Tokens are counted with each model's own tokenizer, which needs the models; a backend whose servers
         # count their own (http) has nothing to count with here, and its servers are not contacted.
         tokens = tokens and backend(job.engine.backend).fitting is not None

@@ -32,9 +32,13 @@ from pipeline.config import (
     PoolConfig,
     format_validation_error,
 )
+from pipeline.datasets.output import TableOutput
 from pipeline.datasets.render import RowRenderer
+from pipeline.datasets.spec import DatasetConfig
 from pipeline.datasets.template import TemplateError
 from pipeline.engines.base import EngineSpec, backend, engine_class
+from pipeline.io.rows import TableRead
+from pipeline.manifest import DatasetJob
 from pipeline.models import ResolvedModel, resolve_models, served_name
 from pipeline.topology import Topology
 
@@ -189,6 +193,45 @@ class JobPlan:
             return RowRenderer(spec, self.config.limits.max_json_depth)
         except TemplateError as exc:
             raise JobPlanError(str(exc)) from exc
+
+    @property
+    def table_read(self) -> TableRead | None:
+        """How the input is read: a dataset job's table (the columns its requests are made of, and the kept ones);
+        None for request lines."""
+        return self.dataset.table_read() if self.dataset else None
+
+    @property
+    def dataset_spec(self) -> DatasetConfig | None:
+        """What ingest's tasks rebuild the renderer from, on the nodes that read the rows (compiled templates do not
+        travel); None for request lines."""
+        return self.dataset.spec if self.dataset else None
+
+    @property
+    def table_output(self) -> TableOutput | None:
+        """How finalize writes a dataset job's table (its answer columns); None: output lines, as the input's."""
+        return self.dataset.output if self.dataset else None
+
+    def output_format(self, input_formats: set[str]) -> str:
+        """The format asked for; else JSONL, or for a dataset job its input's (Parquet when every file is)."""
+        asked = self.config.output_options.format
+        if asked is not None:
+            return asked
+        return "parquet" if self.dataset is not None and input_formats == {"parquet"} else "jsonl"
+
+    @property
+    def dataset_summary(self) -> DatasetJob | None:
+        """The manifest's account of a dataset job: its route, id column, templates and answer columns."""
+        if self.dataset is None:
+            return None
+        return DatasetJob(
+            route=self.dataset.spec.route,
+            id_column=self.dataset.spec.id_column,
+            templates={
+                name.removeprefix("dataset."): template.text
+                for name, template in self.dataset.templates.items()
+            },
+            answer_columns=self.dataset.output.answer_names(),
+        )
 
     @cached_property
     def served(self) -> ServedNames | None:

@@ -434,16 +434,24 @@ def _checked_input(location: str, renderer: RowRenderer | None) -> Path:
     """--input, checked as the job would check it: request lines, or a dataset job's table with the columns its
     templates name."""
     from pipeline.datasets.render import DatasetError
-    from pipeline.io.readers import input_source
     from pipeline.runtime.preflight import PreflightError, check_input
 
     try:
         path = check_input(location, table=renderer.table_read() if renderer else None)
         if renderer is not None:
-            renderer.read_table_from(input_source(str(path)))
+            renderer.check_table(_table_source(path, renderer))
     except (PreflightError, DatasetError) as exc:
         raise PlanError(str(exc)) from None
     return path
+
+
+def _table_source(path: Path, renderer: RowRenderer):
+    """A dataset job's table at `path`, read as its renderer reads it."""
+    from pipeline.io.readers import input_source
+
+    source = input_source(str(path))
+    source.table = renderer.table_read()
+    return source
 
 
 def _valid_requests(
@@ -454,12 +462,7 @@ def _valid_requests(
     from pipeline.stages.intake import InputCounts, iter_validated
     from pipeline.stages.validate import LineValidator, ValidRequest
 
-    source = None
-    if renderer is not None:
-        from pipeline.io.readers import input_source
-
-        source = input_source(str(path))
-        source.table = renderer.table_read()  # its columns were checked by _checked_input
+    source = _table_source(path, renderer) if renderer is not None else None  # its columns: _checked_input
     report = InputCounts(source=str(path))
     for outcome in iter_validated(source or path, LineValidator(served), report, renderer):
         if isinstance(outcome, ValidRequest):

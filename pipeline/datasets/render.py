@@ -19,9 +19,11 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Iterable
+from functools import cached_property
 from typing import Any, NamedTuple
 
 from pipeline import json_codec
+from pipeline.datasets.output import TableOutput
 from pipeline.datasets.spec import DatasetConfig
 from pipeline.datasets.template import PromptTemplate, RenderError
 from pipeline.endpoints import endpoint_named
@@ -97,9 +99,7 @@ class RowRenderer:
                 f"dataset.keep_columns names column(s) the table does not have: {', '.join(kept)} "
                 f"(it has: {', '.join(present)})"
             )
-        from pipeline.datasets.output import TableOutput
-
-        answers = TableOutput.of(self.spec).answer_names()
+        answers = self.output.answer_names()
         clash = [name for name in answers if name in (self.spec.keep_columns or present)]
         if clash:
             raise DatasetError(
@@ -107,10 +107,19 @@ class RowRenderer:
                 "the others only (dataset.keep_columns / --keep-columns), or rename them"
             )
 
-    def read_table_from(self, source: Any) -> None:
-        """Set `source` (an io.readers.InputSource) to read this job's table, and check its columns (from its first
-        file) against the templates: DatasetError before any work. An input without a row has nothing to check."""
-        source.table = self.table_read()
+    @cached_property
+    def output(self) -> TableOutput:
+        """How finalize writes this job's table: the answer columns of its route, a JSON answer's parsing."""
+        return TableOutput.of(self.spec)
+
+    def check_table(self, source: Any) -> None:
+        """Check the columns of `source` (an io.readers.InputSource reading this job's table: `table_read()`), from its
+        first file, against the templates: DatasetError before any work. An input without a row has nothing to
+        check."""
+        if source.table != self.table_read():
+            raise ValueError(
+                "the input is not read as this job's table: give check_input_source its table_read()"
+            )
         columns = source.table_columns()
         if columns is not None:
             self.check_columns(columns)

@@ -110,6 +110,10 @@ class InputSource:
         file = self.files[index]
         return file.declared_format or sniffed_format(self.store.head(file, 4))
 
+    def file_formats(self) -> set[str]:
+        """The formats of the input's files: {"jsonl"}, {"parquet"} or both."""
+        return {self.file_format(index) for index in range(len(self.files))}
+
     def plan_reads(
         self, range_bytes: int = RANGE_BYTES, piece_rows: int = PIECE_ROWS, lead: Sequence[int] = ()
     ) -> tuple[list[InputPiece], list[ByteRange]]:

@@ -35,19 +35,16 @@ import structlog
 
 from pipeline import __version__
 from pipeline.config import JobConfig, StorageConfig, merge_overrides
-from pipeline.datasets.output import TableOutput
 from pipeline.datasets.render import DatasetError
 from pipeline.engines.base import EngineSpec, engine_class
 from pipeline.fit_record import FitDecision, decision_of
 from pipeline.io.locations import RetryStats
 from pipeline.io.readers import InputSource
-from pipeline.io.rows import TableRead
 from pipeline.io.staging import JobStateError, StagingArea
 from pipeline.io.writers import OutputTarget, output_target
 from pipeline.job_plan import JobPlan, JobPlanError
 from pipeline.manifest import (
     Cost,
-    DatasetJob,
     DriverCost,
     EngineReport,
     Manifest,
@@ -109,10 +106,12 @@ class JobOutcome:
     pools: dict[str, dict[str, float]] = field(default_factory=dict)
 
 
-def _prepare(config: JobConfig, resume: bool) -> tuple[InputSource, OutputTarget, StagingArea, JobState]:
+def _prepare(
+    config: JobConfig, plan: JobPlan, resume: bool
+) -> tuple[InputSource, OutputTarget, StagingArea, JobState]:
     """Preflight, then either a fresh job spec or the stored one of the job being resumed."""
     # A dataset job reads a table: no request-line schema is asked of it (its columns are checked in _open_job).
-    source = check_input_source(config.input, config.storage, TableRead() if config.dataset.enabled else None)
+    source = check_input_source(config.input, config.storage, plan.table_read)
     output = check_output_target(config.output, config.overwrite, config.storage, resume=resume)
     staging = output.staging_area()
     if resume and staging.exists():
@@ -220,15 +219,16 @@ def _open_job(config: JobConfig, resume: bool) -> _Job:
     """Preflight: input and output checked, the job's state (fresh or stored), its plan resolved (models, an http
     job's servers probed), its engines and backend checked, and its recorder started — everything that can refuse
     the job before any work."""
-    source, output, staging, state = _prepare(config, resume)
     try:
-        # Adapter names that clash are refused here, before any work.
-        plan = JobPlan.of(config).resolve()
+        # Adapter names that clash, and templates that do not compile, are refused here, before any work.
+        plan = JobPlan.of(config)
+        source, output, staging, state = _prepare(config, plan, resume)
+        plan = plan.resolve()
     except JobPlanError as exc:
         raise PreflightError(str(exc)) from exc
     if plan.dataset is not None:
         try:
-            plan.dataset.read_table_from(source)
+            plan.dataset.check_table(source)
         except DatasetError as exc:
             raise PreflightError(f"input {config.input}: {exc}") from exc
     for server in plan.probed.get("servers") or []:
@@ -358,7 +358,7 @@ def _fit_early(job: _Job, engines: _Engines) -> None:
         measure,
         job.job_id,
         reserve_cpus=False,
-        dataset=config.dataset if job.plan.dataset is not None else None,
+        dataset=job.plan.dataset_spec,
     )
     if sample.whole:
         return
@@ -399,7 +399,7 @@ def _ingest(job: _Job, engines: _Engines) -> None:
         on_requests=engines.hand_over if engines.streaming else None,
         adapters=frozenset(served.adapters),
         hold_above=engines.hold_above,
-        dataset=job.config.dataset if job.plan.dataset is not None else None,
+        dataset=job.plan.dataset_spec,
     )
     state.input = JobInput(
         location=job.source.describe(),
@@ -514,9 +514,9 @@ def _finalize(
         job.staging,
         config.output_options.rows_per_shard,
         state.input.lines,
-        format=output_format(config, job.source),
+        format=fitted.output_format(job.source.file_formats()),
         reserve_cpus=engines.launch is None or engines.launch.warm is None,
-        table=TableOutput.of(config.dataset) if config.dataset.enabled else None,
+        table=fitted.table_output,
     )
     manifest = _manifest(job, fitted, run, work, counters, clock, outputs)
     recorder.stage_ended("finalize")
@@ -525,27 +525,6 @@ def _finalize(
         # Before the manifest: a committed job's report is complete; a report that fails costs the job nothing.
         manifest.report = write_report(output, manifest, recorder.timeline, outputs.usage_histograms)
     return manifest
-
-
-def _dataset_summary(config: JobConfig) -> DatasetJob | None:
-    spec = config.dataset
-    if not spec.enabled:
-        return None
-    named = {"template": spec.template, "system": spec.system, "pair_template": spec.pair_template}
-    return DatasetJob(
-        route=spec.route,
-        id_column=spec.id_column,
-        templates={name: text for name, text in named.items() if text is not None},
-        answer_columns=TableOutput.of(spec).answer_names(),
-    )
-
-
-def output_format(config: JobConfig, source: InputSource) -> str:
-    """The format asked for; else JSONL, or for a dataset job its input's format (Parquet when every file is)."""
-    if config.output_options.format is not None:
-        return config.output_options.format
-    formats = {source.file_format(i) for i in range(len(source.files))}
-    return "parquet" if config.dataset.enabled and formats == {"parquet"} else "jsonl"
 
 
 def _manifest(
@@ -580,7 +559,7 @@ def _manifest(
         format_version=FORMAT_VERSION,
         nightshift_version=__version__,
         job_id=job.job_id,
-        dataset=_dataset_summary(job.config),
+        dataset=job.plan.dataset_summary,
         created_at=clock.started_at,
         finished_at=dt.datetime.now(dt.timezone.utc),
         input=state.input.summary(),

@@ -203,3 +203,52 @@ def test_each_pool_runs_its_own_fitted_max_num_seqs_over_its_placement():
     pools = [settled_pool(pool, settled) for pool in placed]
     started = [feed_spec(settled.engine_spec(), pool) for pool in pools]
     assert [(s.args["max_num_seqs"], s.cpus) for s in started] == [(7, 2.0), (9, 2.0)]
+
+
+def test_a_dataset_job_is_resolved_once_in_its_plan_and_request_lines_have_no_table():
+    lines = JobPlan.of(JobConfig(input="in.jsonl", output="out"))
+    assert (lines.table_read, lines.dataset_spec, lines.table_output, lines.dataset_summary) == (None,) * 4
+    assert lines.output_format({"parquet"}) == "jsonl"  # request lines come back as lines
+
+    config = JobConfig.model_validate(
+        {
+            "input": "t.parquet",
+            "output": "out",
+            "dataset": {
+                "template": "{{ title }}: {{ text }}",
+                "system": "Answer in {{ lang }}.",
+                "id_column": "id",
+                "keep_columns": ["id", "stars"],
+            },
+        }
+    )
+    plan = JobPlan.of(config)
+    assert plan.table_read.rendered == ("id", "lang", "text", "title")
+    assert plan.table_read.columns == ("id", "lang", "stars", "text", "title")
+    assert plan.dataset_spec is config.dataset
+    assert plan.table_output.answer_names() == plan.dataset.output.answer_names()
+    assert plan.output_format({"parquet"}) == "parquet"
+    assert plan.output_format({"parquet", "jsonl"}) == "jsonl"
+    assert JobPlan.of(config.model_copy(update={"output_options": config.output_options.model_copy(
+        update={"format": "jsonl"})})).output_format({"parquet"}) == "jsonl"  # fmt: skip
+    summary = plan.dataset_summary
+    assert summary.templates == {"template": "{{ title }}: {{ text }}", "system": "Answer in {{ lang }}."}
+    assert (summary.route, summary.id_column) == ("chat", "id")
+    assert summary.answer_columns == plan.table_output.answer_names()
+
+
+def test_below_the_command_line_nothing_reads_the_dataset_section_but_the_plan():
+    """The table is read, rendered and written as the plan says: the steps take its renderer, its spec and its
+    TableOutput, never a config's `dataset` again. Building a config (the Python call, the server's settings) is
+    above the plan."""
+    readers = []
+    for path in sorted((ROOT / "pipeline").rglob("*.py")):
+        if path.name in ("job_plan.py", "config.py", "api.py", "settings.py"):
+            continue
+        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+            if isinstance(node, ast.Attribute) and node.attr == "dataset":
+                owner = node.value
+                name = owner.id if isinstance(owner, ast.Name) else getattr(owner, "attr", "")
+                if name in ("config", "job", "fitted_config", "job_config"):
+                    readers.append(f"{path.relative_to(ROOT)}:{node.lineno}: {ast.unparse(node)}")
+    assert readers == [], "\n".join(readers)
