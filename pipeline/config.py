@@ -36,6 +36,7 @@ from pipeline.adapters import (
 from pipeline.config_flags import ConfigError, Flag
 from pipeline.datasets.spec import DatasetConfig
 from pipeline.engines.base import BACKEND_NAMES, backend
+from pipeline.media.policy import MediaPolicy
 from pipeline.server_urls import endpoint_base
 
 
@@ -280,6 +281,18 @@ class VllmEngineArgs(_Strict):
         ge=1,
         description="vLLM's --max-lora-rank: the highest rank of an adapter it serves (memory is reserved for "
         "it). Default: vLLM's (16). An adapter above it is refused before any work.",
+    )
+    limit_mm_per_prompt: Annotated[
+        dict[str, Any] | None,
+        Flag(
+            "--limit-mm-per-prompt",
+            "vLLM: most media items of each kind in one prompt, as a JSON object, e.g. '{\"image\": 2}'.",
+            parse=json_object_flag,
+        ),
+    ] = Field(
+        default=None,
+        description="vLLM's --limit-mm-per-prompt: most items of each modality one prompt may carry, e.g. "
+        "{image: 2, audio: 1}; a line with more is its invalid_request. Default: vLLM's (1 of each the model takes).",
     )
     extra: dict[str, Any] = Field(
         default_factory=dict,
@@ -1013,6 +1026,11 @@ class JobConfig(_Strict):
     )
     limits: InputLimits = Field(
         default_factory=InputLimits, description="Bounds on one input line (length, JSON nesting, custom_id)."
+    )
+    media: MediaPolicy = Field(
+        default_factory=MediaPolicy,
+        description="Where the images and audio that lines name may be fetched from, and how much of them "
+        "(media/policy.py). `nightshift serve` refuses private networks unless its operator allows them.",
     )
     overwrite: Annotated[bool, Flag("--overwrite", "Replace a completed job in OUTPUT.")] = Field(
         default=False, description="Replace a completed job already in OUTPUT."

@@ -287,6 +287,7 @@ class JobPlan:
             args,
             api_key=api_key,
             adapter_storage=self.config.storage,
+            media=self.config.media,
         )
 
 

@@ -45,6 +45,10 @@ class ErrorCode(str, Enum):
     TEMPLATE_ERROR = (
         "template_error"  # a dataset row its templates cannot render (a null or missing column, ...)
     )
+    MEDIA_REFUSED = "media_refused"  # a media URL the fetch policy does not allow (media/policy.py)
+    MEDIA_FETCH_FAILED = (
+        "media_fetch_failed"  # media the policy allows that could not be had (unreachable, too large)
+    )
 
 
 class BatchRequestLine(BaseModel):

@@ -15,6 +15,7 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Literal
 
+from pipeline.media.policy import MediaFetchFailed, MediaPolicy, MediaRefused
 from pipeline.protocol import ErrorCode
 
 if TYPE_CHECKING:
@@ -99,6 +100,8 @@ class EngineSpec:
     # A bearer token for the backend's servers (http). Kept out of `args`, which are logged and written to the
     # manifest; repr=False keeps it out of logs of the spec itself.
     api_key: str | None = field(default=None, repr=False)
+    # Where the media its requests name may be fetched from (media/policy.py), by a backend that fetches them.
+    media: MediaPolicy = field(default_factory=MediaPolicy)
 
 
 # vLLM words its context-length rejections several ways (renderer, sampling-param fitting); all mean the same.
@@ -112,6 +115,10 @@ def error_code_for(status_code: int, message: str) -> ErrorCode:
     """The stable error code of a request an engine (or a server) rejected with this status and message."""
     if _CONTEXT_LENGTH.search(message):
         return ErrorCode.CONTEXT_LENGTH_EXCEEDED
+    if MediaRefused.prefix in message:
+        return ErrorCode.MEDIA_REFUSED
+    if MediaFetchFailed.prefix in message:
+        return ErrorCode.MEDIA_FETCH_FAILED
     return ErrorCode.INVALID_REQUEST if status_code < 500 else ErrorCode.ENGINE_ERROR
 
 

@@ -262,6 +262,9 @@ class VllmEngine(Engine):
                     "enforce_eager with pipeline_parallel_size > 1 fails on vLLM's CPU backend (a later stage is "
                     "never warmed up): leave enforce_eager unset for this pool"
                 )
+        from pipeline.engines.vllm_media import use_media_policy
+
+        use_media_policy(self.spec.media)  # every media URL vLLM would fetch goes through the job's policy
         if topology.sharded and not self.spec.args.get("distributed_executor_backend"):
             # vLLM would pick its Ray executor inside a placement group, which its CPU backend does not have:
             # see topology.EngineGroup for which executor runs where.

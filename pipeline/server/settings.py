@@ -235,8 +235,10 @@ class ServerConfig(_Strict):
     )
     job: JobConfig = Field(
         default_factory=JobConfig,
+        validate_default=True,
         description="The job config every batch runs with (model, engine, resources …); input and output are the "
-        "batch's own.",
+        "batch's own. Its media policy refuses private networks unless job.media.allow_private_networks says "
+        "otherwise: a tenant's image URL must not reach the cluster's own network.",
     )
     hours: Annotated[
         str | None,
@@ -301,6 +303,10 @@ class ServerConfig(_Strict):
             raise ValueError(
                 "job.observe.metrics_port would open an unauthenticated port for every batch: remove it; the "
                 "server's /metrics (with an API key) shows each key's batches"
+            )
+        if "allow_private_networks" not in job.media.model_fields_set:
+            job = job.model_copy(
+                update={"media": job.media.model_copy(update={"allow_private_networks": False})}
             )
         return job
 

@@ -174,8 +174,8 @@ def test_documented_cpu_install_runs_the_example(tmp_path: Path) -> None:
         argv = shlex.split(command)
         assert argv[0] == "pip", f"the CPU block may only run pip: {command!r}"
         argv = [str(bin_dir / "python"), "-m", "pip", *(a.replace(PACKAGE, str(wheel), 1) for a in argv[1:])]
-        if argv[3] == "install":
-            argv.insert(4, "--no-compile")  # bytecode comes on first import; skipping it saves a minute of a core
+        if argv[3] == "install":  # bytecode comes on first import: skipping it saves a minute of a core
+            argv.insert(4, "--no-compile")
         _run(argv, env=env, cwd=tmp_path, timeout=1800)
         if step < len(commands) - 1:
             _check_half_done_install(bin_dir, env, tmp_path, step, command, example)

@@ -60,6 +60,19 @@ RULES = [
         "pure stages and the wire format run in a unit test without Ray or vLLM",
     ),
     (
+        ("pipeline/media/**/*.py",),
+        (
+            "ray",
+            "vllm",
+            "torch",
+            "pipeline.runtime",
+            "pipeline.engines",
+            "pipeline.server",
+            "pipeline.config",
+        ),
+        "the media fetch policy is plain Python: the engines apply it, the config and the server set it",
+    ),
+    (
         ("pipeline/engines/**/*.py",),
         ("ray.data", "pipeline.runtime", "pipeline.io", "pipeline.observe", "pipeline.server", "cluster"),
         "engines are the seam: the runtime places them and hands them their cores",

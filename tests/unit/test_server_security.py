@@ -46,6 +46,30 @@ def test_a_dataset_section_is_refused_in_the_server_config(tmp_path):
         load_server_config(config, {})
 
 
+def test_a_servers_batches_fetch_media_from_public_addresses_unless_its_operator_allows_more(tmp_path):
+    """A tenant's image URL must not reach the cluster's own network: `serve` refuses private networks by default,
+    `run` (the user's own box) allows them; the operator may open a network or all of them."""
+    from pipeline.config import JobConfig
+    from pipeline.media.policy import MediaRefused
+
+    assert JobConfig().media.allow_private_networks is True
+    config = tmp_path / "server.yaml"
+    config.write_text("job:\n  model: some/model\n")
+    media = load_server_config(config, {}).job.media
+    assert media.allow_private_networks is False
+    with pytest.raises(MediaRefused, match="private or loopback"):
+        media.vet("http://10.0.0.7/cat.png")
+    with pytest.raises(MediaRefused, match="link-local"):
+        media.vet("http://169.254.169.254/latest/meta-data/")
+    config.write_text("job:\n  media:\n    allowed_networks: [10.0.0.0/24]\n")
+    media = load_server_config(config, {}).job.media
+    assert media.vet("http://10.0.0.7/cat.png").address == "10.0.0.7"
+    with pytest.raises(MediaRefused, match="private or loopback"):
+        media.vet("http://10.0.1.7/cat.png")
+    config.write_text("job:\n  media:\n    allow_private_networks: true\n")
+    assert load_server_config(config, {}).job.media.vet("http://10.0.1.7/x.png").address == "10.0.1.7"
+
+
 # ------------------------------------------------------------------------------------------ where Serve listens
 
 

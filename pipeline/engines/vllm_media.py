@@ -1,0 +1,55 @@
+"""vLLM fetches a request's media through this connector, so the job's fetch policy (media/policy.py) decides every
+URL vLLM would otherwise fetch from anywhere.
+
+vLLM's own plug-in point: a class registered in `MEDIA_CONNECTOR_REGISTRY` and named by `VLLM_MEDIA_CONNECTOR` is
+the one its chat renderer builds to load `image_url`, `audio_url` and `video_url` parts. This one keeps vLLM's
+handling of `data:` URLs and of decoding (its MediaIO classes), and fetches http(s):// and file:// URLs itself with
+media/fetch.py: each redirect checked, the connection pinned to the checked address, a size and time limit. A URL
+the policy refuses raises MediaRefused, one that cannot be had MediaFetchFailed; vLLM's serving layer answers either
+(a ValueError) with a 400 carrying the message, which becomes the row's `media_refused` / `media_fetch_failed`.
+
+Imported only in an engine's process, by VllmEngine.start (it imports vLLM).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from typing import Any
+
+from vllm.multimodal.media import MEDIA_CONNECTOR_REGISTRY, MediaConnector
+
+from pipeline.media.fetch import fetch_media
+from pipeline.media.policy import MediaPolicy
+
+CONNECTOR = "nightshift-policy"
+_policy = MediaPolicy()
+
+
+def use_media_policy(policy: MediaPolicy) -> None:
+    """Make `policy` the one every connector vLLM builds in this process fetches by (before the engine starts)."""
+    global _policy
+    _policy = policy
+    os.environ["VLLM_MEDIA_CONNECTOR"] = CONNECTOR
+
+
+def _is_data_url(url: str) -> bool:
+    return url[:5].lower() == "data:"
+
+
+@MEDIA_CONNECTOR_REGISTRY.register(CONNECTOR)
+class PolicyMediaConnector(MediaConnector):
+    """vLLM's MediaConnector, with every fetch made by the job's media policy."""
+
+    def load_from_url(self, url: str, media_io: Any, *, fetch_timeout: int | None = None) -> Any:
+        if _is_data_url(url):
+            return super().load_from_url(url, media_io, fetch_timeout=fetch_timeout)
+        return media_io.load_bytes(fetch_media(url, _policy).data)
+
+    async def load_from_url_async(self, url: str, media_io: Any, *, fetch_timeout: int | None = None) -> Any:
+        if _is_data_url(url):
+            return await super().load_from_url_async(url, media_io, fetch_timeout=fetch_timeout)
+        loop = asyncio.get_running_loop()
+        # A thread: the fetch blocks on the network, the decode on the CPU; the engine's event loop does neither.
+        media = await loop.run_in_executor(None, fetch_media, url, _policy)
+        return await loop.run_in_executor(None, media_io.load_bytes, media.data)
