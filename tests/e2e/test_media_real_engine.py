@@ -1,0 +1,168 @@
+"""Images on the real engine: a job mixing text rows, image rows (an http URL and a data: URL), a broken image and URLs
+the fetch policy refuses, on a tiny random-weight Idefics3 (tests/e2e/tiny_idefics3.py), under the policy a server
+runs with (private networks off; the test's loopback image server's address listed in `allowed_networks`).
+
+Each image row's body equals vLLM's own run-batch on the same line (vLLM fetching the URL itself); the broken image
+and each refused URL is its own error record and the job goes on; the refused URLs were never fetched, and the
+allowed one was fetched once, by the engine that ran its row."""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+import subprocess
+import sys
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+from tests.e2e.cli import run_cli
+from tests.lines import read_job_output, read_jsonl, write_lines
+from tests.media_server import PNG, MediaServer, png
+
+CONTEXT = 512
+
+
+def chat(custom_id: str, *parts: dict, max_tokens: int = 6) -> str:
+    content = [{"type": "text", "text": "Describe the picture."}, *parts]
+    body = {"model": "vlm", "messages": [{"role": "user", "content": content}], "max_tokens": max_tokens,
+            "temperature": 0}  # fmt: skip
+    return json.dumps({"custom_id": custom_id, "method": "POST", "url": "/v1/chat/completions", "body": body})
+
+
+def image(url: str) -> dict:
+    return {"type": "image_url", "image_url": {"url": url}}
+
+
+@pytest.fixture(scope="module")
+def vlm(tmp_path_factory, embedded_model) -> Path:
+    from tests.e2e.tiny_idefics3 import make_tiny_idefics3
+
+    return make_tiny_idefics3(tmp_path_factory.mktemp("models") / "tiny-idefics3", Path(embedded_model.path))
+
+
+@pytest.fixture(scope="module")
+def images():
+    server = MediaServer(png(20))
+    yield server
+    server.close()
+
+
+@pytest.fixture(scope="module")
+def lines(images) -> dict[str, str]:
+    data_url = "data:image/png;base64," + base64.b64encode(png(33)).decode()
+    return {
+        "text-0": json.dumps(
+            {
+                "custom_id": "text-0",
+                "method": "POST",
+                "url": "/v1/chat/completions",
+                "body": {
+                    "model": "vlm",
+                    "messages": [{"role": "user", "content": "Hello there."}],
+                    "max_tokens": 6,
+                    "temperature": 0,
+                },
+            }
+        ),
+        "image-url": chat("image-url", image(images.url("/cat.png"))),
+        "image-data": chat("image-data", image(data_url)),
+        "image-broken": chat(
+            "image-broken", image("data:image/png;base64," + base64.b64encode(PNG).decode())
+        ),
+        "refused-metadata": chat(
+            "refused-metadata", image("http://169.254.169.254/latest/meta-data/cat.png")
+        ),
+        "refused-file": chat("refused-file", image("file:///etc/passwd")),
+        "refused-private": chat("refused-private", image("http://10.255.255.1/cat.png")),
+    }
+
+
+ANSWERED = ("text-0", "image-url", "image-data")
+
+
+@pytest.fixture(scope="module")
+def job(e2e_dir, vlm, images, lines):
+    config = e2e_dir / "media-job.json"
+    policy = {"allow_private_networks": False, "allowed_networks": ["127.0.0.1/32"]}  # as a server runs
+    config.write_text(json.dumps({"media": policy}))
+    path = write_lines(e2e_dir / "media.jsonl", list(lines.values()))
+    output = e2e_dir / "media-out"
+    proc = run_cli(
+        "run", str(path), str(output), "-c", str(config), "--model", str(vlm), "--served-model-name", "vlm",
+        "--num-engines", "1", "--cpus-per-engine", "1", "--max-model-len", str(CONTEXT),
+        "--limit-mm-per-prompt", '{"image": 1}', "--no-progress",
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    hits = Counter(path for path, _ in images.hits)
+    images.hits.clear()
+    return (*read_job_output(output), hits)
+
+
+@pytest.fixture(scope="module")
+def oracle(e2e_dir, vlm, lines):
+    """vLLM's own run-batch on the lines it answers, with the same engine args (it fetches the URL itself)."""
+    oracle_in = write_lines(e2e_dir / "media-oracle-in.jsonl", [lines[name] for name in ANSWERED])
+    oracle_out = e2e_dir / "media-oracle-out.jsonl"
+    proc = subprocess.run(
+        [
+            sys.executable, "-m", "vllm.entrypoints.openai.run_batch", "-i", str(oracle_in), "-o", str(oracle_out),
+            "--model", str(vlm), "--served-model-name", "vlm", "--max-model-len", str(CONTEXT), "--enforce-eager",
+            "--limit-mm-per-prompt", '{"image": 1}',
+        ],
+        capture_output=True,
+        text=True,
+        timeout=900,
+        env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "0"},
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return {r["custom_id"]: r["response"]["body"] for r in read_jsonl([oracle_out])}
+
+
+def test_every_line_is_answered_or_its_own_error_and_the_job_goes_on(job, lines):
+    results, errors, manifest = job[:3]
+    assert set(results) | set(errors) == set(lines)
+    assert not set(results) & set(errors)
+    assert set(results) == set(ANSWERED)
+    assert manifest["counts"]["total"] == len(lines)
+    codes = {custom_id: record["response"]["body"]["error"]["code"] if record.get("response") else
+             record["error"]["code"] for custom_id, record in errors.items()}  # fmt: skip
+    assert codes == {
+        "image-broken": "invalid_request",
+        "refused-metadata": "media_refused",
+        "refused-file": "media_refused",
+        "refused-private": "media_refused",
+    }, codes
+
+
+def test_refused_urls_are_never_fetched_and_the_allowed_one_once(job):
+    hits = job[3]
+    assert hits == Counter({"/cat.png": 1})
+
+
+def test_the_refusals_name_the_rule(job):
+    errors = job[1]
+
+    def message(custom_id: str) -> str:
+        record = errors[custom_id]
+        return (record["response"]["body"] if record.get("response") else record)["error"]["message"]
+
+    assert "media URL refused by the fetch policy" in message("refused-metadata")
+    assert "link-local" in message("refused-metadata")
+    assert "allowed_local_media_path" in message("refused-file")
+    assert "private or loopback" in message("refused-private")
+
+
+def test_image_rows_give_vllms_own_run_batch_bodies(job, oracle):
+    results = job[0]
+    for custom_id in ANSWERED:
+        ours, theirs = results[custom_id]["response"]["body"], oracle[custom_id]
+        assert ours["choices"][0]["message"]["content"] == theirs["choices"][0]["message"]["content"], (
+            custom_id
+        )
+        assert ours["usage"] == theirs["usage"], custom_id
+    # The image's tokens are the prompt's: 4 image tokens and the markers around them, on top of the text.
+    text_only = results["text-0"]["response"]["body"]["usage"]["prompt_tokens"]
+    assert results["image-url"]["response"]["body"]["usage"]["prompt_tokens"] > text_only
