@@ -147,6 +147,13 @@ class JobPlan:
             [(pool.name, pool.model_arg, pool.served_name_arg) for pool in self.pools],
             config.engine.vllm.runner,
         )
+        engine = engine_class(config.engine.backend)
+        for name, model in models.items():
+            # What one image or audio item costs in a prompt, for fitting and `validate` to count: the backend's
+            # own processor knows it ({} for a model that takes no media).
+            media = engine.media_tokens(model)
+            if media:
+                models[name] = model.model_copy(update={"media_tokens": media})
         return JobPlan.of(config, models)
 
     def refit(self, config: JobConfig) -> JobPlan:

@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import structlog
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field
 
 from pipeline.local_files import exclusive_lock, nightshift_home
 
@@ -85,6 +85,9 @@ class ResolvedModel(BaseModel):
     # The task vLLM runs the model for ("generate", "embed", "classify", ...); None when its files do not tell
     # (a hub id that is not cached): then the engine decides, and answers a route it cannot serve with an error.
     task: str | None = None
+    # Prompt tokens one media item takes, by modality ({"image": 7}), for a model that takes media: counted by
+    # fitting and `validate` for each image or audio part (the engine's backend works it out: JobPlan.resolve).
+    media_tokens: dict[str, int] = Field(default_factory=dict)
 
 
 def embedded_gguf_path() -> Path:

@@ -390,6 +390,7 @@ def _measure_input(
 
     `job_models` (served name -> task): every model of the job, when the model planned is one of several; the
     requests of the others are valid lines of the job, left out of this model's numbers."""
+    from pipeline.engines.base import engine_class
     from pipeline.models import resolve_model
     from pipeline.tokens import PromptCounter
 
@@ -397,7 +398,9 @@ def _measure_input(
     try:
         # Prompts counted as the engine will count them (chat template applied).
         resolved = resolve_model(model, runner=runner)
-        counter = PromptCounter.for_model(resolved.path, chat_template, resolved.task)
+        # `plan` sizes vLLM's engines: an image or audio part costs what vLLM's processor makes of it.
+        media = engine_class("vllm").media_tokens(resolved)
+        counter = PromptCounter.for_model(resolved.path, chat_template, resolved.task, media)
     except ValueError as exc:  # a --chat-template naming no file
         raise PlanError(str(exc)) from None
     if counter is None:

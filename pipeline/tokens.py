@@ -29,6 +29,16 @@ from typing import Any
 
 from pipeline.endpoints import Chat, Text, TextPair, endpoint_for
 
+# A chat's content parts that carry media, and their modality (vLLM's chat parser reads these part types).
+MEDIA_PARTS = {
+    "image_url": "image",
+    "input_image": "image",
+    "image_pil": "image",
+    "audio_url": "audio",
+    "input_audio": "audio",
+    "video_url": "video",
+}
+
 # What vLLM takes for a template's text rather than a file name or a built-in template's name.
 _JINJA_CHARS = "{}\n"
 
@@ -76,7 +86,7 @@ def load_tokenizer(model_dir: str) -> Any:
     for this directory the last time (while none of its files but the weights changed) loads it directly; else
     AutoTokenizer chooses, and its choice is remembered. Classes of remote code are never remembered."""
     directory = Path(model_dir)
-    stamp = _directory_stamp(directory)
+    stamp = directory_stamp(directory)
     remembered = _remembered_classes().get(str(directory.resolve())) if stamp else None
     if isinstance(remembered, dict) and remembered.get("stamp") == stamp:
         module, _, name = str(remembered.get("class", "")).partition(":")
@@ -94,7 +104,7 @@ def load_tokenizer(model_dir: str) -> Any:
     return tokenizer
 
 
-def _directory_stamp(directory: Path) -> list[list[Any]] | None:
+def directory_stamp(directory: Path) -> list[list[Any]] | None:
     """Name, size and mtime of each file of a model directory but its weights, after what else AutoTokenizer's
     choice depends on (the transformers version; whether mistral-common is installed); None when it is not a
     directory."""
@@ -146,19 +156,32 @@ class PromptCounter:
     """Counts prompt tokens per sequence a request starts; a batch at a time, so the tokenizer works in bulk."""
 
     def __init__(
-        self, tokenizer: Any, name: str, chat_template: str | None = None, pairwise: bool = False
+        self,
+        tokenizer: Any,
+        name: str,
+        chat_template: str | None = None,
+        pairwise: bool = False,
+        media_tokens: dict[str, int] | None = None,
     ) -> None:
         self.tokenizer = tokenizer
         self.name = name  # what counted, for reports
         self.chat_template = chat_template  # the job's template (text), None for the model's own
         self.pairwise = pairwise  # the model scores a (query, document) pair as one sequence: a cross-encoder
+        # Prompt tokens one image / audio / video item takes (its placeholder: the item's tokens and the markers
+        # around them), by modality: counted for each media part of a chat, on top of its text.
+        self.media_tokens = dict(media_tokens or {})
 
     @classmethod
     def for_model(
-        cls, model_dir: str, chat_template: str | None = None, task: str | None = None
+        cls,
+        model_dir: str,
+        chat_template: str | None = None,
+        task: str | None = None,
+        media_tokens: dict[str, int] | None = None,
     ) -> PromptCounter | None:
         """The counter of a model directory; None when transformers is not installed. `chat_template`: the job's
-        --chat-template as given; `task`: the model's (see pipeline.models.model_task)."""
+        --chat-template as given; `task`: the model's (see pipeline.models.model_task); `media_tokens`: what one
+        media item costs, by modality (the vLLM backend's `media_tokens`)."""
         if importlib.util.find_spec("transformers") is None:
             return None
         template = load_chat_template(chat_template)
@@ -169,7 +192,11 @@ class PromptCounter:
             ImportError
         ):  # transformers there but not importable (a dependency clash): no counter, as without it
             return None
-        return cls(tokenizer, f"{model_dir} ({what})", template, task == "classify")
+        if media_tokens:
+            what += " + " + ", ".join(
+                f"{n} tokens per {modality}" for modality, n in sorted(media_tokens.items())
+            )
+        return cls(tokenizer, f"{model_dir} ({what})", template, task == "classify", media_tokens)
 
     def count(self, url: str, body: dict[str, Any]) -> list[int]:
         """Prompt tokens of each sequence the request starts; raises when the template rejects the request."""
@@ -184,19 +211,20 @@ class PromptCounter:
         plain = self._render_plain_chats(prompts)
         texts: list[str | tuple[str, str]] = []  # rendered prompts (or pairs), tokenized together below
         special: list[bool] = []
-        # Per request: a list of items, each an int (already a token count) or an index into `texts`.
-        plans: list[list[int | tuple[int]] | Exception] = []
+        # Per request: a list of items, each an int (already a token count) or (an index into `texts`, the tokens
+        # its media items add).
+        plans: list[list[int | tuple[int, int]] | Exception] = []
         for r, request_prompts in enumerate(prompts):
             if isinstance(request_prompts, Exception):
                 plans.append(request_prompts)
                 continue
             try:
-                items: list[int | tuple[int]] = []
+                items: list[int | tuple[int, int]] = []
                 for prompt in request_prompts:
                     if isinstance(prompt, int):
                         items.append(prompt)
                         continue
-                    items.append((len(texts),))
+                    items.append((len(texts), self._media_cost(prompt) if isinstance(prompt, Chat) else 0))
                     if isinstance(prompt, Chat):
                         texts.append(plain[r] if r in plain else self._render_chat(prompt))
                         special.append(False)
@@ -216,7 +244,7 @@ class PromptCounter:
             if isinstance(plan, Exception):
                 out.append(plan)
                 continue
-            counts = [item if isinstance(item, int) else lengths[item[0]] for item in plan]
+            counts = [item if isinstance(item, int) else lengths[item[0]] + item[1] for item in plan]
             truncate = body.get("truncate_prompt_tokens")
             if isinstance(truncate, int) and not isinstance(truncate, bool) and truncate > 0:
                 counts = [min(n, truncate) for n in counts]  # vLLM keeps only the last `truncate` tokens
@@ -303,6 +331,19 @@ class PromptCounter:
         else:
             encoded = self.tokenizer(batch, add_special_tokens=add_special_tokens, verbose=False)["input_ids"]
         return [len(ids) for ids in encoded]
+
+    def _media_cost(self, chat: Chat) -> int:
+        """The tokens a chat's media parts add to its text (which the chat template renders without them)."""
+        if not self.media_tokens:
+            return 0
+        cost = 0
+        for message in chat.messages:
+            content = message.get("content") if isinstance(message, dict) else None
+            if isinstance(content, list):
+                for part in content:
+                    modality = MEDIA_PARTS.get(part.get("type")) if isinstance(part, dict) else None
+                    cost += self.media_tokens.get(modality, 0) if modality else 0
+        return cost
 
     def _render_chat(self, chat: Chat) -> str:
         messages = [_flatten_content(m) for m in chat.messages]

@@ -175,6 +175,12 @@ class Engine(ABC):
         return {}
 
     @classmethod
+    def media_tokens(cls, model: Any) -> dict[str, int]:
+        """Prompt tokens one media item takes in `model`'s prompts (a ResolvedModel), by modality, for fitting to
+        count; {} when the backend cannot tell or the model takes no media."""
+        return {}
+
+    @classmethod
     def preload(cls) -> None:
         """Import what start() needs, ahead of it. The runtime calls this on a thread as soon as an engine actor
         exists, so seconds of imports overlap the wait for its first chunk of work instead of following it."""

@@ -102,14 +102,21 @@ def per_sequence(count: Counter) -> Counter:
 _PROMPT_COUNTERS: dict[str, Any] = {}
 
 
-def prompt_counter(model_dir: str, chat_template: str | None = None, task: str | None = None):
+def prompt_counter(
+    model_dir: str,
+    chat_template: str | None = None,
+    task: str | None = None,
+    media_tokens: dict[str, int] | None = None,
+):
     """The model's PromptCounter (pipeline/tokens.py, PromptCounter.for_model), loaded once per process."""
     from pipeline.tokens import PromptCounter
 
-    key = f"{model_dir}\0{chat_template}\0{task}"
+    key = f"{model_dir}\0{chat_template}\0{task}\0{sorted((media_tokens or {}).items())}"
     counter = _PROMPT_COUNTERS.get(key)
     if counter is None:
-        counter = _PROMPT_COUNTERS[key] = PromptCounter.for_model(model_dir, chat_template, task)
+        counter = _PROMPT_COUNTERS[key] = PromptCounter.for_model(
+            model_dir, chat_template, task, media_tokens
+        )
     return counter
 
 

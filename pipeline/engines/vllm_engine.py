@@ -27,6 +27,7 @@ import os
 import re
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import structlog
@@ -223,6 +224,11 @@ class VllmEngine(Engine):
 
             load_chat_template(template)  # raises ValueError naming the file that is not there
         _check_against_model(spec)
+
+    @classmethod
+    def media_tokens(cls, model: ResolvedModel) -> dict[str, int]:
+        model_dir = _model_dir(model)
+        return media_tokens(model_dir) if model_dir else {}
 
     @classmethod
     def preload(cls) -> None:
@@ -539,6 +545,69 @@ def _on_cpu() -> bool:
 
 # --- fitting (engines/fitting.py): what the driver and the ingest tasks can know before an engine starts --------
 
+# config.json keys of a model with a vision or audio tower beside its language model, and the files of its processor.
+_MEDIA_CONFIG_KEYS = ("vision_config", "audio_config", "vision_tower", "mm_vision_tower", "visual")
+_PROCESSOR_FILES = ("preprocessor_config.json", "processor_config.json")
+
+
+def media_tokens(model_dir: str) -> dict[str, int]:
+    """Prompt tokens one media item takes in this model's prompts, by modality: its placeholder (the item's tokens
+    and the markers around them) at the largest size the model's processor makes, as vLLM's own processor builds it
+    for its memory profiling. What fitting and `validate` count for each image or audio part ({} for a model that
+    takes no media): an upper bound where the size varies with the image, exact where it does not.
+
+    Building vLLM's processor means importing vLLM (seconds), so only a directory that looks multimodal asks, and
+    the answer is remembered under $NIGHTSHIFT_HOME per directory and vLLM version."""
+    directory = Path(model_dir)
+    if not _looks_multimodal(directory):
+        return {}
+    from pipeline.local_files import atomic_write_json, exclusive_lock, nightshift_home
+    from pipeline.tokens import directory_stamp
+
+    stamp = [installed_vllm_version(), directory_stamp(directory)]
+    memo = nightshift_home() / "cache" / "media-tokens.json"
+    with contextlib.suppress(OSError, ValueError):
+        entry = json.loads(memo.read_text()).get(str(directory))
+        if entry and entry["stamp"] == json.loads(json.dumps(stamp)):
+            return {str(k): int(v) for k, v in entry["tokens"].items()}
+    tokens = _media_tokens_from_vllm(model_dir)
+    with contextlib.suppress(OSError):  # a read-only home only costs the next job the same seconds
+        memo.parent.mkdir(parents=True, exist_ok=True)
+        with exclusive_lock(memo.with_suffix(".lock")):
+            known: dict[str, Any] = {}
+            with contextlib.suppress(OSError, ValueError):
+                known = json.loads(memo.read_text())
+            known[str(directory)] = {"stamp": stamp, "tokens": tokens}
+            atomic_write_json(memo, known)
+    return tokens
+
+
+def _looks_multimodal(directory: Path) -> bool:
+    if any((directory / name).is_file() for name in _PROCESSOR_FILES):
+        return True
+    try:
+        config = json.loads((directory / "config.json").read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(config, dict) and any(key in config for key in _MEDIA_CONFIG_KEYS)
+
+
+def _media_tokens_from_vllm(model_dir: str) -> dict[str, int]:
+    from vllm.config import ModelConfig
+    from vllm.multimodal import MULTIMODAL_REGISTRY
+
+    config = ModelConfig(model=model_dir)
+    if not config.is_multimodal_model:
+        return {}
+    processor = MULTIMODAL_REGISTRY.create_processor(config)
+    counts = {modality: 1 for modality, limit in processor.info.allowed_mm_limits.items() if limit}
+    dummy = processor.get_dummy_mm_inputs(counts, cache=None)
+    return {
+        modality: max(item.length for item in items)
+        for modality, items in dummy["mm_placeholders"].items()
+        if items
+    }
+
 
 def fit_target(model: ResolvedModel, args: dict[str, Any], default_max_tokens: int) -> FitTarget | str:
     """vLLM's fit strategy: prompts counted with the model's tokenizer and chat template; the KV capacity from the
@@ -595,15 +664,18 @@ def fit_target(model: ResolvedModel, args: dict[str, Any], default_max_tokens: i
         usable = max(0, blocks - 1)  # vLLM's block pool keeps one block as its null block
         return KvCapacity(usable, block, lambda context: max_sequences(shape, usable, context, block))
 
+    media = "".join(f" + {n} tokens per {kind}" for kind, n in sorted(model.media_tokens.items()))
     return FitTarget(
-        counted_by=f"{model.name} tokenizer + chat template",
+        counted_by=f"{model.name} tokenizer + chat template{media}",
         # The tokenizer loads on the first count, once per process (`prompt_counter`): the driver, which only
         # decides, never loads it; each ingest worker loads it once, whatever the number of its tasks.
         count=per_sequence(
             own_requests(
                 model,
                 args,
-                lambda requests: prompt_counter(model_dir, chat_template, model.task).count_batch(requests),
+                lambda requests: prompt_counter(
+                    model_dir, chat_template, model.task, model.media_tokens
+                ).count_batch(requests),
             )
         ),
         output_budget=lambda url, body: output_budget(url, body, generation_default, default_max_tokens),

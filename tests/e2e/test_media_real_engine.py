@@ -90,10 +90,10 @@ def job(e2e_dir, vlm, images, lines):
     config.write_text(json.dumps({"media": policy}))
     path = write_lines(e2e_dir / "media.jsonl", list(lines.values()))
     output = e2e_dir / "media-out"
+    # No --max-model-len: it is fitted, so the image's tokens must be counted for its rows to fit.
     proc = run_cli(
         "run", str(path), str(output), "-c", str(config), "--model", str(vlm), "--served-model-name", "vlm",
-        "--num-engines", "1", "--cpus-per-engine", "1", "--max-model-len", str(CONTEXT),
-        "--limit-mm-per-prompt", '{"image": 1}', "--no-progress",
+        "--num-engines", "1", "--cpus-per-engine", "1", "--limit-mm-per-prompt", '{"image": 1}', "--no-progress",
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
     hits = Counter(path for path, _ in images.hits)
@@ -153,6 +153,30 @@ def test_the_refusals_name_the_rule(job):
     assert "link-local" in message("refused-metadata")
     assert "allowed_local_media_path" in message("refused-file")
     assert "private or loopback" in message("refused-private")
+
+
+def test_fitting_and_validate_count_an_images_tokens_as_the_engine_does(job, e2e_dir, vlm):
+    """The image's placeholder (4 image tokens and the markers around them) is counted by fitting and `validate` as
+    the engine counts it: the longest prompt measured is the image row's, token for token."""
+    results, _, manifest = job[:3]
+    engine_counts = {custom_id: results[custom_id]["response"]["body"]["usage"]["prompt_tokens"] for custom_id in
+                     ANSWERED}  # fmt: skip
+    fitted = manifest["engine"]["fitted"]
+    assert "7 tokens per image" in fitted["counted_by"], fitted["counted_by"]
+    assert (
+        fitted["measured"]["prompt_tokens"]["max"]
+        == engine_counts["image-url"]
+        == engine_counts["image-data"]
+    )
+    assert engine_counts["image-url"] > engine_counts["text-0"]
+    validated = run_cli(
+        "validate", str(e2e_dir / "media.jsonl"), "--model", str(vlm), "--served-model-name", "vlm"
+    )
+    assert validated.returncode == 0, validated.stderr[-3000:]
+    summary = next(line for line in validated.stderr.splitlines() + validated.stdout.splitlines()
+                   if line.startswith("prompt     tokens"))  # fmt: skip
+    assert f"max {engine_counts['image-url']}," in summary, summary
+    assert "7 tokens per image" in summary, summary
 
 
 def test_image_rows_give_vllms_own_run_batch_bodies(job, oracle):

@@ -349,6 +349,40 @@ def test_counter_renders_chat_like_vllm():
     assert with_tools[0] > counter.count("/v1/chat/completions", {"messages": [user]})[0]
 
 
+def test_a_chats_media_parts_count_what_the_model_makes_of_them():
+    """An image part is not text: the chat template renders the text, and each media item adds the tokens the
+    model's processor makes of it (`media_tokens`, the vLLM backend's), by modality; a modality the model does not
+    take adds nothing (the engine refuses that line)."""
+    counter = PromptCounter(CharTokenizer(), "chars", media_tokens={"image": 7, "audio": 50})
+    text = {"type": "text", "text": "ab"}
+    image = {"type": "image_url", "image_url": {"url": "https://example.com/a.png"}}
+    audio = {"type": "input_audio", "input_audio": {"data": "UklGRg==", "format": "wav"}}
+    video = {"type": "video_url", "video_url": {"url": "https://example.com/a.mp4"}}
+    plain = counter.count("/v1/chat/completions", {"messages": [{"role": "user", "content": [text]}]})[0]
+    assert plain == len("<user>ab<assistant>")
+
+    def count(*parts):
+        return counter.count(
+            "/v1/chat/completions", {"messages": [{"role": "user", "content": [text, *parts]}]}
+        )
+
+    assert count(image) == [plain + 7]
+    assert count(image, image, audio) == [plain + 7 + 7 + 50]
+    assert count(video) == [plain]
+    system = {
+        "role": "system",
+        "content": [{"type": "image_url", "image_url": {"url": "data:image/png;base64,"}}],
+    }
+    body = {"messages": [system, {"role": "user", "content": [text, image]}]}
+    assert counter.count("/v1/chat/completions", body)[0] == len("<system><user>ab<assistant>") + 14
+    # Many chats at once (rendered in one template call) count the same.
+    batch = [("/v1/chat/completions", {"messages": [{"role": "user", "content": [text, image]}]})] * 3
+    assert counter.count_batch(batch) == [[plain + 7]] * 3
+    assert PromptCounter(CharTokenizer(), "chars").count(
+        "/v1/chat/completions", {"messages": [{"role": "user", "content": [text, image]}]}
+    ) == [plain]  # a model that takes no media: nothing to add
+
+
 def test_counter_handles_completion_prompt_shapes_and_truncation():
     counter = PromptCounter(CharTokenizer(), "chars")
     assert counter.count("/v1/completions", {"prompt": "abc"}) == [4]  # + BOS: special tokens on
