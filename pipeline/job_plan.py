@@ -16,7 +16,7 @@ config names none, one pool per server for the http backend.
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any, Literal
@@ -151,7 +151,7 @@ class JobPlan:
         for name, model in models.items():
             # What one image or audio item costs in a prompt, for fitting and `validate` to count: the backend's
             # own processor knows it ({} for a model that takes no media).
-            media = engine.media_tokens(model)
+            media = engine.media_tokens(model, config.engine.vllm.model_dump())
             if media:
                 models[name] = model.model_copy(update={"media_tokens": media})
         return JobPlan.of(config, models)
@@ -218,12 +218,15 @@ class JobPlan:
         """How finalize writes a dataset job's table (its answer columns); None: output lines, as the input's."""
         return self.dataset.output if self.dataset else None
 
-    def output_format(self, input_formats: set[str]) -> str:
-        """The format asked for; else JSONL, or for a dataset job its input's (Parquet when every file is)."""
+    def output_format(self, input_formats: Callable[[], set[str]]) -> str:
+        """The format asked for; else JSONL, or for a dataset job its input's (Parquet when every file is).
+        `input_formats` is asked only then: telling a remote file's format may mean reading its first bytes."""
         asked = self.config.output_options.format
         if asked is not None:
             return asked
-        return "parquet" if self.dataset is not None and input_formats == {"parquet"} else "jsonl"
+        if self.dataset is None:
+            return "jsonl"
+        return "parquet" if input_formats() == {"parquet"} else "jsonl"
 
     @property
     def dataset_summary(self) -> DatasetJob | None:

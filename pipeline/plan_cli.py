@@ -399,7 +399,7 @@ def _measure_input(
         # Prompts counted as the engine will count them (chat template applied).
         resolved = resolve_model(model, runner=runner)
         # `plan` sizes vLLM's engines: an image or audio part costs what vLLM's processor makes of it.
-        media = engine_class("vllm").media_tokens(resolved)
+        media = engine_class("vllm").media_tokens(resolved, {})
         counter = PromptCounter.for_model(resolved.path, chat_template, resolved.task, media)
     except ValueError as exc:  # a --chat-template naming no file
         raise PlanError(str(exc)) from None

@@ -341,7 +341,8 @@ class PromptCounter:
             content = message.get("content") if isinstance(message, dict) else None
             if isinstance(content, list):
                 for part in content:
-                    modality = MEDIA_PARTS.get(part.get("type")) if isinstance(part, dict) else None
+                    kind = part.get("type") if isinstance(part, dict) else None
+                    modality = MEDIA_PARTS.get(kind) if isinstance(kind, str) else None
                     cost += self.media_tokens.get(modality, 0) if modality else 0
         return cost
 

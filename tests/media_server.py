@@ -23,11 +23,13 @@ PNG = b"\x89PNG\r\n\x1a\n" + bytes(range(256)) * 4  # PNG's magic, then bytes no
 
 class MediaServer:
     """A loopback HTTP server: /cat.png, /redirect?to=URL, /big (declared too large), /endless (no length, too
-    large), /held (answers only once released), anything else 404. `hits` lists every (path, Host header) asked."""
+    large), /held (answers only once released), /drip and /drip-headers (a byte at a time for 30 s, of the body or
+    of the headers), anything else 404. `hits` lists every (path, Host header) asked."""
 
     def __init__(self, image: bytes = PNG) -> None:
         self.hits: list[tuple[str, str]] = []
         self.release = threading.Event()
+        self.client_left = threading.Event()
         outer = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -52,6 +54,21 @@ class MediaServer:
                 elif path == "/held":
                     outer.release.wait(30)
                     self._send(200, image, {})
+                elif path in ("/drip", "/drip-headers"):
+                    # A byte at a time, each well within any socket timeout, for far longer than a fetch may take.
+                    self.wfile.write(b"HTTP/1.1 200 OK\r\n")
+                    if path == "/drip":
+                        self.wfile.write(b"Content-Type: image/png\r\n\r\n")
+                    for _ in range(600):
+                        try:
+                            self.wfile.write(b"X-Slow: y\r\n" if path == "/drip-headers" else b"y")
+                            self.wfile.flush()
+                        except OSError:
+                            outer.client_left.set()  # the client hung up mid-drip: what the test waits for
+                            return
+                        if outer.release.wait(0.05):
+                            return
+                    self.close_connection = True
                 else:
                     self._send(404, b"not here", {})
 

@@ -175,9 +175,9 @@ class Engine(ABC):
         return {}
 
     @classmethod
-    def media_tokens(cls, model: Any) -> dict[str, int]:
-        """Prompt tokens one media item takes in `model`'s prompts (a ResolvedModel), by modality, for fitting to
-        count; {} when the backend cannot tell or the model takes no media."""
+    def media_tokens(cls, model: Any, args: dict[str, Any]) -> dict[str, int]:
+        """Prompt tokens one media item takes in `model`'s prompts (a ResolvedModel) with these engine args, by
+        modality, for fitting to count; {} when the backend cannot tell or the model takes no media."""
         return {}
 
     @classmethod

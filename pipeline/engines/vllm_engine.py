@@ -226,9 +226,18 @@ class VllmEngine(Engine):
         _check_against_model(spec)
 
     @classmethod
-    def media_tokens(cls, model: ResolvedModel) -> dict[str, int]:
+    def media_tokens(cls, model: ResolvedModel, args: dict[str, Any]) -> dict[str, int]:
         model_dir = _model_dir(model)
-        return media_tokens(model_dir) if model_dir else {}
+        if not model_dir:
+            return {}
+        try:
+            return media_tokens(model_dir, args)
+        except Exception as exc:  # noqa: BLE001 - a model vLLM's processor cannot be built for here
+            # Its text is still counted; its images are not, and the engine (which does build the processor, or
+            # refuses the model) answers for them.
+            log.warning("media tokens not counted: vLLM's processor for the model failed", model=model_dir,
+                        error=f"{type(exc).__name__}: {exc}")  # fmt: skip
+            return {}
 
     @classmethod
     def preload(cls) -> None:
@@ -550,7 +559,11 @@ _MEDIA_CONFIG_KEYS = ("vision_config", "audio_config", "vision_tower", "mm_visio
 _PROCESSOR_FILES = ("preprocessor_config.json", "processor_config.json")
 
 
-def media_tokens(model_dir: str) -> dict[str, int]:
+# Engine args that change what vLLM's processor makes of a media item (and so the tokens it takes).
+_MEDIA_ARGS = ("trust_remote_code", "mm_processor_kwargs", "hf_overrides", "limit_mm_per_prompt")
+
+
+def media_tokens(model_dir: str, args: dict[str, Any] | None = None) -> dict[str, int]:
     """Prompt tokens one media item takes in this model's prompts, by modality: its placeholder (the item's tokens
     and the markers around them) at the largest size the model's processor makes, as vLLM's own processor builds it
     for its memory profiling. What fitting and `validate` count for each image or audio part ({} for a model that
@@ -564,22 +577,34 @@ def media_tokens(model_dir: str) -> dict[str, int]:
     from pipeline.local_files import atomic_write_json, exclusive_lock, nightshift_home
     from pipeline.tokens import directory_stamp
 
-    stamp = [installed_vllm_version(), directory_stamp(directory)]
+    given = {**(args or {}), **((args or {}).get("extra") or {})}
+    options = {name: given[name] for name in _MEDIA_ARGS if given.get(name) is not None}
+    stamp = json.loads(
+        json.dumps([installed_vllm_version(), directory_stamp(directory), options], default=str)
+    )
     memo = nightshift_home() / "cache" / "media-tokens.json"
-    with contextlib.suppress(OSError, ValueError):
-        entry = json.loads(memo.read_text()).get(str(directory))
-        if entry and entry["stamp"] == json.loads(json.dumps(stamp)):
-            return {str(k): int(v) for k, v in entry["tokens"].items()}
-    tokens = _media_tokens_from_vllm(model_dir)
+    key = f"{directory}\0{json.dumps(options, sort_keys=True, default=str)}"
+    remembered = _remembered_media_tokens(memo).get(key)
+    if isinstance(remembered, dict) and remembered.get("stamp") == stamp:
+        tokens = remembered.get("tokens")
+        if isinstance(tokens, dict) and all(isinstance(n, int) for n in tokens.values()):
+            return {str(kind): n for kind, n in tokens.items()}
+    tokens = _media_tokens_from_vllm(model_dir, options)
     with contextlib.suppress(OSError):  # a read-only home only costs the next job the same seconds
         memo.parent.mkdir(parents=True, exist_ok=True)
         with exclusive_lock(memo.with_suffix(".lock")):
-            known: dict[str, Any] = {}
-            with contextlib.suppress(OSError, ValueError):
-                known = json.loads(memo.read_text())
-            known[str(directory)] = {"stamp": stamp, "tokens": tokens}
+            known = _remembered_media_tokens(memo)
+            known[key] = {"stamp": stamp, "tokens": tokens}
             atomic_write_json(memo, known)
     return tokens
+
+
+def _remembered_media_tokens(memo: Path) -> dict[str, Any]:
+    try:
+        known = json.loads(memo.read_text())
+    except (OSError, ValueError):
+        return {}
+    return known if isinstance(known, dict) else {}  # a file damaged by hand is started again
 
 
 def _looks_multimodal(directory: Path) -> bool:
@@ -592,11 +617,11 @@ def _looks_multimodal(directory: Path) -> bool:
     return isinstance(config, dict) and any(key in config for key in _MEDIA_CONFIG_KEYS)
 
 
-def _media_tokens_from_vllm(model_dir: str) -> dict[str, int]:
+def _media_tokens_from_vllm(model_dir: str, options: dict[str, Any]) -> dict[str, int]:
     from vllm.config import ModelConfig
     from vllm.multimodal import MULTIMODAL_REGISTRY
 
-    config = ModelConfig(model=model_dir)
+    config = ModelConfig(model=model_dir, **options)
     if not config.is_multimodal_model:
         return {}
     processor = MULTIMODAL_REGISTRY.create_processor(config)

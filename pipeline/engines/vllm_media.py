@@ -15,15 +15,20 @@ from __future__ import annotations
 
 import asyncio
 import os
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+from urllib3.util import parse_url
 from vllm.multimodal.media import MEDIA_CONNECTOR_REGISTRY, MediaConnector
 
-from pipeline.media.fetch import fetch_media
-from pipeline.media.policy import MediaPolicy
+from pipeline.media.fetch import Media, fetch_media
+from pipeline.media.policy import MediaPolicy, MediaRefused
 
 CONNECTOR = "nightshift-policy"
-_policy = MediaPolicy()
+# The policy of the engine this process hosts (one engine per actor process); None until it starts: no fetch then.
+_policy: MediaPolicy | None = None
+# Fetches wait on the network: a pool of their own, so slow servers cannot take the threads vLLM's own work runs on.
+_FETCHES = ThreadPoolExecutor(max_workers=16, thread_name_prefix="media-fetch")
 
 
 def use_media_policy(policy: MediaPolicy) -> None:
@@ -44,12 +49,24 @@ class PolicyMediaConnector(MediaConnector):
     def load_from_url(self, url: str, media_io: Any, *, fetch_timeout: int | None = None) -> Any:
         if _is_data_url(url):
             return super().load_from_url(url, media_io, fetch_timeout=fetch_timeout)
-        return media_io.load_bytes(fetch_media(url, _policy).data)
+        return media_io.load_bytes(self._fetch(url).data)
 
     async def load_from_url_async(self, url: str, media_io: Any, *, fetch_timeout: int | None = None) -> Any:
         if _is_data_url(url):
             return await super().load_from_url_async(url, media_io, fetch_timeout=fetch_timeout)
         loop = asyncio.get_running_loop()
-        # A thread: the fetch blocks on the network, the decode on the CPU; the engine's event loop does neither.
-        media = await loop.run_in_executor(None, fetch_media, url, _policy)
+        # Threads: the fetch blocks on the network (at most media.fetch_timeout_s), the decode on the CPU; the
+        # engine's event loop does neither.
+        media = await loop.run_in_executor(_FETCHES, self._fetch, url)
         return await loop.run_in_executor(None, media_io.load_bytes, media.data)
+
+    def _fetch(self, url: str) -> Media:
+        if _policy is None:
+            raise MediaRefused("this engine was started without a media policy; it fetches nothing")
+        if url[:4].lower() == "http" and self.allowed_media_domains:
+            # vLLM's own allowed_media_domains (engine.vllm.extra) narrows the job's policy further.
+            try:
+                self._assert_url_in_allowed_media_domains(parse_url(url))
+            except ValueError as exc:
+                raise MediaRefused(str(exc)) from None
+        return fetch_media(url, _policy)

@@ -138,7 +138,10 @@ class MediaPolicy(BaseModel):
 
     def vet(self, url: str, resolve: Resolver | None = None) -> Vetted:
         """Where to connect for `url` (an http or https URL), or MediaRefused naming the rule it breaks."""
-        parts = urlsplit(url)
+        try:
+            parts = urlsplit(url)
+        except ValueError as exc:  # "Invalid IPv6 URL" and the like
+            raise MediaRefused(f"the media URL cannot be read: {exc}") from None
         scheme = parts.scheme.lower()
         if scheme == "file":
             self.local_file(
@@ -171,23 +174,26 @@ class MediaPolicy(BaseModel):
 
     def address_refusal(self, address: IPAddress) -> str | None:
         """Why the policy refuses to connect to `address` (the rule and the setting that changes it), or None."""
-        if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
-            address = address.ipv4_mapped
+        # An IPv6 address that carries an IPv4 one (mapped, 6to4, Teredo, NAT64) reaches that one: judged as it.
+        address = _carried_ipv4(address) or address
         if any(address in ipaddress.ip_network(network, strict=False) for network in self.allowed_networks):
             return None
-        if address.is_link_local:
+        private = False
+        if address.is_multicast or address.is_unspecified:
+            kind = "a multicast or unspecified address"
+        elif address.is_link_local:
             kind = "a link-local address (the cloud metadata service lives there)"
-        elif address.is_multicast or address.is_unspecified or address.is_reserved:
-            kind = "a multicast, unspecified or reserved address"
-        elif address.is_loopback or address.is_private or address in _SHARED:
+        elif address.is_loopback or address.is_private or address in _SHARED or _site_local(address):
             if self.allow_private_networks:
                 return None
-            kind = "a private or loopback address"
+            kind, private = "a private or loopback address", True
+        elif not address.is_global:
+            kind = "not a public address (reserved)"
         else:
             return None
         return (
             f"{kind} (media.allowed_networks lists networks to allow"
-            f"{'' if address.is_link_local else '; media.allow_private_networks allows every private one'})"
+            f"{'; media.allow_private_networks allows every private one' if private else ''})"
         )
 
     def local_file(self, url: str) -> Path:
@@ -218,6 +224,29 @@ class Vetted:
     @property
     def origin(self) -> str:
         return f"{self.scheme}://{self.host}:{self.port}"
+
+
+_NAT64 = (ipaddress.ip_network("64:ff9b::/96"), ipaddress.ip_network("64:ff9b:1::/48"))
+
+
+def _carried_ipv4(address: IPAddress) -> ipaddress.IPv4Address | None:
+    if not isinstance(address, ipaddress.IPv6Address):
+        return None
+    if address.ipv4_mapped is not None:
+        return address.ipv4_mapped
+    if address.sixtofour is not None:
+        return address.sixtofour
+    if address.teredo is not None:
+        return address.teredo[1]  # (server, client): the client is the host reached
+    if any(address in network for network in _NAT64):
+        return ipaddress.IPv4Address(int(address) & 0xFFFFFFFF)
+    return None
+
+
+def _site_local(address: IPAddress) -> bool:
+    return bool(
+        getattr(address, "is_site_local", False)
+    )  # fec0::/10: deprecated, still routed inside networks
 
 
 def _is_ip(host: str) -> bool:

@@ -514,7 +514,7 @@ def _finalize(
         job.staging,
         config.output_options.rows_per_shard,
         state.input.lines,
-        format=fitted.output_format(job.source.file_formats()),
+        format=fitted.output_format(job.source.file_formats),
         reserve_cpus=engines.launch is None or engines.launch.warm is None,
         table=fitted.table_output,
     )

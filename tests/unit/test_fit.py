@@ -369,6 +369,7 @@ def test_a_chats_media_parts_count_what_the_model_makes_of_them():
     assert count(image) == [plain + 7]
     assert count(image, image, audio) == [plain + 7 + 7 + 50]
     assert count(video) == [plain]
+    assert count({"type": {"not": "a type"}}, image) == [plain + 7]  # a part no parser reads costs nothing
     system = {
         "role": "system",
         "content": [{"type": "image_url", "image_url": {"url": "data:image/png;base64,"}}],

@@ -208,7 +208,7 @@ def test_each_pool_runs_its_own_fitted_max_num_seqs_over_its_placement():
 def test_a_dataset_job_is_resolved_once_in_its_plan_and_request_lines_have_no_table():
     lines = JobPlan.of(JobConfig(input="in.jsonl", output="out"))
     assert (lines.table_read, lines.dataset_spec, lines.table_output, lines.dataset_summary) == (None,) * 4
-    assert lines.output_format({"parquet"}) == "jsonl"  # request lines come back as lines
+    assert lines.output_format(lambda: {"parquet"}) == "jsonl"  # request lines come back as lines
 
     config = JobConfig.model_validate(
         {
@@ -227,10 +227,10 @@ def test_a_dataset_job_is_resolved_once_in_its_plan_and_request_lines_have_no_ta
     assert plan.table_read.columns == ("id", "lang", "stars", "text", "title")
     assert plan.dataset_spec is config.dataset
     assert plan.table_output.answer_names() == plan.dataset.output.answer_names()
-    assert plan.output_format({"parquet"}) == "parquet"
-    assert plan.output_format({"parquet", "jsonl"}) == "jsonl"
+    assert plan.output_format(lambda: {"parquet"}) == "parquet"
+    assert plan.output_format(lambda: {"parquet", "jsonl"}) == "jsonl"
     assert JobPlan.of(config.model_copy(update={"output_options": config.output_options.model_copy(
-        update={"format": "jsonl"})})).output_format({"parquet"}) == "jsonl"  # fmt: skip
+        update={"format": "jsonl"})})).output_format(lambda: {"parquet"}) == "jsonl"  # fmt: skip
     summary = plan.dataset_summary
     assert summary.templates == {"template": "{{ title }}: {{ text }}", "system": "Answer in {{ lang }}."}
     assert (summary.route, summary.id_column) == ("chat", "id")

@@ -3,6 +3,7 @@ that records every request it gets, so "refused" also means "nothing was fetched
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -126,6 +127,38 @@ def test_too_large_too_slow_too_many_redirects_and_errors_are_the_fetchs_failure
         fetch_media(closed.url("/cat.png"), small)
 
 
+@pytest.mark.parametrize("path", ["/drip", "/drip-headers"])
+def test_a_server_that_sends_a_byte_at_a_time_is_cut_off_at_the_fetchs_deadline(server, path):
+    """Each byte comes well within a socket timeout; only the fetch's own deadline stops it: the client hangs up
+    mid-drip (the server would go on for 30 s)."""
+    with pytest.raises(MediaFetchFailed, match="fetch_timeout_s"):
+        fetch_media(server.url(path), MediaPolicy(fetch_timeout_s=0.5))
+    assert server.client_left.wait(10), "the fetch read on past its deadline"
+
+
+def test_addresses_that_carry_another_are_judged_as_it():
+    """IPv6 forms that reach an IPv4 address (mapped, 6to4, NAT64) are judged as that address; loopback and private
+    IPv6 follow the private rule, not a blanket refusal."""
+    import ipaddress
+
+    cli, strict = MediaPolicy(), MediaPolicy(allow_private_networks=False)
+
+    def refusal(policy, address):
+        return policy.address_refusal(ipaddress.ip_address(address))
+
+    assert refusal(cli, "::1") is None and "private or loopback" in refusal(strict, "::1")
+    assert "private or loopback" in refusal(strict, "64:ff9b::7f00:1")  # NAT64 of 127.0.0.1
+    assert refusal(strict, "64:ff9b::808:808") is None  # NAT64 of 8.8.8.8: a public host on a DNS64 network
+    assert "link-local" in refusal(cli, "2002:a9fe:a9fe::")  # 6to4 of 169.254.169.254
+    assert "link-local" in refusal(cli, "::ffff:169.254.169.254")
+    assert "private or loopback" in refusal(strict, "fec0::1")  # site-local
+    assert "private or loopback" in refusal(strict, "fd00::1")  # unique-local
+    assert "allow_private_networks" not in refusal(cli, "169.254.169.254")  # only allowed_networks opens it
+    assert refusal(MediaPolicy(allowed_networks=["169.254.169.254/32"]), "169.254.169.254") is None
+    with pytest.raises(MediaRefused, match="cannot be read"):
+        fetch_media("http://[::1/cat.png", strict)
+
+
 def test_file_urls_are_read_only_under_the_allowed_directory(tmp_path: Path):
     allowed = tmp_path / "media"
     allowed.mkdir()
@@ -141,6 +174,9 @@ def test_file_urls_are_read_only_under_the_allowed_directory(tmp_path: Path):
         fetch_media((allowed / "missing.png").as_uri(), policy)
     with pytest.raises(MediaFetchFailed, match="max_bytes"):
         fetch_media((allowed / "cat.png").as_uri(), policy.model_copy(update={"max_bytes": 10}))
+    os.mkfifo(allowed / "pipe.png")  # no end to read to: refused before a read
+    with pytest.raises(MediaRefused, match="not a regular file"):
+        fetch_media((allowed / "pipe.png").as_uri(), policy)
 
 
 def test_settings_that_cannot_be_are_refused_with_what_to_write():

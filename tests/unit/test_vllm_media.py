@@ -42,7 +42,7 @@ def connector(monkeypatch):
         )
 
     yield build
-    monkeypatch.setattr(vllm_media, "_policy", MediaPolicy())
+    monkeypatch.setattr(vllm_media, "_policy", None)
 
 
 def _image_io():
@@ -85,4 +85,32 @@ def test_data_urls_are_decoded_by_vllm_and_fetch_nothing(server, connector):
     url = "data:image/png;base64," + base64.b64encode(png(5)).decode()
     assert built.load_from_url(url, _image_io()).size == (5, 5)
     assert asyncio.run(built.load_from_url_async(url, _image_io())).size == (5, 5)
+    assert server.hits == []
+
+
+def test_an_engine_started_without_a_policy_fetches_nothing(server, monkeypatch):
+    import vllm.envs as envs
+    from vllm.multimodal.media import MEDIA_CONNECTOR_REGISTRY
+
+    from pipeline.engines import vllm_media
+
+    monkeypatch.setattr(vllm_media, "_policy", None)
+    monkeypatch.setenv("VLLM_MEDIA_CONNECTOR", vllm_media.CONNECTOR)
+    built = MEDIA_CONNECTOR_REGISTRY.load(envs.VLLM_MEDIA_CONNECTOR, media_io_kwargs=None)
+    with pytest.raises(MediaRefused, match="without a media policy"):
+        built.load_from_url(server.url("/cat.png"), _image_io())
+    assert server.hits == []
+
+
+def test_vllms_own_allowed_media_domains_narrows_the_policy(server, connector):
+    import vllm.envs as envs
+    from vllm.multimodal.media import MEDIA_CONNECTOR_REGISTRY
+
+    connector(MediaPolicy())
+    built = MEDIA_CONNECTOR_REGISTRY.load(
+        envs.VLLM_MEDIA_CONNECTOR, allowed_media_domains=["images.example.com"]
+    )
+    with pytest.raises(MediaRefused, match="allowed domains") as refused:
+        built.load_from_url(server.url("/cat.png"), _image_io())
+    assert error_code_for(400, str(refused.value)) == ErrorCode.MEDIA_REFUSED
     assert server.hits == []

@@ -89,3 +89,15 @@ def test_a_warm_engines_numbers_in_a_jobs_report_are_that_jobs_own():
     warm._report(force=True)
     assert (reports[-1]["prefix_cache_queries"], reports[-1]["prefix_cache_hits"]) == (30, 10)
     assert reports[-1]["kv_cache_tokens"] == 1000  # a gauge: as it is
+
+
+def test_a_warm_engine_serves_only_jobs_of_its_own_media_policy():
+    """An engine fetches by the policy it started with: a job with another policy gets engines of its own, never a
+    permissive job's engine under a strict one's name."""
+    from pipeline.media.policy import MediaPolicy
+    from pipeline.runtime.engines.warm_keeper import engine_kind
+
+    permissive = EngineSpec("vllm", "m", "m", {}, media=MediaPolicy())
+    strict = EngineSpec("vllm", "m", "m", {}, media=MediaPolicy(allow_private_networks=False))
+    assert engine_kind(permissive, {}) != engine_kind(strict, {})
+    assert engine_kind(strict, {}) == engine_kind(EngineSpec("vllm", "m", "m", {}, media=strict.media), {})

@@ -115,9 +115,10 @@ class _Kept:
 
 
 def engine_kind(spec: EngineSpec, options: dict[str, Any]) -> str:
-    """Engines of one kind are interchangeable: the same backend and model, placed with the same resources."""
+    """Engines of one kind are interchangeable: the same backend and model, placed with the same resources, and
+    fetching media by the same policy (an engine keeps the one it started with)."""
     return json.dumps(
-        [spec.backend, spec.model_path, spec.served_model_name, spec.cpus, options],
+        [spec.backend, spec.model_path, spec.served_model_name, spec.cpus, options, spec.media.model_dump()],
         sort_keys=True,
         default=str,
     )
