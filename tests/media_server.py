@@ -22,11 +22,11 @@ PNG = b"\x89PNG\r\n\x1a\n" + bytes(range(256)) * 4  # PNG's magic, then bytes no
 
 
 class MediaServer:
-    """A loopback HTTP server: /cat.png, /redirect?to=URL, /big (declared too large), /endless (no length, too
+    """A loopback HTTP server: the media at `media_path` (/cat.png unless told), /redirect?to=URL, /big (declared too large), /endless (no length, too
     large), /held (answers only once released), /drip and /drip-headers (a byte at a time for 30 s, of the body or
     of the headers), anything else 404. `hits` lists every (path, Host header) asked."""
 
-    def __init__(self, image: bytes = PNG) -> None:
+    def __init__(self, image: bytes = PNG, media_path: str = "/cat.png") -> None:
         self.hits: list[tuple[str, str]] = []
         self.release = threading.Event()
         self.client_left = threading.Event()
@@ -39,7 +39,7 @@ class MediaServer:
             def do_GET(self) -> None:  # noqa: N802 - http.server's name
                 outer.hits.append((self.path, self.headers.get("Host", "")))
                 path, query = urlsplit(self.path).path, parse_qs(urlsplit(self.path).query)
-                if path == "/cat.png":
+                if path == media_path:
                     self._send(200, image, {"Content-Type": "image/png"})
                 elif path == "/redirect":
                     self._send(302, b"", {"Location": query["to"][0]})

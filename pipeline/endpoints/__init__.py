@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from pipeline.endpoints.audio import Transcriptions, Translations
 from pipeline.endpoints.base import (
     Budget,
     Chat,
@@ -37,6 +38,8 @@ ENDPOINTS: tuple[Endpoint, ...] = (
     Embeddings(),
     Score(),
     Rerank(),
+    Transcriptions(),
+    Translations(),
 )
 
 _BY_URL: dict[str, Endpoint] = {url: endpoint for endpoint in ENDPOINTS for url in endpoint.urls}

@@ -152,6 +152,9 @@ class VllmBinding:
     serving: str
     method: str | None = None
     response: str | None = None  # vLLM's response model ("module:name"), for tests that parse bodies with it
+    # For a line that names its file by `file_url` (run-batch's speech-to-text lines): the request model the serving
+    # method takes beside the file's bytes. The engine fetches the file under the job's media policy first.
+    file_url: str | None = None
 
 
 class Templated(NamedTuple):

@@ -311,13 +311,13 @@ class VllmEngine(Engine):
             await self._read_adapter_loads()
             self._loads_at_start, self._adapter_loads = self._adapter_loads or 0, 0
         self._namespace = ns
-        self.task = (
-            self._client.model_config.get_pooling_task(tasks) if "generate" not in tasks else "generate"
-        )
+        self.task = _engine_task(self._client.model_config, tasks)
         for endpoint in ENDPOINTS:
             serving = getattr(state, endpoint.vllm.serving, None)
             if serving is not None and endpoint.vllm.method:
                 serving = getattr(serving, endpoint.vllm.method)
+            if serving is not None and endpoint.vllm.file_url:
+                serving = _with_fetched_file(serving, _import(endpoint.vllm.file_url))
             self._handlers[endpoint.name] = serving
             if serving is not None:
                 self._request_types[endpoint.name] = TypeAdapter(_import(endpoint.vllm.request))
@@ -515,6 +515,40 @@ class VllmEngine(Engine):
         # Without this the engine-core subprocess outlives a retired actor and keeps its memory.
         if self._client is not None:
             self._client.shutdown()
+
+
+def _engine_task(model_config: Any, tasks: tuple[str, ...]) -> str | None:
+    """The task the engine runs its model for, as pipeline.models.model_task names it from the files."""
+    if "generate" in tasks:
+        return "generate"
+    if "transcription" in tasks:  # a speech-to-text-only model (Whisper)
+        return "transcription"
+    return model_config.get_pooling_task(tasks)
+
+
+def _with_fetched_file(method: Any, request_model: Any) -> Any:
+    """A speech-to-text serving method, called as run-batch calls it for a line with `file_url`: the file fetched
+    (here under the job's media policy: vllm_media.fetch_file), then the method given its bytes and the request
+    without `file_url`."""
+    from io import BytesIO
+
+    from starlette.datastructures import UploadFile
+
+    from pipeline.engines.vllm_media import fetch_file
+
+    decodes = importlib.util.find_spec("soundfile") is not None
+
+    async def call(batch_request: Any) -> Any:
+        if not decodes:  # vLLM would say only "Invalid or unsupported audio file"
+            raise ValueError(
+                "decoding audio needs the soundfile package: pip install 'nightshift-batch[audio]'"
+            )
+        data = await fetch_file(batch_request.file_url)
+        fields = batch_request.model_dump(exclude={"file_url"})
+        fields["file"] = UploadFile(file=BytesIO(data), filename="audio.bin")
+        return await method(data, request_model.model_validate(fields))
+
+    return call
 
 
 def _body(response: Any) -> Any:

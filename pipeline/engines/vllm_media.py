@@ -21,7 +21,7 @@ from typing import Any
 from urllib3.util import parse_url
 from vllm.multimodal.media import MEDIA_CONNECTOR_REGISTRY, MediaConnector
 
-from pipeline.media.fetch import Media, fetch_media
+from pipeline.media.fetch import Media, fetch_media, read_data_url
 from pipeline.media.policy import MediaPolicy, MediaRefused
 
 CONNECTOR = "nightshift-policy"
@@ -70,3 +70,14 @@ class PolicyMediaConnector(MediaConnector):
             except ValueError as exc:
                 raise MediaRefused(str(exc)) from None
         return fetch_media(url, _policy)
+
+
+async def fetch_file(url: str) -> bytes:
+    """A file a line names by URL (run-batch's `file_url`: the audio of a transcription), fetched by the engine's
+    policy as the connector fetches media: a `data:` URL decoded (at most media.max_bytes), any other URL fetched."""
+    if _policy is None:
+        raise MediaRefused("this engine was started without a media policy; it fetches nothing")
+    if _is_data_url(url):
+        return read_data_url(url, _policy.max_bytes)
+    media = await asyncio.get_running_loop().run_in_executor(_FETCHES, fetch_media, url, _policy)
+    return media.data

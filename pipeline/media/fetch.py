@@ -13,6 +13,8 @@ shuts the connection at the deadline, whatever it is waiting for.
 
 from __future__ import annotations
 
+import base64
+import binascii
 import contextlib
 import os
 import socket
@@ -20,7 +22,7 @@ import stat
 import threading
 import time
 from dataclasses import dataclass
-from urllib.parse import urljoin, urlsplit
+from urllib.parse import unquote_to_bytes, urljoin, urlsplit
 
 import urllib3
 from urllib3.connection import HTTPConnection, HTTPSConnection
@@ -173,6 +175,26 @@ class _Exchange:
             if total > max_bytes:
                 raise MediaFetchFailed(_too_large(self.vetted, max_bytes))
             chunks.append(chunk)
+
+
+def read_data_url(url: str, max_bytes: int) -> bytes:
+    """The bytes of a `data:` URL (base64, or percent-encoded without `;base64`), at most `max_bytes`. A URL that
+    is not one is a ValueError (the row's invalid request); one that holds too much is MediaFetchFailed."""
+    header, comma, payload = url.partition(",")
+    if not comma or header[:5].lower() != "data:":
+        raise ValueError("a data: URL must read data:[<media type>][;base64],<data>")
+    if header.lower().endswith(";base64"):
+        if len(payload) * 3 // 4 > max_bytes + 2:  # checked before decoding: the decoded size is known
+            raise MediaFetchFailed(f"the data: URL holds more than media.max_bytes ({max_bytes:,} bytes)")
+        try:
+            data = base64.b64decode(payload, validate=True)
+        except binascii.Error as exc:
+            raise ValueError(f"the data: URL is not valid base64: {exc}") from None
+    else:
+        data = unquote_to_bytes(payload)
+    if len(data) > max_bytes:
+        raise MediaFetchFailed(f"the data: URL holds more than media.max_bytes ({max_bytes:,} bytes)")
+    return data
 
 
 def _read_local(url: str, policy: MediaPolicy) -> Media:

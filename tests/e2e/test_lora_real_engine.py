@@ -11,14 +11,12 @@ so their answers differ from the base model's), served with the base model in on
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 
 import pytest
 
 from tests.e2e.cli import run_cli
-from tests.lines import read_job_output, read_jsonl, write_lines
+from tests.e2e.run_batch import bodies, run_batch
+from tests.lines import read_job_output, write_lines
 
 pytestmark = pytest.mark.slow
 
@@ -88,23 +86,13 @@ def batched(e2e_dir, adapters):
 @pytest.fixture(scope="module")
 def oracle(e2e_dir, embedded_model, adapters):
     """vLLM's own run-batch with --lora-modules on the same lines, the same engine args."""
-    oracle_in = write_lines(e2e_dir / "lora-oracle-in.jsonl", LINES)
-    oracle_out = e2e_dir / "lora-oracle-out.jsonl"
     modules = [f"{name}={path}" for name, path in adapters.items()]
-    proc = subprocess.run(
-        [
-            sys.executable, "-m", "vllm.entrypoints.openai.run_batch", "-i", str(oracle_in), "-o", str(oracle_out),
-            "--model", embedded_model.path, "--served-model-name", MODEL, "--max-model-len", str(CONTEXT),
-            "--max-num-seqs", "1", "--enforce-eager", "--enable-lora", "--max-loras", "1", "--max-lora-rank", "8",
-            "--lora-modules", *modules,
-        ],
-        capture_output=True,
-        text=True,
-        timeout=900,
-        env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "2", "VLLM_CPU_OMP_THREADS_BIND": "0"},
+    records = run_batch(
+        e2e_dir, "lora", LINES, "--model", embedded_model.path, "--served-model-name", MODEL, "--max-model-len",
+        str(CONTEXT), "--max-num-seqs", "1", "--enable-lora", "--max-loras", "1", "--max-lora-rank", "8",
+        "--lora-modules", *modules, env={"VLLM_CPU_OMP_THREADS_BIND": "0"},
     )  # fmt: skip
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return {r["custom_id"]: r["response"]["body"] for r in read_jsonl([oracle_out])}
+    return bodies(records)
 
 
 def text(body: dict) -> str:

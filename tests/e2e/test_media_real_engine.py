@@ -10,16 +10,14 @@ from __future__ import annotations
 
 import base64
 import json
-import os
-import subprocess
-import sys
 from collections import Counter
 from pathlib import Path
 
 import pytest
 
 from tests.e2e.cli import run_cli
-from tests.lines import read_job_output, read_jsonl, write_lines
+from tests.e2e.run_batch import bodies, run_batch
+from tests.lines import read_job_output, write_lines
 from tests.media_server import PNG, MediaServer, png
 
 CONTEXT = 512
@@ -104,21 +102,12 @@ def job(e2e_dir, vlm, images, lines):
 @pytest.fixture(scope="module")
 def oracle(e2e_dir, vlm, lines):
     """vLLM's own run-batch on the lines it answers, with the same engine args (it fetches the URL itself)."""
-    oracle_in = write_lines(e2e_dir / "media-oracle-in.jsonl", [lines[name] for name in ANSWERED])
-    oracle_out = e2e_dir / "media-oracle-out.jsonl"
-    proc = subprocess.run(
-        [
-            sys.executable, "-m", "vllm.entrypoints.openai.run_batch", "-i", str(oracle_in), "-o", str(oracle_out),
-            "--model", str(vlm), "--served-model-name", "vlm", "--max-model-len", str(CONTEXT), "--enforce-eager",
-            "--limit-mm-per-prompt", '{"image": 1}',
-        ],
-        capture_output=True,
-        text=True,
-        timeout=900,
-        env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "0"},
+    records = run_batch(
+        e2e_dir, "media", [lines[name] for name in ANSWERED], "--model", str(vlm), "--served-model-name", "vlm",
+        "--max-model-len", str(CONTEXT), "--limit-mm-per-prompt", '{"image": 1}', kv_cache_gib=1,
+        env={"VLLM_CPU_OMP_THREADS_BIND": "0"},
     )  # fmt: skip
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return {r["custom_id"]: r["response"]["body"] for r in read_jsonl([oracle_out])}
+    return bodies(records)
 
 
 def test_every_line_is_answered_or_its_own_error_and_the_job_goes_on(job, lines):

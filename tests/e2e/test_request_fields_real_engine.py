@@ -9,16 +9,14 @@ start. Few lines, few tokens: greedy (or seeded) decoding of the embedded SmolLM
 from __future__ import annotations
 
 import json
-import os
 import re
-import subprocess
-import sys
 
 import pytest
 
 from tests.e2e.cli import run_cli
+from tests.e2e.run_batch import bodies, run_batch
 from tests.e2e.warm_cluster import CHAT_CONTEXT, ENGINE_FLAGS
-from tests.lines import read_job_output, read_jsonl, write_lines
+from tests.lines import read_job_output, write_lines
 
 pytestmark = pytest.mark.slow
 
@@ -75,21 +73,12 @@ def fields_job(e2e_dir, shared_engines):
 @pytest.fixture(scope="module")
 def oracle(e2e_dir, embedded_model):
     """vLLM's own run-batch on the lines it serves, with the warm engines' flags and context."""
-    oracle_in = write_lines(e2e_dir / "request-fields-oracle-in.jsonl", ORACLE_LINES)
-    oracle_out = e2e_dir / "request-fields-oracle-out.jsonl"
-    proc = subprocess.run(
-        [
-            sys.executable, "-m", "vllm.entrypoints.openai.run_batch", "-i", str(oracle_in), "-o", str(oracle_out),
-            "--model", embedded_model.path, "--served-model-name", MODEL, *ENGINE_FLAGS,
-            "--max-model-len", str(CHAT_CONTEXT), "--enforce-eager",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=900,
-        env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "2"},
+    return bodies(
+        run_batch(
+            e2e_dir, "request-fields", ORACLE_LINES, "--model", embedded_model.path, "--served-model-name", MODEL,
+            *ENGINE_FLAGS, "--max-model-len", str(CHAT_CONTEXT),
+        )
     )  # fmt: skip
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return {r["custom_id"]: r["response"]["body"] for r in read_jsonl([oracle_out])}
 
 
 def contents(record: dict) -> list[str]:

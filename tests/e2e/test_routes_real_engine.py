@@ -6,13 +6,11 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import subprocess
-import sys
 
 import pytest
 
 from tests.e2e.cli import run_cli
+from tests.e2e.run_batch import run_batch
 from tests.lines import read_jsonl, write_lines
 
 pytestmark = pytest.mark.slow
@@ -107,30 +105,7 @@ def pooling_job(e2e_dir, minilm, shared_engines):
 @pytest.fixture(scope="session")
 def oracle(e2e_dir, minilm):
     """vLLM's own run-batch on the same lines, the same model and name."""
-    oracle_in = write_lines(e2e_dir / "pooling-oracle-in.jsonl", ORACLE_LINES)
-    oracle_out = e2e_dir / "pooling-oracle-out.jsonl"
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "vllm.entrypoints.openai.run_batch",
-            "-i",
-            str(oracle_in),
-            "-o",
-            str(oracle_out),
-            "--model",
-            minilm.path,
-            "--served-model-name",
-            MODEL,
-            "--enforce-eager",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=900,
-        env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "2"},
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return {r["custom_id"]: r for r in read_jsonl([oracle_out])}
+    return run_batch(e2e_dir, "pooling", ORACLE_LINES, "--model", minilm.path, "--served-model-name", MODEL)
 
 
 def error_code(record: dict) -> str:

@@ -8,14 +8,12 @@ tests/e2e/warm_cluster.py): a user's first `nightshift run`, from start to repor
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from tests.e2e.cli import run_cli
+from tests.e2e.run_batch import bodies, run_batch
 from tests.lines import MODEL_NAME, chat_line, completion_line, read_jsonl, write_lines
 from tests.runs import foreign_lines
 
@@ -177,31 +175,7 @@ def _comparable(body: dict) -> dict:
 
 def test_bodies_match_vllm_run_batch_oracle(job, e2e_dir, embedded_model):
     _, output, _, _ = job
-    oracle_in = write_lines(e2e_dir / "oracle-in.jsonl", VALID_CHATS)
-    oracle_out = e2e_dir / "oracle-out.jsonl"
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "vllm.entrypoints.openai.run_batch",
-            "-i",
-            str(oracle_in),
-            "-o",
-            str(oracle_out),
-            "--model",
-            embedded_model.path,
-            "--served-model-name",
-            MODEL_NAME,
-            *ENGINE_FLAGS,
-            "--enforce-eager",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=900,
-        env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "2"},
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    oracle = {r["custom_id"]: r["response"]["body"] for r in read_jsonl([oracle_out])}
+    oracle = bodies(run_batch(e2e_dir, "chat", VALID_CHATS, "--model", embedded_model.path, "--served-model-name", MODEL_NAME, *ENGINE_FLAGS))  # fmt: skip
     ours = {r["custom_id"]: r["response"]["body"] for r in read_jsonl(output.glob("results-*.jsonl"))}
     assert set(oracle) == {json.loads(line)["custom_id"] for line in VALID_CHATS}
     for custom_id, body in oracle.items():

@@ -41,7 +41,11 @@ BODIES: dict[str, dict[str, Any]] = {
     },
     "/rerank": {"query": "q", "documents": ["a", "b"]},
     "/v2/rerank": {"query": "q", "documents": ["a", "b"]},
+    "/v1/audio/transcriptions": {"file_url": "https://example.com/call.wav", "language": "en"},
+    "/v1/audio/translations": {"file_url": "data:audio/wav;base64,UklGRg==", "max_completion_tokens": 9},
 }
+# Speech to text: usage in seconds of audio, not tokens; both answer in one shape, listed as transcriptions.
+SPEECH = ("/v1/audio/transcriptions", "/v1/audio/translations")
 
 
 def test_the_registry_serves_exactly_the_documented_urls():
@@ -54,6 +58,8 @@ def test_the_registry_serves_exactly_the_documented_urls():
         "embeddings",
         "score",
         "rerank",
+        "transcriptions",
+        "translations",
     }
     assert endpoint_for("/v1/moderations") is None
     assert urls_for_task("embed") == [
@@ -65,6 +71,7 @@ def test_the_registry_serves_exactly_the_documented_urls():
         "/v2/rerank",
     ]
     assert urls_for_task("generate") == ["/v1/chat/completions", "/v1/completions", "/v1/responses"]
+    assert urls_for_task("transcription") == list(SPEECH)
 
 
 def fake_answer(url: str, body: dict[str, Any], **args: Any):
@@ -77,11 +84,17 @@ def test_fake_answer_is_recognised_counted_and_flattened(url):
     endpoint = endpoint_for(url)
     result = fake_answer(url, BODIES[url])
     assert result.status_code == 200, result.body
-    assert endpoint_answering(result.body) is endpoint
     assert endpoint.usage(result.body) == (result.prompt_tokens, result.completion_tokens)
+    row = flatten_records([dumps(result_record("id-1", result.body))]).to_pylist()[0]
+    if url in SPEECH:
+        assert endpoint_answering(result.body) is endpoint_for(SPEECH[0])
+        assert result.body["usage"] == {"type": "duration", "seconds": 1}
+        assert (result.prompt_tokens, result.completion_tokens) == (0, 0)
+        assert row["route"] == "transcriptions" and row["content"] == result.body["text"] != ""
+        return
+    assert endpoint_answering(result.body) is endpoint
     assert result.prompt_tokens > 0
     assert (result.completion_tokens > 0) is endpoint.generates
-    row = flatten_records([dumps(result_record("id-1", result.body))]).to_pylist()[0]
     assert row["route"] == endpoint.name
     assert row["prompt_tokens"] == result.prompt_tokens
 
@@ -102,6 +115,9 @@ def test_fake_bodies_parse_as_vllms_own_response_models(url):
     endpoint = endpoint_for(url)
     body = fake_answer(url, BODIES[url]).body
     parsed = TypeAdapter(_import(endpoint.vllm.response)).validate_python(body)
+    if url in SPEECH:  # vLLM's speech-to-text answers name no model
+        assert parsed.model_dump(mode="json") == body
+        return
     assert parsed.model_dump(mode="json")["model"] == CHAT_MODEL
 
 

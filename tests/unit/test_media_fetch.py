@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from pydantic import ValidationError
 
-from pipeline.media.fetch import fetch_media
+from pipeline.media.fetch import fetch_media, read_data_url
 from pipeline.media.policy import MediaFetchFailed, MediaPolicy, MediaRefused
 from tests.media_server import PNG, MediaServer
 
@@ -185,3 +185,16 @@ def test_settings_that_cannot_be_are_refused_with_what_to_write():
     with pytest.raises(ValidationError, match="host names"):
         MediaPolicy(allowed_domains=["https://images.example.com/"])
     assert MediaPolicy(allowed_domains=["Images.Example.COM."]).allowed_domains == ["images.example.com"]
+
+
+def test_data_urls_decode_within_the_size_limit():
+    assert read_data_url("data:audio/wav;base64,UklGRg==", 100) == b"RIFF"
+    assert read_data_url("data:text/plain,a%20b", 100) == b"a b"
+    with pytest.raises(MediaFetchFailed, match="media.max_bytes"):
+        read_data_url("data:audio/wav;base64," + "A" * 400, 100)
+    with pytest.raises(MediaFetchFailed, match="media.max_bytes"):
+        read_data_url("data:text/plain," + "a" * 101, 100)
+    with pytest.raises(ValueError, match="not valid base64"):
+        read_data_url("data:audio/wav;base64,@@@@", 100)
+    with pytest.raises(ValueError, match="data:"):
+        read_data_url("data:audio/wav;base64", 100)

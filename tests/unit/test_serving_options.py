@@ -184,3 +184,31 @@ def test_structured_outputs_backend_is_vllms_and_reaches_its_namespace():
     # Where vLLM's --structured-outputs-config.backend puts it; not an attribute of its own.
     assert ns.structured_outputs_config.backend == "xgrammar"
     assert not hasattr(ns, "structured_outputs_backend")
+
+
+def test_speech_to_text_only_models_run_the_transcription_task(tmp_path):
+    assert model_task(_model_dir(tmp_path, "w", ["WhisperForConditionalGeneration"])) == "transcription"
+    # A model that also transcribes but generates text as well stays a generating one.
+    assert model_task(_model_dir(tmp_path, "v", ["VoxtralForConditionalGeneration"])) == "generate"
+
+
+def test_the_transcription_only_list_is_the_installed_vllms():
+    """Every architecture whose vLLM class sets `supports_transcription_only`, read from vLLM's registry and its
+    model modules' source (importing each model would take minutes)."""
+    pytest.importorskip("vllm")
+    import re
+    from pathlib import Path
+
+    from vllm.model_executor.models import registry
+
+    from pipeline.models import TRANSCRIPTION_ONLY
+
+    source = Path(registry.__file__).parent
+    only = set()
+    for arch, (module, cls) in registry._VLLM_MODELS.items():
+        path = source / f"{module.rsplit('.', 1)[-1]}.py"
+        text = path.read_text() if path.exists() else ""
+        body = re.search(rf"^class {cls}\b.*?(?=^class |\Z)", text, re.S | re.M)
+        if body and "supports_transcription_only = True" in body.group(0):
+            only.add(arch)
+    assert only == TRANSCRIPTION_ONLY

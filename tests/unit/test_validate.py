@@ -594,3 +594,46 @@ def test_custom_id_at_the_limit_is_fine(validate):
 def test_huge_custom_id_is_not_echoed(validate):
     record = assert_invalid(validate(line(custom_id="x" * 1_000_000), 1, SOURCE), ErrorCode.INVALID_CUSTOM_ID)
     assert record["custom_id"] is None and len(json.dumps(record)) < 1_000
+
+
+# -- the audio routes: file_url as run-batch takes it -------------------------------------------------------------
+
+TRANSCRIBE = "/v1/audio/transcriptions"
+
+
+@pytest.mark.parametrize(
+    ("body", "says"),
+    [
+        pytest.param({"model": "whisper"}, "body.file_url is required", id="no-file-url"),
+        pytest.param({"model": "whisper", "file_url": 7}, "body.file_url is required", id="not-a-string"),
+        pytest.param(
+            {"model": "whisper", "file": "a.wav"}, "give the audio as body.file_url", id="form-file"
+        ),
+        pytest.param(
+            {"model": "whisper", "file_url": "gopher://h/a.wav"}, "http(s), data: or file://", id="scheme"
+        ),
+        pytest.param(
+            {"model": "whisper", "file_url": "data:,x", "temperature": "hot"}, "temperature", id="field"
+        ),
+        pytest.param({"model": "whisper", "file_url": "data:,x", "audio": True}, "audio", id="unknown-field"),
+    ],
+)
+def test_an_audio_line_that_cannot_run_is_its_error(body, says):
+    validate = LineValidator({"whisper": "transcription"})
+    record = assert_invalid(validate(line(url=TRANSCRIBE, body=body), 1, SOURCE), ErrorCode.INVALID_REQUEST)
+    assert says in record["error"]["message"], record["error"]["message"]
+
+
+def test_audio_lines_go_to_a_speech_model_and_only_there():
+    validate = LineValidator({MODEL: "generate", "whisper": "transcription"})
+    for url in (TRANSCRIBE, "/v1/audio/translations"):
+        body = {"model": "whisper", "file_url": "https://example.com/a.wav", "language": "en", "seed": 3}
+        assert isinstance(validate(line(f"{url}-whisper", url, body), 1, SOURCE), ValidRequest)
+        to_chat_model = line(f"{url}-chat", url, {**body, "model": MODEL})
+        record = assert_invalid(validate(to_chat_model, 1, SOURCE), ErrorCode.UNSUPPORTED_TASK)
+        assert "runs the 'generate' task" in record["error"]["message"]
+    # A chat line to the speech model: the model cannot serve it, said as such.
+    record = assert_invalid(
+        validate(line(body=chat_body(model="whisper")), 1, SOURCE), ErrorCode.UNSUPPORTED_TASK
+    )
+    assert "/v1/audio/transcriptions" in record["error"]["message"]
