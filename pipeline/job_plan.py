@@ -32,6 +32,7 @@ from pipeline.config import (
     PoolConfig,
     format_validation_error,
 )
+from pipeline.datasets.media import input_media_root
 from pipeline.datasets.output import TableOutput
 from pipeline.datasets.render import RowRenderer
 from pipeline.datasets.spec import DatasetConfig
@@ -39,6 +40,7 @@ from pipeline.datasets.template import TemplateError
 from pipeline.engines.base import EngineSpec, backend, engine_class
 from pipeline.io.rows import TableRead
 from pipeline.manifest import DatasetJob
+from pipeline.media.policy import MediaPolicy
 from pipeline.models import ResolvedModel, resolve_models, served_name
 from pipeline.topology import Topology
 
@@ -196,10 +198,23 @@ class JobPlan:
         spec = self.config.dataset
         if not spec.enabled:
             return None
+        if spec.media_columns and spec.media_root is None:
+            spec = spec.model_copy(update={"media_root": input_media_root(self.config.input)})
         try:
             return RowRenderer(spec, self.config.limits.max_json_depth)
         except TemplateError as exc:
             raise JobPlanError(str(exc)) from exc
+
+    @property
+    def media_policy(self) -> MediaPolicy:
+        """The job's media fetch policy: as configured, and for a dataset job whose media column holds paths, reading
+        under the media root (the input's own directory, or dataset.media_root) unless the policy names a directory
+        of its own."""
+        policy = self.config.media
+        root = self.dataset.spec.media_root if self.dataset else None
+        if root is None or policy.allowed_local_media_path is not None:
+            return policy
+        return policy.model_copy(update={"allowed_local_media_path": root})
 
     @property
     def table_read(self) -> TableRead | None:
@@ -241,6 +256,8 @@ class JobPlan:
                 for name, template in self.dataset.templates.items()
             },
             answer_columns=self.dataset.output.answer_names(),
+            media_columns=self.dataset.spec.media_columns,
+            media_root=self.dataset.spec.media_root,
         )
 
     @cached_property
@@ -297,7 +314,7 @@ class JobPlan:
             args,
             api_key=api_key,
             adapter_storage=self.config.storage,
-            media=self.config.media,
+            media=self.media_policy,
         )
 
 

@@ -288,6 +288,10 @@ class DatasetJob(_Section):
     id_column: str | None = Field(description="The column the table is sorted by (None: input order).")
     templates: dict[str, str] = Field(description="The templates as the job rendered them, by setting.")
     answer_columns: list[str] = Field(description="The columns the output added to each row.")
+    media_columns: dict[str, str] = Field(
+        default_factory=dict, description="The columns each row's media came from, by kind (image, audio)."
+    )
+    media_root: str | None = Field(default=None, description="The directory relative media paths were under.")
 
 
 class Manifest(_Section):

@@ -23,6 +23,7 @@ from functools import cached_property
 from typing import Any, NamedTuple
 
 from pipeline import json_codec
+from pipeline.datasets.media import MediaCellError, media_urls
 from pipeline.datasets.output import TableOutput
 from pipeline.datasets.spec import DatasetConfig
 from pipeline.datasets.template import PromptTemplate, RenderError
@@ -60,7 +61,7 @@ class Rendered(NamedTuple):
 
 class RowRenderer:
     def __init__(self, spec: DatasetConfig, max_json_depth: int = json_codec.DEFAULT_MAX_DEPTH) -> None:
-        if spec.template is None:
+        if not spec.enabled:
             raise ValueError("not a dataset job: dataset.template is not set")
         self.spec = spec
         self.endpoint = endpoint_named(spec.route)
@@ -188,8 +189,19 @@ class RowRenderer:
             self.failures_by_column.update(exc.columns or ("",))
             return BadRow(custom_id, str(exc), "template_error")
         body = self.endpoint.templated_body(
-            texts["dataset.template"], texts.get("dataset.system"), texts.get("dataset.pair_template")
+            texts.get("dataset.template"), texts.get("dataset.system"), texts.get("dataset.pair_template")
         )
+        for kind, column in self.spec.media_columns.items():
+            try:
+                urls = media_urls(row.get(column), column, self.spec.media_root)
+            except MediaCellError as exc:
+                self.failures_by_column[column] += 1
+                return BadRow(custom_id, str(exc), "template_error")
+            with_media = self.endpoint.with_media(body, kind, urls)
+            if isinstance(with_media, str):
+                self.failures_by_column[column] += 1
+                return BadRow(custom_id, with_media, "template_error")
+            body = with_media
         for field, column in self.spec.body_columns.items():
             value = row.get(column)
             if value is not None:  # null: the job's own value (or the route's default) applies to this row

@@ -75,7 +75,9 @@ class DatasetConfig(BaseModel):
     route: Annotated[
         str,
         Flag(
-            "--route", "The route each row's request takes: chat, completions, responses, embeddings, score."
+            "--route",
+            "The route each row's request takes: chat, completions, responses, embeddings, score, transcriptions, "
+            "translations.",
         ),
     ] = Field(
         default="chat", description="The route each row's request takes (a name from the route registry)."
@@ -121,6 +123,38 @@ class DatasetConfig(BaseModel):
         description="For requests that ask for JSON (body.response_format): the parsed answer as a `parsed` struct "
         "column typed by the JSON schema, or (`columns`) its fields as columns of their own.",
     )
+    image_column: Annotated[
+        str | None,
+        Flag(
+            "--image-column",
+            "The column of each row's image (bytes, a path or a URL; a list for several), sent with the prompt.",
+        ),
+    ] = Field(
+        default=None,
+        description="The column holding each row's image: bytes, a path (absolute, or under media_root), or a URL "
+        "(http(s)://, data:, file://); a list column for several. Chat: the images follow the prompt in the user "
+        "message. Fetched under the job's media policy.",
+    )
+    audio_column: Annotated[
+        str | None,
+        Flag(
+            "--audio-column",
+            "The column of each row's audio (bytes, a path or a URL): --route transcriptions/translations, or chat.",
+        ),
+    ] = Field(
+        default=None,
+        description="The column holding each row's audio, as image_column: the file to transcribe with --route "
+        "transcriptions or translations (the template, if any, is then the decoder's prompt), or audio parts of "
+        "a chat message for an audio model.",
+    )
+    media_root: Annotated[
+        str | None,
+        Flag("--media-root", "The directory relative paths in the image/audio column are under."),
+    ] = Field(
+        default=None,
+        description="The directory relative paths in image_column / audio_column are under. Default: the input's "
+        "directory, when the input is on local disk (a job allows reading it: media.allowed_local_media_path).",
+    )
     body_columns: dict[str, str] = Field(
         default_factory=dict,
         description="Body fields whose value each row carries in a column of its own, e.g. {max_tokens: budget} "
@@ -129,7 +163,13 @@ class DatasetConfig(BaseModel):
 
     @property
     def enabled(self) -> bool:
-        return self.template is not None
+        return self.template is not None or bool(self.media_columns)
+
+    @property
+    def media_columns(self) -> dict[str, str]:
+        """The media kinds rows carry, and the column of each."""
+        named = {"image": self.image_column, "audio": self.audio_column}
+        return {kind: column for kind, column in named.items() if column is not None}
 
     @field_validator("route")
     @classmethod
@@ -149,7 +189,8 @@ class DatasetConfig(BaseModel):
         given = [
             name
             for name, field in type(self).model_fields.items()
-            if name != "template" and getattr(self, name) != field.get_default(call_default_factory=True)
+            if name not in ("template", "image_column", "audio_column")
+            and getattr(self, name) != field.get_default(call_default_factory=True)
         ]
         if not self.enabled:
             if given:
@@ -159,6 +200,23 @@ class DatasetConfig(BaseModel):
             return self
         takes = endpoint_named(self.route).templated
         assert takes is not None
+        if self.template is None and takes.needs_text:
+            raise ValueError(f"the {self.route} route needs a prompt: give dataset.template (--template)")
+        for kind in self.media_columns:
+            if kind not in takes.media:
+                raise ValueError(
+                    f"the {self.route} route takes no {kind}: drop dataset.{kind}_column (routes that take one: "
+                    f"{', '.join(_routes_taking(kind))})"
+                )
+        if takes.needs_media and takes.needs_media not in self.media_columns:
+            raise ValueError(
+                f"the {self.route} route reads each row's {takes.needs_media}: name its column with "
+                f"dataset.{takes.needs_media}_column (--{takes.needs_media}-column)"
+            )
+        if self.media_root is not None and not self.media_columns:
+            raise ValueError(
+                "dataset.media_root is where media paths are: name the image or audio column too"
+            )
         if self.system is not None and not takes.system:
             raise ValueError(f"the {self.route} route takes no system prompt: drop dataset.system")
         if takes.pair and self.pair_template is None:
@@ -192,6 +250,12 @@ class DatasetConfig(BaseModel):
         return {**self.body, **{key: value for key, value in named.items() if value is not None}}
 
     def columns_read(self, template_columns: set[str]) -> set[str]:
-        """The columns a row's request is made from (the templates', the id, the per-row body fields)."""
+        """The columns a row's request is made from (the templates', the id, the media, the per-row body fields)."""
         own = set(self.body_columns.values()) | ({self.id_column} if self.id_column else set())
-        return template_columns | own
+        return template_columns | own | set(self.media_columns.values())
+
+
+def _routes_taking(kind: str) -> list[str]:
+    from pipeline.endpoints import ENDPOINTS
+
+    return [e.name for e in ENDPOINTS if e.templated is not None and kind in e.templated.media]

@@ -23,6 +23,7 @@ from pipeline.endpoints.base import (
     FakeAnswer,
     FakeContext,
     Prompt,
+    Templated,
     Text,
     VllmBinding,
     fake_text,
@@ -50,6 +51,18 @@ class _SpeechToText(Endpoint):
     tasks = frozenset({"transcription"})
     generates = True
     fields = {**STREAM_FIELD, **{name: SAMPLING_FIELDS[name] for name in _SAMPLING}}
+    # A dataset job: each row's audio (--audio-column); the template, if any, is the decoder's prompt.
+    templated = Templated(
+        system=False, pair=False, media=frozenset({"audio"}), needs_text=False, needs_media="audio"
+    )
+
+    def templated_body(self, prompt: str | None, system: str | None, pair: str | None) -> dict[str, Any]:
+        return {"prompt": prompt} if prompt else {}
+
+    def with_media(self, body: dict[str, Any], kind: str, urls: list[str]) -> dict[str, Any] | str:
+        if len(urls) != 1:
+            return f"a {self.name} request takes one audio file, and this row has {len(urls)}"
+        return {**body, "file_url": urls[0]}
 
     def check(self, body: dict[str, Any]) -> str | None:
         if "file" in body:

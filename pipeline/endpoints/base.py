@@ -162,6 +162,13 @@ class Templated(NamedTuple):
 
     system: bool  # a system prompt (--system)
     pair: bool  # a second text (--pair-template): score's text_2
+    media: frozenset[str] = (
+        frozenset()
+    )  # the media kinds a row may carry ("image", "audio"): --image-column, ...
+    needs_text: bool = (
+        True  # whether the route needs the prompt template (speech-to-text: the audio is the input)
+    )
+    needs_media: str | None = None  # the media kind every row must carry (speech-to-text: "audio")
 
 
 class Endpoint:
@@ -229,9 +236,14 @@ class Endpoint:
     # A dataset job (pipeline/datasets/) renders templates over a table's row; the route says where the texts go.
     templated: ClassVar[Templated | None] = None
 
-    def templated_body(self, prompt: str, system: str | None, pair: str | None) -> dict[str, Any]:
+    def templated_body(self, prompt: str | None, system: str | None, pair: str | None) -> dict[str, Any]:
         """The body of a dataset row's request from its rendered templates (the user prompt, the system prompt, the
         second text of a pair); `templated` says which this route takes."""
+        raise NotImplementedError
+
+    def with_media(self, body: dict[str, Any], kind: str, urls: list[str]) -> dict[str, Any] | str:
+        """A dataset row's body with its media added (`kind` one of `templated.media`, as URLs: http(s), data:,
+        file://), or why this row's media cannot go in it."""
         raise NotImplementedError
 
     def __repr__(self) -> str:

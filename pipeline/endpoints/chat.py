@@ -52,6 +52,10 @@ def chat_options(body: dict[str, Any]) -> dict[str, Any]:
     return options
 
 
+# A dataset row's media as a chat content part of vLLM's: the part's type, which is also the key of its URL.
+MEDIA_PART = {"image": "image_url", "audio": "audio_url"}
+
+
 class ChatCompletions(Endpoint):
     name = "chat"
     urls = ("/v1/chat/completions",)
@@ -82,11 +86,23 @@ class ChatCompletions(Endpoint):
         ).split()
     )
 
-    templated = Templated(system=True, pair=False)
+    templated = Templated(system=True, pair=False, media=frozenset(MEDIA_PART))
 
-    def templated_body(self, prompt: str, system: str | None, pair: str | None) -> dict[str, Any]:
+    def templated_body(self, prompt: str | None, system: str | None, pair: str | None) -> dict[str, Any]:
         head = [{"role": "system", "content": system}] if system is not None else []
         return {"messages": [*head, {"role": "user", "content": prompt}]}
+
+    def with_media(self, body: dict[str, Any], kind: str, urls: list[str]) -> dict[str, Any] | str:
+        # The user message becomes its text followed by the media parts, as vLLM's chat renderer takes them.
+        *head, user = body["messages"]
+        parts = (
+            user["content"]
+            if isinstance(user["content"], list)
+            else [{"type": "text", "text": user["content"]}]
+        )
+        part = MEDIA_PART[kind]
+        parts = [*parts, *({"type": part, part: {"url": url}} for url in urls)]
+        return {**body, "messages": [*head, {**user, "content": parts}]}
 
     def check(self, body: dict[str, Any]) -> str | None:
         messages = body.get("messages")

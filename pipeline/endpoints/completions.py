@@ -66,7 +66,7 @@ class Completions(Endpoint):
 
     templated = Templated(system=False, pair=False)
 
-    def templated_body(self, prompt: str, system: str | None, pair: str | None) -> dict[str, Any]:
+    def templated_body(self, prompt: str | None, system: str | None, pair: str | None) -> dict[str, Any]:
         return {"prompt": prompt}
 
     def check(self, body: dict[str, Any]) -> str | None:

@@ -74,7 +74,7 @@ class Responses(Endpoint):
 
     templated = Templated(system=True, pair=False)
 
-    def templated_body(self, prompt: str, system: str | None, pair: str | None) -> dict[str, Any]:
+    def templated_body(self, prompt: str | None, system: str | None, pair: str | None) -> dict[str, Any]:
         return {"input": prompt, **({"instructions": system} if system is not None else {})}
 
     def check(self, body: dict[str, Any]) -> str | None:

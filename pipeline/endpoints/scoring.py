@@ -78,7 +78,7 @@ class Score(Endpoint):
 
     templated = Templated(system=False, pair=True)
 
-    def templated_body(self, prompt: str, system: str | None, pair: str | None) -> dict[str, Any]:
+    def templated_body(self, prompt: str | None, system: str | None, pair: str | None) -> dict[str, Any]:
         return {"text_1": prompt, "text_2": pair}
 
     def check(self, body: dict[str, Any]) -> str | None:

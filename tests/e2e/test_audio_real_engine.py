@@ -129,3 +129,41 @@ def test_bodies_equal_vllms_own_run_batch(job, oracle):
         assert ours == theirs["response"]["body"], custom_id
     assert results["transcribe-data"]["response"]["body"]["usage"] == {"type": "duration", "seconds": 1}
     assert results["transcribe-verbose"]["response"]["body"]["duration"] == 1.0
+
+
+@pytest.fixture(scope="module")
+def call_table(e2e_dir, whisper):
+    """A dataset job with --route transcriptions over a Parquet table whose `call` column holds paths beside the
+    table (one that climbs out of its directory, and a null): the table back with each row's text."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from tests.e2e.tiny_whisper import wav
+
+    folder = e2e_dir / "archive"
+    (folder / "calls").mkdir(parents=True)
+    (folder / "calls" / "tone.wav").write_bytes(wav(1.0))
+    (e2e_dir / "outside.wav").write_bytes(wav(1.0))
+    source = folder / "calls.parquet"
+    pq.write_table(
+        pa.table({"id": ["a", "b", "c"], "call": ["calls/tone.wav", "../outside.wav", None]}), source
+    )
+    config = e2e_dir / "call-table.json"
+    config.write_text(json.dumps({"dataset": {"route": "transcriptions", "audio_column": "call", "id_column": "id",
+                                              "body": {"language": "en", "max_completion_tokens": 12}}}))  # fmt: skip
+    output = e2e_dir / "call-table-out"
+    proc = run_cli(
+        "run", str(source), str(output), "-c", str(config), "--temperature", "0", "--model", str(whisper),
+        "--served-model-name", "whisper", "--num-engines", "1", "--cpus-per-engine", "1", "--no-progress",
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return {row["id"]: row for row in pq.read_table(sorted(output.glob("results-*.parquet"))).to_pylist()}
+
+
+def test_an_audio_column_of_paths_is_transcribed_as_the_same_audio_in_a_line(call_table, job):
+    same = job[0]["transcribe-data"]["response"]["body"]  # the same audio, written as a request line
+    assert call_table["a"]["error"] is None and call_table["a"]["content"] == same["text"]
+    refused = call_table["b"]["error"]  # the media root is the table's directory: nothing above it is read
+    assert refused["code"] == "media_refused" and "allowed_local_media_path" in refused["message"], refused
+    assert call_table["c"]["error"]["code"] == "template_error"
+    assert list(call_table) == ["a", "b", "c"] and call_table["a"]["call"] == "calls/tone.wav"

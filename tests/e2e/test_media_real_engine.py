@@ -179,3 +179,47 @@ def test_image_rows_give_vllms_own_run_batch_bodies(job, oracle):
     # The image's tokens are the prompt's: 4 image tokens and the markers around them, on top of the text.
     text_only = results["text-0"]["response"]["body"]["usage"]["prompt_tokens"]
     assert results["image-url"]["response"]["body"]["usage"]["prompt_tokens"] > text_only
+
+
+@pytest.fixture(scope="module")
+def image_table(e2e_dir, vlm):
+    """A dataset job over a Parquet table whose `photo` column holds each row's images as bytes (a list column: one
+    image, two, none, null): the table back, an answer or an error per row."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    table = pa.table(
+        {"id": [1, 2, 3, 4], "photo": [[png(33)], [png(33), png(20)], [], None]},
+        schema=pa.schema([("id", pa.int64()), ("photo", pa.list_(pa.binary()))]),
+    )
+    source = e2e_dir / "products.parquet"
+    pq.write_table(table, source)
+    output = e2e_dir / "image-table-out"
+    proc = run_cli(
+        "run", str(source), str(output), "--template", "Describe the picture.", "--image-column", "photo",
+        "--id-column", "id", "--max-tokens", "6", "--temperature", "0", "--model", str(vlm), "--served-model-name",
+        "vlm", "--num-engines", "1", "--cpus-per-engine", "1", "--limit-mm-per-prompt", '{"image": 2}',
+        "--no-progress",
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    manifest = json.loads((output / "manifest.json").read_text())
+    assert manifest["dataset"]["media_columns"] == {"image": "photo"}
+    assert manifest["counts"]["succeeded"] == 2 and manifest["counts"]["failed"] == 2
+    return {row["id"]: row for row in pq.read_table(sorted(output.glob("results-*.parquet"))).to_pylist()}
+
+
+def test_an_image_column_of_bytes_is_answered_as_the_same_image_in_a_line(image_table, job):
+    results = job[0]
+    same = results["image-data"]["response"]["body"]  # the same prompt and image, written as a request line
+    one, two = image_table[1], image_table[2]
+    assert one["error"] is None and one["content"] == same["choices"][0]["message"]["content"]
+    assert one["prompt_tokens"] == same["usage"]["prompt_tokens"]
+    assert (
+        two["error"] is None and two["prompt_tokens"] > one["prompt_tokens"]
+    )  # the second image's tokens too
+    for row_id, says in ((3, "empty list"), (4, "is null")):
+        error = image_table[row_id]["error"]
+        assert error["code"] == "template_error" and says in error["message"], error
+    assert list(image_table) == [1, 2, 3, 4] and bytes(one["photo"][0]) == png(
+        33
+    )  # every row, its columns kept

@@ -92,6 +92,12 @@ def test_a_template_flag_reads_the_file_it_names(tmp_path: Path):
         ({"template": "{{ t }}", "pair_template": "{{ u }}"}, "takes one text"),
         ({"template": "{{ t }}", "body": {"messages": []}}, "come from the templates"),
         ({"template": "{{ t }}", "body_columns": {"custom_id": "id"}}, "dataset.id_column"),
+        ({"image_column": "photo"}, "the chat route needs a prompt"),
+        ({"template": "{{ t }}", "route": "embeddings", "image_column": "p"}, "takes no image.*: chat"),
+        ({"template": "{{ t }}", "route": "transcriptions"}, "dataset.audio_column"),
+        ({"audio_column": "a", "route": "transcriptions", "image_column": "p"}, "takes no image"),
+        ({"template": "{{ t }}", "media_root": "/data"}, "name the image or audio column too"),
+        ({"media_root": "/data"}, "set dataset.template too"),
     ],
 )
 def test_settings_that_cannot_make_requests_are_refused_by_name(spec, says):
@@ -120,6 +126,83 @@ def test_each_route_puts_the_rendered_texts_where_it_takes_them():
     assert score["url"] == "/v1/score" and score["body"] == {"text_1": "why", "text_2": "because"}
     responses = renderer(template="{{ q }}", system="{{ sys }}", route="responses").request(row, 1, 0)
     assert responses["body"] == {"input": "why", "instructions": "be brief"}
+
+
+PNG_BYTES = b"\x89PNG\r\n\x1a\n" + b"rest"
+
+
+def test_an_image_column_puts_each_rows_images_after_its_prompt():
+    chat = renderer(template="Describe {{ name }}.", image_column="photo", media_root="/data/shop")
+    body = chat.request({"name": "a kettle", "photo": PNG_BYTES}, 1, 0)["body"]
+    assert body["messages"] == [{"role": "user", "content": [
+        {"type": "text", "text": "Describe a kettle."},
+        {"type": "image_url", "image_url": {"url": "data:image/png;base64,iVBORw0KGgpyZXN0"}},
+    ]}]  # fmt: skip
+    listed = chat.request({"name": "x", "photo": ["shots/a b.png", "https://img.example/b.png"]}, 2, 0)[
+        "body"
+    ]
+    urls = [part["image_url"]["url"] for part in listed["messages"][0]["content"][1:]]
+    assert urls == ["file:///data/shop/shots/a%20b.png", "https://img.example/b.png"]
+    assert chat.columns == {"name", "photo"}
+
+
+@pytest.mark.parametrize(
+    ("cell", "says"),
+    [
+        (None, "'photo' is null"),
+        ([], "empty list"),
+        (b"", "empty bytes"),
+        (3, "holds a int"),
+        ("gopher://x/a.png", "http(s)://, data: or file://"),
+    ],
+)
+def test_a_media_cell_that_makes_no_url_is_that_rows_error(cell, says):
+    chat = renderer(template="{{ name }}", image_column="photo", media_root="/data")
+    bad = chat.request({"name": "x", "photo": cell}, 1, 0)
+    assert isinstance(bad, BadRow) and bad.code == "template_error" and says in bad.message, bad
+    assert chat.failures_by_column["photo"] == 1
+
+
+def test_an_audio_column_is_the_file_a_transcription_reads_and_the_template_its_prompt():
+    plain = renderer(route="transcriptions", audio_column="call", body={"language": "en"})
+    assert plain.request({"call": "/calls/1.wav"}, 1, 0) == {
+        "custom_id": position_id(0, 1),
+        "method": "POST",
+        "url": "/v1/audio/transcriptions",
+        "body": {"language": "en", "file_url": "file:///calls/1.wav"},
+    }
+    prompted = renderer(route="translations", audio_column="call", template="Names: {{ names }}")
+    body = prompted.request({"call": b"RIFF\0\0\0\0WAVEfmt ", "names": "Ada"}, 1, 0)["body"]
+    assert body == {"prompt": "Names: Ada", "file_url": "data:audio/wav;base64,UklGRgAAAABXQVZFZm10IA=="}
+    two = plain.request({"call": ["/calls/a.wav", "/calls/b.wav"]}, 2, 0)
+    assert isinstance(two, BadRow) and "takes one audio file" in two.message
+    no_root = plain.request({"call": "calls/1.wav"}, 3, 0)
+    assert isinstance(no_root, BadRow) and "--media-root" in no_root.message
+
+
+def test_relative_media_paths_are_under_the_local_inputs_directory_which_the_job_may_read(tmp_path: Path):
+    from pipeline.datasets.media import input_media_root
+    from pipeline.job_plan import JobPlan
+
+    (tmp_path / "shop").mkdir()
+    table = tmp_path / "shop" / "rows.parquet"
+    table.write_bytes(b"")
+    assert input_media_root(str(table)) == str(tmp_path / "shop")
+    assert input_media_root(str(tmp_path / "shop")) == str(tmp_path / "shop")
+    assert input_media_root(str(tmp_path / "shop" / "part-*.parquet")) == str(tmp_path / "shop")
+    assert input_media_root("s3://bucket/rows.parquet") is None
+    assert input_media_root("https://example.com/rows.jsonl") is None
+
+    dataset = {"template": "{{ name }}", "image_column": "photo"}
+    plan = JobPlan.of(JobConfig.model_validate({"input": str(table), "output": str(tmp_path / "out"),
+                                                 "dataset": dataset}))  # fmt: skip
+    assert plan.dataset_spec.media_root == str(tmp_path / "shop")
+    assert plan.media_policy.allowed_local_media_path == str(tmp_path / "shop")
+    # A directory the user named for the policy is theirs to keep.
+    own = {"allowed_local_media_path": "/srv/media"}
+    plan = JobPlan.of(JobConfig.model_validate({"input": str(table), "output": str(tmp_path / "out"),
+                                                 "dataset": dataset, "media": own}))  # fmt: skip
+    assert plan.media_policy.allowed_local_media_path == "/srv/media"
 
 
 def test_a_column_carries_per_row_values_and_a_null_leaves_the_jobs_own():
