@@ -476,6 +476,9 @@ def down() -> None:
     "dataset.id_column",
     "dataset.keep_columns",
     "dataset.max_tokens",
+    "dataset.image_column",
+    "dataset.audio_column",
+    "dataset.media_root",
     help={"model": "Model the job would serve (its name is checked)."},
 )
 def validate(
@@ -514,6 +517,8 @@ def validate(
 
     try:
         job = merge_overrides(load_job_config(config), flags.overrides(), flags.labels)
+        # A media column's relative paths are under the input's directory, as `run` reads them.
+        job = job.model_copy(update={"input": input})
         plan = JobPlan.of(job)
         source = check_input_source(input, job.storage, plan.table_read)
         if plan.dataset is not None:  # a table: its columns are checked against the templates first

@@ -168,3 +168,32 @@ def test_a_dataset_job_is_validated_on_its_rendered_prompts(tmp_path):
     assert "lines      4 (2 valid, 2 invalid)" in result.output
     result, _ = validate(*common, "--template", "Say {{ body }}")
     assert result.exit_code != 0 and "does not have: body (it has: id, text)" in result.output
+
+
+def test_a_transcription_table_is_validated_with_its_paths_under_the_tables_directory(tmp_path):
+    """`--route transcriptions --audio-column`: a path is under the table's own directory (as `run` reads it), a
+    null is the row's error, counted by its column; a speech model is the one that serves the route."""
+    model = tmp_path / "whisper"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({"architectures": ["WhisperForConditionalGeneration"]}))
+    rows = [{"id": "a", "call": "calls/a.wav"}, {"id": "b", "call": None}, {"id": "c", "call": "/srv/c.wav"}]
+    path = write_lines(tmp_path / "calls.jsonl", [json.dumps(row) for row in rows])
+    common = [
+        str(path),
+        "--model",
+        str(model),
+        "--engine",
+        "fake",
+        "--id-column",
+        "id",
+        "--audio-column",
+        "call",
+    ]
+    result, records = validate(*common, "--route", "transcriptions")
+    assert result.exit_code == 0, result.output
+    assert [(r["custom_id"], code_of(r)) for r in records] == [("b", "template_error")]
+    assert "templates  rows not rendered by column: call 1" in result.output
+    assert "routes     /v1/audio/transcriptions 2" in result.output
+    # Chat to a speech model: every row is the route's unsupported_task.
+    result, records = validate(*common, "--template", "{{ id }}")
+    assert {code_of(r) for r in records} == {"unsupported_task", "template_error"}, records
