@@ -17,6 +17,7 @@ import pytest
 
 from tests.e2e.cli import run_cli
 from tests.e2e.run_batch import bodies, run_batch
+from tests.e2e.tiny_idefics3 import IMAGE_PROMPT_TOKENS
 from tests.lines import read_job_output, write_lines
 from tests.media_server import PNG, MediaServer, png
 
@@ -145,13 +146,13 @@ def test_the_refusals_name_the_rule(job):
 
 
 def test_fitting_and_validate_count_an_images_tokens_as_the_engine_does(job, e2e_dir, vlm):
-    """The image's placeholder (4 image tokens and the markers around them) is counted by fitting and `validate` as
+    """The image's placeholder (256 image tokens and the markers around them) is counted by fitting and `validate` as
     the engine counts it: the longest prompt measured is the image row's, token for token."""
     results, _, manifest = job[:3]
     engine_counts = {custom_id: results[custom_id]["response"]["body"]["usage"]["prompt_tokens"] for custom_id in
                      ANSWERED}  # fmt: skip
     fitted = manifest["engine"]["fitted"]
-    assert "7 tokens per image" in fitted["counted_by"], fitted["counted_by"]
+    assert f"{IMAGE_PROMPT_TOKENS} tokens per image" in fitted["counted_by"], fitted["counted_by"]
     assert (
         fitted["measured"]["prompt_tokens"]["max"]
         == engine_counts["image-url"]
@@ -165,7 +166,7 @@ def test_fitting_and_validate_count_an_images_tokens_as_the_engine_does(job, e2e
     summary = next(line for line in validated.stderr.splitlines() + validated.stdout.splitlines()
                    if line.startswith("prompt     tokens"))  # fmt: skip
     assert f"max {engine_counts['image-url']}," in summary, summary
-    assert "7 tokens per image" in summary, summary
+    assert f"{IMAGE_PROMPT_TOKENS} tokens per image" in summary, summary
 
 
 def test_image_rows_give_vllms_own_run_batch_bodies(job, oracle):
@@ -176,7 +177,7 @@ def test_image_rows_give_vllms_own_run_batch_bodies(job, oracle):
             custom_id
         )
         assert ours["usage"] == theirs["usage"], custom_id
-    # The image's tokens are the prompt's: 4 image tokens and the markers around them, on top of the text.
+    # The image's tokens are the prompt's: 256 image tokens and the markers around them, on top of the text.
     text_only = results["text-0"]["response"]["body"]["usage"]["prompt_tokens"]
     assert results["image-url"]["response"]["body"]["usage"]["prompt_tokens"] > text_only
 

@@ -1,5 +1,6 @@
-"""A tiny Idefics3 (the SmolVLM layout) with random weights, made at test time: a 2-layer vision tower over 64-pixel
-images (patch 16, pixel shuffle 2: 4 image tokens per image) and a 2-layer Llama text model, on the embedded model's
+"""A tiny Idefics3 (the SmolVLM layout) with random weights, made at test time: a 2-layer vision tower over 256-pixel
+images (patch 8, pixel shuffle 2: 256 image tokens per image, more than a 128-token KV block, so a fit that ignored
+images would cut the context short of every image row) and a 2-layer Llama text model, on the embedded model's
 tokenizer with Idefics3's special tokens added. Seeded, so its (meaningless) answers are the same on every run;
 about 13 MB of safetensors, a few seconds to build. Its answers are nonsense; what the tests compare is that two
 paths give the same ones for the same image."""
@@ -9,10 +10,12 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-IMAGE_SIZE = 64
-PATCH = 16
+IMAGE_SIZE = 256
+PATCH = 8
 SCALE = 2
-IMAGE_TOKENS = (IMAGE_SIZE // PATCH) ** 2 // SCALE**2  # 4
+IMAGE_TOKENS = (IMAGE_SIZE // PATCH) ** 2 // SCALE**2  # 256
+# What an image costs in the prompt: its tokens between <fake_token_around_image><global-img> and a closing marker.
+IMAGE_PROMPT_TOKENS = IMAGE_TOKENS + 3
 
 # Idefics3's chat template: a message's parts in order, an image part as <image> (the processor expands it).
 CHAT_TEMPLATE = (
