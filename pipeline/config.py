@@ -359,6 +359,11 @@ class FakeEngineArgs(_Strict):
         default_factory=list,
         description="Failure injection: the engine process dies on a request whose custom_id contains one of these.",
     )
+    hold_while: str | None = Field(
+        default=None,
+        description="Failure injection: while this file exists, a request waits before it runs (requests already "
+        "running finish): lets a test stop the work at a point of its choosing, whatever the box's load.",
+    )
     call_log: str | None = Field(
         default=None,
         description="Append every custom_id the engine runs to this file (counts recomputation); '{pid}' in the "

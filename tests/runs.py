@@ -58,18 +58,38 @@ def engine_staged_ids(output: Path) -> set[str]:
     return ids
 
 
-def kill_driver_half_way(command: list[str], output: Path, rows: int) -> set[str]:
+def kill_driver_half_way(command: list[str], output: Path, rows: int, hold: Path | None = None) -> set[str]:
     """Start a `nightshift` driver, SIGKILL it once engines have staged half of `rows` ids under `output`, and return
-    the staged ids once staging has settled (the dead driver's engines may stage a last chunk)."""
+    the staged ids once staging has settled (the dead driver's engines may stage a last chunk).
+
+    `hold`: the fake engines' `hold_while` file (see `held_until_half_staged`), removed once staging has settled, for
+    the resume."""
     driver = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    deadline = time.monotonic() + 300
-    while len(engine_staged_ids(output)) < rows // 2:
-        assert driver.poll() is None, driver.stderr.read()[-2000:]
-        assert time.monotonic() < deadline, "the job never got half way"
-        time.sleep(0.2)
+    held_until_half_staged(driver, lambda: engine_staged_ids(output), rows, hold)
     driver.send_signal(signal.SIGKILL)
     driver.wait()
-    return once_settled(lambda: engine_staged_ids(output))
+    staged = once_settled(lambda: engine_staged_ids(output))
+    if hold is not None:
+        hold.unlink()
+    return staged
+
+
+def held_until_half_staged(driver: subprocess.Popen, staged, rows: int, hold: Path | None) -> None:
+    """Returns once `staged()` holds half of `rows` ids. With `hold` (the fake engines' `hold_while` file), the
+    engines are held while each count is read and from the moment it reaches half: no request starts meanwhile (those
+    running finish), so the job cannot run to its end under a slow read, nor before the kill lands, however long a
+    loaded box takes."""
+    deadline = time.monotonic() + 300
+    while True:
+        if hold is not None:
+            hold.touch()
+        if len(staged()) >= rows // 2:
+            return
+        assert driver.poll() is None, driver.stderr.read()[-2000:]
+        assert time.monotonic() < deadline, "the job never got half way"
+        if hold is not None:
+            hold.unlink()
+        time.sleep(0.2)
 
 
 def run_command(input_path: Path, output: Path, config: Path) -> list[str]:
@@ -93,6 +113,30 @@ def nightshift_ok(*args: str) -> None:
         [sys.executable, "-m", "pipeline", *args], capture_output=True, text=True, timeout=600
     )
     assert done.returncode == 0, done.stderr[-3000:]
+
+
+def run_uninterrupted(input_path: Path | str, output: Path, config: Path) -> dict:
+    """The job of the job file `config` run to its end in this process, on the test's Ray (the `local_ray`
+    fixture), as the reference a killed-and-resumed run of it is compared with; returns its manifest. The same job
+    id gives the same output ids; the fake engine's time model and failure injection are left out, as its answers do
+    not depend on them (its time model only delays them)."""
+    import json
+
+    from pipeline.config import JobConfig
+    from pipeline.runtime.job import run_job
+
+    settings = json.loads(config.read_text())
+    fake = settings["engine"]["fake"]
+    for name in (
+        "prefill_seconds_per_token",
+        "decode_seconds_per_token",
+        "hold_while",
+        "call_log",
+        "crash_on",
+    ):
+        fake.pop(name, None)
+    job = JobConfig.model_validate({**settings, "input": str(input_path), "output": str(output)})
+    return run_job(job, show_progress=False).manifest
 
 
 def assert_same_shards(one: Path, other: Path) -> None:

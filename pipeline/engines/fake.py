@@ -188,6 +188,9 @@ class FakeEngine(Engine):
             await self._release_adapter(adapter)
 
     async def _generate(self, request: EngineRequest) -> EngineResult:
+        hold = self.args.get("hold_while")
+        while hold and os.path.exists(hold):
+            await asyncio.sleep(0.05)
         result, cost = self._answer(request)
         if self._ranks:
             from pipeline.engines.fake_ranks import through_every_stage

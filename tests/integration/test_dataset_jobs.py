@@ -16,7 +16,7 @@ from pipeline.config import JobConfig
 from pipeline.runtime.job import run_job
 from pipeline.runtime.preflight import PreflightError
 from tests.lines import read_jsonl
-from tests.runs import assert_same_shards, kill_driver_half_way, nightshift_ok, run_command
+from tests.runs import assert_same_shards, kill_driver_half_way, nightshift_ok, run_command, run_uninterrupted
 
 pytestmark = pytest.mark.usefixtures("local_ray")
 
@@ -128,11 +128,15 @@ def test_a_dataset_job_killed_half_way_resumes_exactly_once(tmp_path):
         json.dumps(
             {
                 "job_id": "dataset-resume",
-                # 16 rows at once, 0.2 s each: the second half of the job takes ~12 s, far longer than the kill
-                # takes to land once half is staged (at 64 at once a loaded box once saw the job end first).
+                # No request starts once half is staged (the hold): the kill lands mid-job on any box.
                 "engine": {
                     "backend": "fake",
-                    "fake": {"output_tokens": 4, "decode_seconds_per_token": 0.05, "max_concurrency": 16},
+                    "fake": {
+                        "output_tokens": 4,
+                        "decode_seconds_per_token": 0.05,
+                        "max_concurrency": 16,
+                        "hold_while": str(tmp_path / "hold"),
+                    },
                 },
                 "resources": {"cpus_per_engine": 0.5, "rows_per_task": 16},
                 "output_options": {"rows_per_shard": 700, "staging_rows": 100},
@@ -142,11 +146,11 @@ def test_a_dataset_job_killed_half_way_resumes_exactly_once(tmp_path):
     )
     output = tmp_path / "out"
     command = run_command(path, output, config)
-    staged_before = kill_driver_half_way(command, output, rows)
+    staged_before = kill_driver_half_way(command, output, rows, hold=tmp_path / "hold")
     assert rows // 2 <= len(staged_before) < rows and not (output / "manifest.json").exists()
     nightshift_ok("resume", str(output), "--no-progress")
     resumed = read_jsonl(sorted(output.glob("results-*.jsonl")))
     assert [row["id"] for row in resumed] == [f"r{i:05d}" for i in range(rows)]
     clean = tmp_path / "clean"
-    nightshift_ok("run", str(path), str(clean), "-c", str(config), "--no-progress")
+    run_uninterrupted(path, clean, config)
     assert_same_shards(clean, output)

@@ -25,7 +25,15 @@ from pipeline.runtime.job import run_job
 from tests.failure_figures import record
 from tests.integration.storage_fixtures import moto_s3  # noqa: F401
 from tests.lines import chat_line, read_jsonl, write_lines
-from tests.runs import assert_same_shards, kill_driver_half_way, nightshift_ok, once_settled, run_command
+from tests.runs import (
+    assert_same_shards,
+    held_until_half_staged,
+    kill_driver_half_way,
+    nightshift_ok,
+    once_settled,
+    run_command,
+    run_uninterrupted,
+)
 
 
 def fake_job(input_path, output, **fake_args) -> JobConfig:
@@ -81,6 +89,7 @@ def test_poison_request_is_isolated_and_the_job_finishes(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.usefixtures("local_ray")
 def test_driver_killed_half_way_then_resume(tmp_path):
     """README "Failure model", row "the driver is killed (SSH drop, `kill -9`)"."""
     n = 3000
@@ -100,6 +109,7 @@ def test_driver_killed_half_way_then_resume(tmp_path):
                         "decode_seconds_per_token": 0.05,
                         "max_concurrency": 64,
                         "call_log": str(calls),
+                        "hold_while": str(tmp_path / "hold"),
                     },
                 },
                 "resources": {"cpus_per_engine": 0.5, "rows_per_task": 16},
@@ -109,7 +119,7 @@ def test_driver_killed_half_way_then_resume(tmp_path):
     )
     output = tmp_path / "out"
     cmd = run_command(path, output, config)
-    staged_before = kill_driver_half_way(cmd, output, n)
+    staged_before = kill_driver_half_way(cmd, output, n, hold=tmp_path / "hold")
     assert not (output / "manifest.json").exists()
     calls_before = len(calls.read_text().split())
     assert n // 2 <= len(staged_before) < n
@@ -134,7 +144,7 @@ def test_driver_killed_half_way_then_resume(tmp_path):
 
     # The same job uninterrupted (same job id → same output ids): byte-identical shards.
     clean = tmp_path / "clean"
-    nightshift_ok("run", str(path), str(clean), "-c", str(config), "--no-progress")
+    run_uninterrupted(path, clean, config)
     assert_same_shards(clean, output)
 
 
@@ -235,6 +245,7 @@ def test_s3_driver_killed_half_way_then_resumed_on_another_machine(moto_s3, tmp_
                         "decode_seconds_per_token": 0.05,
                         "max_concurrency": 64,
                         "call_log": str(calls),
+                        "hold_while": str(tmp_path / "hold"),
                     },
                 },
                 "resources": {"cpus_per_engine": 0.5, "rows_per_task": 16},
@@ -261,11 +272,7 @@ def test_s3_driver_killed_half_way_then_resumed_on_another_machine(moto_s3, tmp_
         stderr=subprocess.PIPE,
         text=True,
     )
-    deadline = time.monotonic() + 300
-    while len(_staged_ids_s3(moto_s3, bucket, "out")) < n // 2:
-        assert driver.poll() is None, driver.stderr.read()[-2000:]
-        assert time.monotonic() < deadline, "the job never got half way"
-        time.sleep(0.3)
+    held_until_half_staged(driver, lambda: _staged_ids_s3(moto_s3, bucket, "out"), n, tmp_path / "hold")
     driver.send_signal(signal.SIGKILL)
     driver.wait()
 
@@ -276,6 +283,7 @@ def test_s3_driver_killed_half_way_then_resumed_on_another_machine(moto_s3, tmp_
     assert "out/manifest.json" not in moto_s3.keys(bucket)
     assert not [p for p in Path(machine_a["NIGHTSHIFT_HOME"]).rglob("job.json")]
     staged_before = once_settled(lambda: _staged_ids_s3(moto_s3, bucket, "out"))
+    (tmp_path / "hold").unlink()
     calls_before = len(calls.read_text().split())
     assert n // 2 <= len(staged_before) < n
 

@@ -15,7 +15,7 @@ import pytest
 from pipeline.config import JobConfig
 from pipeline.runtime.job import run_job
 from tests.lines import chat_line, read_jsonl, write_lines
-from tests.runs import assert_same_shards, kill_driver_half_way, nightshift_ok, run_command
+from tests.runs import assert_same_shards, kill_driver_half_way, nightshift_ok, run_command, run_uninterrupted
 
 pytestmark = pytest.mark.usefixtures("local_ray")
 
@@ -162,7 +162,12 @@ def test_a_streamed_job_killed_half_way_resumes_exactly_once(tmp_path, fit):
                 "job_id": "streamed-resume",
                 "engine": {
                     "backend": "fake",
-                    "fake": {"output_tokens": 4, "decode_seconds_per_token": 0.05, "max_concurrency": 64},
+                    "fake": {
+                        "output_tokens": 4,
+                        "decode_seconds_per_token": 0.05,
+                        "max_concurrency": 64,
+                        "hold_while": str(tmp_path / "hold"),
+                    },
                     "fit": {"enabled": fit, "early_min_bytes": 0},
                 },
                 "resources": {"cpus_per_engine": 0.5, "rows_per_task": 16},
@@ -172,7 +177,7 @@ def test_a_streamed_job_killed_half_way_resumes_exactly_once(tmp_path, fit):
     )
     output = tmp_path / "out"
     run = run_command(path, output, config)
-    staged_before = kill_driver_half_way(run, output, n)
+    staged_before = kill_driver_half_way(run, output, n, hold=tmp_path / "hold")
     assert len(staged_before) < n
 
     nightshift_ok("resume", str(output), "--no-progress")
@@ -183,8 +188,7 @@ def test_a_streamed_job_killed_half_way_resumes_exactly_once(tmp_path, fit):
     assert [e["error"]["code"] for e in errors] == ["duplicate_custom_id"] * len(range(100, n, 200))
 
     clean = tmp_path / "clean"
-    nightshift_ok("run", str(path), str(clean), "-c", str(config), "--no-progress")
-    manifest = json.loads((clean / "manifest.json").read_text())
+    manifest = run_uninterrupted(path, clean, config)
     assert manifest["ingest"]["streamed"] is True
     if fit:
         assert manifest["engine"]["fitted"]["early"]["rows_held"] == 1

@@ -299,3 +299,22 @@ def test_instant_fake_chunk_keeps_going_past_a_failing_request(monkeypatch):
     results = asyncio.run(engine.generate_all([chat_request("a"), chat_request("boom"), chat_request("b")]))
     assert [r.status_code for r in results] == [200, 500, 200]
     assert "ValueError: bad body" in results[1].body["error"]["message"]
+
+
+def test_no_request_starts_while_the_hold_file_exists(tmp_path):
+    """`hold_while`: a test stops the work at a point of its choosing; requests wait, and run once it is removed."""
+    hold = tmp_path / "hold"
+    hold.touch()
+    engine = make_engine(hold_while=str(hold))
+
+    async def main() -> list[EngineResult]:
+        await engine.start()
+        waiting = asyncio.ensure_future(engine.generate(chat_request()))
+        for _ in range(10):  # ten turns of the loop: the request is still held
+            await asyncio.sleep(0.06)
+        assert not waiting.done()
+        hold.unlink()
+        return [await asyncio.wait_for(waiting, timeout=30)]
+
+    (result,) = asyncio.run(main())
+    assert result.status_code == 200
