@@ -6,8 +6,8 @@
 
 A cell holds bytes (the file itself: sent inline as a `data:` URL, so the row carries it through the work queue),
 a URL (`http(s)://`, `data:`, `file://`: as it is; the engine fetches it under the job's media policy), or a local
-path (absolute, or under `root`: the input's directory unless `dataset.media_root` says otherwise), or a list of
-those. Anything else — null, an empty list, a number — is the row's error, never the job's.
+path (absolute, or under `root`: the input's directory unless `dataset.media_root` says otherwise), a Hugging Face
+datasets Image or Audio cell (`{bytes, path}`), or a list of those. Anything else — null, an empty list, a number — is the row's error, never the job's.
 
 Pure: no Ray, no vLLM.
 """
@@ -49,6 +49,9 @@ def media_urls(value: Any, column: str, root: str | None) -> list[str]:
 
 
 def _url(item: Any, column: str, root: str | None) -> str:
+    if isinstance(item, dict) and ("bytes" in item or "path" in item):
+        # A Hugging Face datasets Image or Audio column: {bytes, path}, the bytes when it holds them.
+        item = item.get("bytes") or item.get("path")
     if isinstance(item, bytes | bytearray | memoryview):
         data = bytes(item)
         if not data:

@@ -9,6 +9,7 @@ Pure: no Ray, no vLLM; config.py embeds it in JobConfig.
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -171,6 +172,18 @@ class DatasetConfig(BaseModel):
         named = {"image": self.image_column, "audio": self.audio_column}
         return {kind: column for kind, column in named.items() if column is not None}
 
+    @field_validator("media_root")
+    @classmethod
+    def _a_local_directory(cls, root: str | None) -> str | None:
+        # Made absolute where the job is started: the engines that read the files run elsewhere.
+        if root is None:
+            return None
+        if "://" in root:
+            raise ValueError(
+                f"{root!r}: the media root is a local directory (media on S3 or HTTP: give URLs)"
+            )
+        return os.path.abspath(os.path.expanduser(root))
+
     @field_validator("route")
     @classmethod
     def _a_templated_route(cls, route: str) -> str:
@@ -242,6 +255,13 @@ class DatasetConfig(BaseModel):
                 )
         if "custom_id" in self.body_columns:
             raise ValueError("custom_id is not a body field: name the id column with dataset.id_column")
+        unknown = sorted((set(self.sampling()) | set(self.body_columns)) - _body_fields(self.route))
+        if unknown:
+            hint = " (its output limit is max_completion_tokens)" if "max_tokens" in unknown else ""
+            raise ValueError(
+                f"the {self.route} route's requests take no {', '.join(unknown)}{hint}: drop it from the dataset "
+                "settings"
+            )
         return self
 
     def sampling(self) -> dict[str, Any]:
@@ -253,6 +273,14 @@ class DatasetConfig(BaseModel):
         """The columns a row's request is made from (the templates', the id, the media, the per-row body fields)."""
         own = set(self.body_columns.values()) | ({self.id_column} if self.id_column else set())
         return template_columns | own | set(self.media_columns.values())
+
+
+def _body_fields(route: str) -> frozenset[str]:
+    """Every body field the route's requests take (as vLLM's request model knows them, and OpenAI's bookkeeping)."""
+    from pipeline.endpoints import endpoint_named
+    from pipeline.endpoints.base import OPENAI_BOOKKEEPING_FIELDS
+
+    return endpoint_named(route).body_fields | OPENAI_BOOKKEEPING_FIELDS
 
 
 def _routes_taking(kind: str) -> list[str]:

@@ -43,8 +43,9 @@ _SPEECH_FIELDS = (
     "min_p model n presence_penalty prompt repetition_penalty response_format seed stream stream_continuous_usage_stats "
     "stream_include_usage temperature to_language top_k top_p use_beam_search vllm_xargs watermarking"
 ).split()
-# Every answer's keys: the text, and for verbose_json the language, duration, segments and words.
-_ANSWER_KEYS = frozenset({"text", "usage", "language", "duration", "segments", "words"})
+# Every answer's keys: the text, and for verbose_json the language, duration, segments and words (diarized_json:
+# the task, duration and segments).
+_ANSWER_KEYS = frozenset({"text", "usage", "language", "duration", "segments", "words", "task"})
 
 
 class _SpeechToText(Endpoint):

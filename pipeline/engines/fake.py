@@ -117,6 +117,7 @@ class FakeEngine(Engine):
             not self.args.get("prefill_seconds_per_token")
             and not self.args.get("decode_seconds_per_token")
             and not self.args.get("adapter_load_seconds")
+            and not self.args.get("hold_while")
             and not self._ranks
         )
 
@@ -188,9 +189,7 @@ class FakeEngine(Engine):
             await self._release_adapter(adapter)
 
     async def _generate(self, request: EngineRequest) -> EngineResult:
-        hold = self.args.get("hold_while")
-        while hold and os.path.exists(hold):
-            await asyncio.sleep(0.05)
+        await self._unless_held()
         result, cost = self._answer(request)
         if self._ranks:
             from pipeline.engines.fake_ranks import through_every_stage
@@ -201,10 +200,17 @@ class FakeEngine(Engine):
             self.peak_inside = max(self.peak_inside, self._inside)
             try:
                 async with self._slots:
+                    await self._unless_held()  # a request that waited for its slot starts no sooner
                     await asyncio.sleep(cost)
             finally:
                 self._inside -= 1
         return result
+
+    async def _unless_held(self) -> None:
+        """Waits while the `hold_while` file exists: no request starts meanwhile (see FakeEngineArgs)."""
+        hold = self.args.get("hold_while")
+        while hold and os.path.exists(hold):
+            await asyncio.sleep(0.05)
 
     def _answer(self, request: EngineRequest) -> tuple[EngineResult, float]:
         """The response and the seconds it costs under the time model."""

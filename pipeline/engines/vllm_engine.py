@@ -317,7 +317,8 @@ class VllmEngine(Engine):
             if serving is not None and endpoint.vllm.method:
                 serving = getattr(serving, endpoint.vllm.method)
             if serving is not None and endpoint.vllm.file_url:
-                serving = _with_fetched_file(serving, _import(endpoint.vllm.file_url))
+                domains = getattr(ns, "allowed_media_domains", None)
+                serving = _with_fetched_file(serving, _import(endpoint.vllm.file_url), domains)
             self._handlers[endpoint.name] = serving
             if serving is not None:
                 self._request_types[endpoint.name] = TypeAdapter(_import(endpoint.vllm.request))
@@ -526,7 +527,7 @@ def _engine_task(model_config: Any, tasks: tuple[str, ...]) -> str | None:
     return model_config.get_pooling_task(tasks)
 
 
-def _with_fetched_file(method: Any, request_model: Any) -> Any:
+def _with_fetched_file(method: Any, request_model: Any, allowed_domains: list[str] | None = None) -> Any:
     """A speech-to-text serving method, called as run-batch calls it for a line with `file_url`: the file fetched
     (here under the job's media policy: vllm_media.fetch_file), then the method given its bytes and the request
     without `file_url`."""
@@ -543,7 +544,7 @@ def _with_fetched_file(method: Any, request_model: Any) -> Any:
             raise ValueError(
                 "decoding audio needs the soundfile package: pip install 'nightshift-batch[audio]'"
             )
-        data = await fetch_file(batch_request.file_url)
+        data = await fetch_file(batch_request.file_url, allowed_domains)
         fields = batch_request.model_dump(exclude={"file_url"})
         fields["file"] = UploadFile(file=BytesIO(data), filename="audio.bin")
         return await method(data, request_model.model_validate(fields))

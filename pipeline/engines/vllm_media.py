@@ -72,12 +72,19 @@ class PolicyMediaConnector(MediaConnector):
         return fetch_media(url, _policy)
 
 
-async def fetch_file(url: str) -> bytes:
+async def fetch_file(url: str, allowed_domains: list[str] | None = None) -> bytes:
     """A file a line names by URL (run-batch's `file_url`: the audio of a transcription), fetched by the engine's
-    policy as the connector fetches media: a `data:` URL decoded (at most media.max_bytes), any other URL fetched."""
+    policy as the connector fetches media: a `data:` URL decoded (at most media.max_bytes), any other URL fetched;
+    vLLM's own `allowed_media_domains` (engine.vllm.extra) narrows http(s) URLs, as run-batch's downloader does."""
     if _policy is None:
         raise MediaRefused("this engine was started without a media policy; it fetches nothing")
     if _is_data_url(url):
         return read_data_url(url, _policy.max_bytes)
+    if url[:4].lower() == "http" and allowed_domains is not None:
+        host = parse_url(url).hostname
+        if host not in allowed_domains:
+            raise MediaRefused(
+                f"the URL must be from one of vLLM's allowed_media_domains {allowed_domains}; its host is {host!r}"
+            )
     media = await asyncio.get_running_loop().run_in_executor(_FETCHES, fetch_media, url, _policy)
     return media.data

@@ -98,6 +98,13 @@ def test_a_template_flag_reads_the_file_it_names(tmp_path: Path):
         ({"audio_column": "a", "route": "transcriptions", "image_column": "p"}, "takes no image"),
         ({"template": "{{ t }}", "media_root": "/data"}, "name the image or audio column too"),
         ({"media_root": "/data"}, "set dataset.template too"),
+        (
+            {"audio_column": "a", "route": "transcriptions", "max_tokens": 9},
+            "take no max_tokens.*max_completion",
+        ),
+        ({"template": "{{ t }}", "body": {"max_tokenz": 9}}, "take no max_tokenz"),
+        ({"template": "{{ t }}", "body_columns": {"max_tokenz": "b"}}, "take no max_tokenz"),
+        ({"template": "{{ t }}", "image_column": "p", "media_root": "s3://b/img"}, "a local directory"),
     ],
 )
 def test_settings_that_cannot_make_requests_are_refused_by_name(spec, says):
@@ -144,6 +151,16 @@ def test_an_image_column_puts_each_rows_images_after_its_prompt():
     urls = [part["image_url"]["url"] for part in listed["messages"][0]["content"][1:]]
     assert urls == ["file:///data/shop/shots/a%20b.png", "https://img.example/b.png"]
     assert chat.columns == {"name", "photo"}
+
+
+def test_media_cells_of_a_hugging_face_dataset_and_a_relative_media_root(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    chat = renderer(template="{{ name }}", image_column="photo", media_root="shop")
+    assert chat.spec.media_root == str(tmp_path / "shop")  # made absolute where the job starts
+    cells = [{"bytes": PNG_BYTES, "path": "ignored.png"}, {"bytes": None, "path": "a.png"}]
+    body = chat.request({"name": "x", "photo": cells}, 1, 0)["body"]
+    urls = [part["image_url"]["url"] for part in body["messages"][0]["content"][1:]]
+    assert urls == ["data:image/png;base64,iVBORw0KGgpyZXN0", f"file://{tmp_path}/shop/a.png"]
 
 
 @pytest.mark.parametrize(

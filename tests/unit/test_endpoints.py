@@ -280,3 +280,18 @@ def test_pooling_prompts_count_as_the_engine_counts(minilm_counter):
     }
     assert sum(count("/v1/score", score)) == 24  # each text its own sequence: query once, then each document
     assert sum(count("/v2/rerank", {"query": "capital", "documents": ["Paris", "yellow"]})) == 9
+
+
+def test_every_speech_to_text_answer_shape_is_recognised():
+    """json, verbose_json and diarized_json answers of vLLM's speech-to-text serving (their text in `content`)."""
+    transcriptions = endpoint_for(SPEECH[0])
+    usage = {"type": "duration", "seconds": 1}
+    shapes = [
+        {"text": "hi", "usage": usage},
+        {"duration": 1.0, "language": "en", "text": "hi", "segments": [], "words": None, "usage": usage},
+        {"task": "transcribe", "duration": 1.0, "text": "hi", "segments": [], "usage": usage},
+    ]
+    for body in shapes:
+        assert endpoint_answering(body) is transcriptions, body
+        assert transcriptions.flatten(body) == {"content": "hi"}
+    assert endpoint_answering({"text": "hi", "choices": []}) is None

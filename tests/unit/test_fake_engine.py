@@ -318,3 +318,9 @@ def test_no_request_starts_while_the_hold_file_exists(tmp_path):
 
     (result,) = asyncio.run(main())
     assert result.status_code == 200
+
+
+def test_the_hold_holds_an_engine_with_no_time_model_too(tmp_path):
+    hold = tmp_path / "hold"
+    engine = make_engine(hold_while=str(hold))
+    assert not engine.instant  # the instant path would answer without waiting

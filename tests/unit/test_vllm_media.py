@@ -114,3 +114,20 @@ def test_vllms_own_allowed_media_domains_narrows_the_policy(server, connector):
         built.load_from_url(server.url("/cat.png"), _image_io())
     assert error_code_for(400, str(refused.value)) == ErrorCode.MEDIA_REFUSED
     assert server.hits == []
+
+
+def test_an_audio_lines_file_is_fetched_by_the_policy_and_vllms_allowed_domains(server, connector, tmp_path):
+    """run-batch's `file_url` (the transcription routes): fetched as the connector fetches media."""
+    from pipeline.engines.vllm_media import fetch_file
+
+    connector(MediaPolicy(allow_private_networks=False, allowed_networks=["127.0.0.1/32"]))
+    assert asyncio.run(fetch_file(server.url("/cat.png"))) == png(12)
+    assert asyncio.run(fetch_file("data:audio/wav;base64,UklGRg==")) == b"RIFF"
+    with pytest.raises(MediaRefused, match="allowed_media_domains"):
+        asyncio.run(fetch_file(server.url("/cat.png"), ["audio.example.com"]))
+    with pytest.raises(MediaRefused, match="allowed_local_media_path"):
+        asyncio.run(fetch_file(f"file://{tmp_path}/a.wav"))
+    connector(MediaPolicy(allow_private_networks=False))
+    with pytest.raises(MediaRefused, match="private or loopback"):
+        asyncio.run(fetch_file(server.url("/cat.png")))
+    assert [path for path, _ in server.hits] == ["/cat.png"]  # the refused fetches reached nothing
