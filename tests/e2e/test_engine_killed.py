@@ -92,10 +92,10 @@ def test_engine_core_killed_under_a_live_actor(private_ray, tmp_path):
     """Row "an engine process dies (... `EngineDeadError`)": only vLLM's engine-core process is SIGKILLed; the actor
     lives on until vLLM tells it the engine is dead, then exits so that Ray restarts it with a fresh engine."""
 
-    # More rows than the engine holds at once (its chunks in flight are about 2 x max_num_seqs): when it is first
-    # seen with rows in flight, most of the job is still queued, so the job cannot end, its actor with it, before
+    # About twice the rows the engine holds at once (its chunks in flight are about 2 x max_num_seqs): when it is
+    # first seen with rows in flight, half the job is still queued, so the job cannot end, its actor with it, before
     # the actor is held (with 24 rows a loaded box once saw the actor gone, the job done, by then).
-    n = 64
+    n = 40
     thread, outcome = _start_job(tmp_path, "engine-core-kill", "c", n, max_tokens=16)
 
     # Once the engine has rows in flight, kill its engine core and nothing else. The actor is held (SIGSTOP) from the
