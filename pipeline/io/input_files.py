@@ -54,10 +54,12 @@ def iter_rows(
     row_groups: Sequence[int] | None = None,
     first_number: int = 1,
     table: TableRead | None = None,
+    rows: tuple[int, int | None] = (0, None),
 ) -> Iterator[Row]:
     """The rows of `file` in format `fmt`, from `handle`: for Parquet a path or a seekable file object (only
-    `row_groups`, the first numbered `first_number`, when given), for JSONL a stream (gunzipped here when the
-    file's name ends in `.gz`). `table`: read as a dataset job's table (io/rows.TableRead)."""
+    `row_groups`, of their rows `rows` = (skipped, taken or None), the first numbered `first_number`, when given),
+    for JSONL a stream (gunzipped here when the file's name ends in `.gz`). `table`: read as a dataset job's table
+    (io/rows.TableRead)."""
     if fmt == "parquet" and table is not None:
         return iter_table_parquet(
             handle,
@@ -66,6 +68,7 @@ def iter_rows(
             row_groups=row_groups,
             first_number=first_number,
             rendered=table.rendered,
+            rows=rows,
         )
     if fmt == "parquet":
         return iter_parquet(
@@ -75,6 +78,7 @@ def iter_rows(
             max_json_depth=limits.max_json_depth,
             row_groups=row_groups,
             first_number=first_number,
+            rows=rows,
         )
     return iter_jsonl(
         maybe_gunzip(handle, file.ref, limits.max_decompressed_bytes), file.name, limits.max_line_bytes

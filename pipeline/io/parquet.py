@@ -107,10 +107,12 @@ def iter_parquet(
     max_json_depth: int = json_codec.DEFAULT_MAX_DEPTH,
     row_groups: Sequence[int] | None = None,
     first_number: int = 1,
+    rows: tuple[int, int | None] = (0, None),
 ) -> Iterator[Row]:
     """Rows of a Parquet file (a path or a seekable file object), one row group batch at a time. A `body` string
     is held to the same limits as a JSONL line: `max_line_bytes`, and json_codec's nesting bound. `row_groups`:
-    only those (consecutive) groups, the first of them starting at row `first_number`."""
+    only those (consecutive) groups, of their rows `rows` = (skipped, taken or None for the rest), the first read
+    numbered `first_number`."""
     import pyarrow as pa
 
     pf = open_parquet(handle, source)
@@ -125,7 +127,7 @@ def iter_parquet(
     clean_body = None if (body_is_text or body_is_binary) else _cleaner(body_type)
     clean = {c: _cleaner(schema.field(c).type) for c in columns if c != "body"}
     number = first_number - 1
-    for batch in pf.iter_batches(batch_size=batch_rows, row_groups=row_groups, columns=columns):
+    for batch in _batches(pf, batch_rows, row_groups, columns, rows):
         data = {}
         for name in columns:
             values = batch.column(name).to_pylist()
@@ -164,6 +166,7 @@ def iter_table_parquet(
     row_groups: Sequence[int] | None = None,
     first_number: int = 1,
     rendered: Sequence[str] | None = None,
+    rows: tuple[int, int | None] = (0, None),
 ) -> Iterator[Row]:
     """Rows of a Parquet table (a dataset job's input), read as `columns` (all when None): each a TableRow of the
     `rendered` columns (all read, when None) as Arrow gives them to Python — a timestamp a datetime, binary bytes, a
@@ -173,10 +176,36 @@ def iter_table_parquet(
     wanted = [c for c in names if columns is None or c in columns]
     python = [c for c in wanted if rendered is None or c in rendered]
     number = first_number - 1
-    for batch in pf.iter_batches(batch_size=batch_rows, row_groups=row_groups, columns=wanted):
+    for batch in _batches(pf, batch_rows, row_groups, wanted, rows):
         values = [batch.column(name).to_pylist() for name in python]
         for index, row_values in enumerate(zip(*values, strict=True) if values else [()] * batch.num_rows):
             number += 1
             row = TableRow(zip(python, row_values, strict=True))
             row.batch, row.index = batch, index
             yield Row(source, number, row)
+
+
+def _batches(
+    pf: Any,
+    batch_rows: int,
+    row_groups: Sequence[int] | None,
+    columns: list[str],
+    rows: tuple[int, int | None],
+):
+    """The record batches of `row_groups`, of their rows only `rows` = (skipped, taken or None): skipped rows are
+    sliced off in Arrow, never made Python values."""
+    skip, take = rows
+    for batch in pf.iter_batches(batch_size=batch_rows, row_groups=row_groups, columns=columns):
+        if skip >= batch.num_rows:
+            skip -= batch.num_rows
+            continue
+        if skip:
+            batch, skip = batch.slice(skip), 0
+        if take is not None:
+            if take <= 0:
+                return
+            batch = batch.slice(0, take)
+            take -= batch.num_rows
+        yield batch
+        if take is not None and take <= 0:
+            return

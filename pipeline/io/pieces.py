@@ -38,7 +38,8 @@ class InputPiece:
 
     `index` orders the pieces as the input is ordered (it names what the piece stages). JSONL range: bytes
     [start, end), `before` the newlines ahead of `start` (-1 until counted). Parquet: row groups [start, end),
-    `before` the rows ahead of them. Whole file (`end` None): `before` 0."""
+    `before` the rows ahead of them, and of their rows `skip` skipped and `take` taken (None: to their end): a
+    streamed job's first pieces are slices of its first row groups. Whole file (`end` None): `before` 0."""
 
     index: int
     file: int  # index into InputSource.files
@@ -46,6 +47,8 @@ class InputPiece:
     start: int = 0
     end: int | None = None
     before: int = 0
+    skip: int = 0
+    take: int | None = None
 
 
 def with_line_counts(
@@ -79,6 +82,31 @@ def file_ranges(size: int, range_bytes: int = RANGE_BYTES, lead: Sequence[int] =
         ranges.append((start, min(start + length, size)))
         start = ranges[-1][1]
     return ranges
+
+
+def lead_rows(lead_bytes: Sequence[int], row_bytes: int = 512) -> list[int]:
+    """A streamed job's first Parquet slices, in rows, from its first JSONL ranges' sizes (`file_ranges`' `lead`): a
+    Batch line is a few hundred bytes, so a 1 MiB range is about 2,000 rows."""
+    return [max(1, size // row_bytes) for size in lead_bytes]
+
+
+def sliced_runs(
+    runs: list[tuple[int, int, int]], total_rows: int, lead: Sequence[int]
+) -> list[tuple[int, int, int, int, int | None]]:
+    """The row-group runs of a Parquet file (`row_group_runs`), the first ones cut into slices of the `lead` sizes
+    (rows): (first group, end group, rows before the run, rows of the run skipped, rows taken or None for the rest).
+    A run's rows are read in order, so its slices number their rows as the whole file does."""
+    sizes = list(lead)
+    out: list[tuple[int, int, int, int, int | None]] = []
+    for position, (first, end, before) in enumerate(runs):
+        rows = (runs[position + 1][2] if position + 1 < len(runs) else total_rows) - before
+        skip = 0
+        while sizes and rows - skip > sizes[0]:
+            take = sizes.pop(0)
+            out.append((first, end, before, skip, take))
+            skip += take
+        out.append((first, end, before, skip, None))
+    return out
 
 
 def row_group_runs(metadata, piece_rows: int) -> list[tuple[int, int, int]]:

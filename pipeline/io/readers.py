@@ -32,7 +32,16 @@ from pipeline.io.jsonl import align_to_line, is_gzip, iter_jsonl
 from pipeline.io.local_input import LocalInput
 from pipeline.io.locations import Location, RetryPolicy, parse_location
 from pipeline.io.parquet import check_parquet_schema, open_parquet
-from pipeline.io.pieces import PIECE_ROWS, RANGE_BYTES, ByteRange, InputPiece, file_ranges, row_group_runs
+from pipeline.io.pieces import (
+    PIECE_ROWS,
+    RANGE_BYTES,
+    ByteRange,
+    InputPiece,
+    file_ranges,
+    lead_rows,
+    row_group_runs,
+    sliced_runs,
+)
 from pipeline.io.rows import READ_CHUNK, ReadStats, Row, TableRead
 from pipeline.io.s3_input import S3Input
 
@@ -123,7 +132,8 @@ class InputSource:
         Parquet files are cut into runs of whole row groups of about `piece_rows` rows (their byte sizes say little
         about the work: a column of repeated bodies costs a few bytes a row).
         A range piece's `before` is filled in from the scans (`with_line_counts`); the others' is known. `lead`: the
-        sizes of the first JSONL file's first ranges (`file_ranges`)."""
+        sizes of the first file's first ranges (`file_ranges`), or for a Parquet file its first slices of rows
+        (`lead_rows`): a streamed job's first requests reach the engines within a second of reading."""
         pieces: list[InputPiece] = []
         scans: list[ByteRange] = []
         if self.store.downloaded:
@@ -135,8 +145,13 @@ class InputSource:
             split = fmt == "jsonl" and len(ranges) > 1 and not is_gzip(file.ref)
             scans += self.store.scans(index, size, ranges if split else [])
             if fmt == "parquet":
-                for first, last, rows_before in row_group_runs(self._parquet_file(file).metadata, piece_rows):
-                    pieces.append(InputPiece(len(pieces), index, "parquet", first, last, rows_before))
+                metadata = self._parquet_file(file).metadata
+                runs = row_group_runs(metadata, piece_rows)
+                slices = sliced_runs(runs, metadata.num_rows, lead_rows(lead) if index == 0 else ())
+                for first, last, rows_before, skip, take in slices:
+                    pieces.append(
+                        InputPiece(len(pieces), index, "parquet", first, last, rows_before, skip, take)
+                    )
             elif split:
                 pieces += [
                     InputPiece(len(pieces) + i, index, "jsonl", a, b, -1) for i, (a, b) in enumerate(ranges)
@@ -184,10 +199,10 @@ class InputSource:
             return
         if piece.kind == "parquet":
             groups = list(range(piece.start, piece.end or 0))
+            first = piece.before + piece.skip + 1
+            rows = (piece.skip, piece.take)
             with self.store.parquet_reading(file) as handle:
-                yield from iter_rows(
-                    handle, file, "parquet", self.limits, groups, piece.before + 1, self.table
-                )
+                yield from iter_rows(handle, file, "parquet", self.limits, groups, first, self.table, rows)
             return
         with self.store.open(file) as stream:
             if piece.end is None:  # the whole file: gzip, or small enough to be one piece

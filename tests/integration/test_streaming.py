@@ -193,3 +193,29 @@ def test_a_streamed_job_killed_half_way_resumes_exactly_once(tmp_path, fit):
     if fit:
         assert manifest["engine"]["fitted"]["early"]["rows_held"] == 1
     assert_same_shards(clean, output)
+
+
+def test_a_streamed_parquet_input_hands_over_slices_of_its_first_row_groups(tmp_path):
+    """A Parquet request file of large row groups, streamed: its first pieces are slices of the first row groups
+    (as a JSONL file's first pieces are small byte ranges), so work is handed over before the first group is read;
+    every line is answered or refused exactly as when the whole input is read first."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    rows = 3000
+    ids = [f"p-{i:05d}" if i % 211 != 9 else f"p-{i - 5:05d}" for i in range(rows)]  # some ids again
+    bodies = [json.dumps({"messages": [{"role": "user", "content": f"q {i}"}]}) for i in range(rows)]
+    bodies[17] = "{not json"
+    table = pa.table({"custom_id": ids, "url": ["/v1/chat/completions"] * rows, "body": bodies})
+    source = tmp_path / "in"
+    source.mkdir()
+    pq.write_table(table, source / "requests.parquet", row_group_size=1500)  # two groups, one 3,000-row piece
+    streamed = run_job(_job(source, tmp_path / "streamed", fit=False), show_progress=False)
+    whole = run_job(_job(source, tmp_path / "whole", fit=True), show_progress=False)
+    assert streamed.manifest["ingest"]["streamed"] is True and whole.manifest["ingest"]["streamed"] is False
+    pieces = [sum(run.manifest["ingest"]["tasks_by_node"]["read"].values()) for run in (streamed, whole)]
+    assert pieces[0] > pieces[1] == 1  # the one run of row groups, in slices when streamed
+    assert _answers(streamed.output) == _answers(whole.output)
+    assert _errors(streamed.output) == _errors(whole.output)
+    counts = streamed.manifest["counts"]
+    assert counts["total"] == rows and counts["failed"] == 1 + sum(i % 211 == 9 for i in range(rows))

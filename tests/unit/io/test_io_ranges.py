@@ -201,3 +201,48 @@ def test_iter_jsonl_stops_after_the_line_that_crosses_the_end():
 )
 def test_file_ranges(size, expected):
     assert file_ranges(size, 10) == expected
+
+
+@pytest.mark.parametrize("table_read", [False, True])
+def test_a_streamed_parquet_inputs_first_pieces_are_slices_of_its_row_groups(
+    tmp_path: Path, table_read: bool
+):
+    """A streamed job's first pieces are small (`lead`): a Parquet file's first row groups are cut into slices of
+    rows, so its first requests reach the engines without waiting for a whole run of row groups. Every slicing reads
+    exactly the rows, numbers and values of one pass, as a request file or as a dataset's table."""
+    from pipeline.io.pieces import sliced_runs
+    from pipeline.io.rows import TableRead
+
+    path = tmp_path / "in.parquet"
+    table = pa.table(
+        {
+            "custom_id": [f"r{i}" for i in range(100)],
+            "url": ["/v1/completions"] * 100,
+            "body": [f'{{"prompt": "p{i}"}}' for i in range(100)],
+        }
+    )
+    pq.write_table(table, path, row_group_size=30)  # groups of 30, 30, 30, 10
+    assert sliced_runs([(0, 2, 0), (2, 4, 60)], 100, [8, 8, 16, 32]) == [
+        (0, 2, 0, 0, 8),
+        (0, 2, 0, 8, 8),
+        (0, 2, 0, 16, 16),
+        (0, 2, 0, 32, None),  # 28 rows left: less than the next slice, the run's rest
+        (2, 4, 60, 0, 32),
+        (2, 4, 60, 32, None),
+    ]
+    source = input_source(str(path))
+    if table_read:
+        source.table = TableRead(None, ("custom_id", "body"))
+    reference = [(s, n, dict(r)) for s, n, r in source.rows()]
+    for lead in ((), (512 * 5,), (512 * 7,) * 3 + (512 * 50,), (512,) * 200):
+        pieces, _ = source.plan_reads(piece_rows=60, lead=lead)
+        rows = [(s, n, dict(r)) for p in pieces for s, n, r in source.piece_rows(p)]
+        assert rows == reference, lead
+        assert [n for _, n, _ in rows] == list(range(1, 101))
+    pieces, _ = source.plan_reads(piece_rows=60, lead=(512 * 5,) * 2)
+    assert [(p.start, p.end, p.before, p.skip, p.take) for p in pieces] == [
+        (0, 2, 0, 0, 5),
+        (0, 2, 0, 5, 5),
+        (0, 2, 0, 10, None),
+        (2, 4, 60, 0, None),
+    ]
