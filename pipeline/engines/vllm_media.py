@@ -61,30 +61,29 @@ class PolicyMediaConnector(MediaConnector):
         return await loop.run_in_executor(None, media_io.load_bytes, media.data)
 
     def _fetch(self, url: str) -> Media:
-        if _policy is None:
-            raise MediaRefused("this engine was started without a media policy; it fetches nothing")
-        if url[:4].lower() == "http" and self.allowed_media_domains:
-            # vLLM's own allowed_media_domains (engine.vllm.extra) narrows the job's policy further.
-            try:
-                self._assert_url_in_allowed_media_domains(parse_url(url))
-            except ValueError as exc:
-                raise MediaRefused(str(exc)) from None
-        return fetch_media(url, _policy)
+        return _fetch_by_policy(url, self.allowed_media_domains)
+
+
+def _fetch_by_policy(url: str, allowed_domains: list[str] | None) -> Media:
+    """An http(s):// or file:// URL fetched by this engine's policy, narrowed further by vLLM's own
+    `allowed_media_domains` (engine.vllm.extra) when set, as vLLM's connector and run-batch's downloader narrow it."""
+    if _policy is None:
+        raise MediaRefused("this engine was started without a media policy; it fetches nothing")
+    if url[:4].lower() == "http" and allowed_domains:
+        host = parse_url(url).hostname
+        if host not in allowed_domains:
+            raise MediaRefused(
+                f"the URL must be from one of the allowed domains (vLLM's allowed_media_domains: "
+                f"{allowed_domains}); its host is {host!r}"
+            )
+    return fetch_media(url, _policy)
 
 
 async def fetch_file(url: str, allowed_domains: list[str] | None = None) -> bytes:
     """A file a line names by URL (run-batch's `file_url`: the audio of a transcription), fetched by the engine's
     policy as the connector fetches media: a `data:` URL decoded (at most media.max_bytes), any other URL fetched;
     vLLM's own `allowed_media_domains` (engine.vllm.extra) narrows http(s) URLs, as run-batch's downloader does."""
-    if _policy is None:
-        raise MediaRefused("this engine was started without a media policy; it fetches nothing")
-    if _is_data_url(url):
+    if _policy is not None and _is_data_url(url):
         return read_data_url(url, _policy.max_bytes)
-    if url[:4].lower() == "http" and allowed_domains is not None:
-        host = parse_url(url).hostname
-        if host not in allowed_domains:
-            raise MediaRefused(
-                f"the URL must be from one of vLLM's allowed_media_domains {allowed_domains}; its host is {host!r}"
-            )
-    media = await asyncio.get_running_loop().run_in_executor(_FETCHES, fetch_media, url, _policy)
-    return media.data
+    loop = asyncio.get_running_loop()
+    return (await loop.run_in_executor(_FETCHES, _fetch_by_policy, url, allowed_domains)).data
